@@ -1,0 +1,194 @@
+"""Inspect checkpoints: ours, stock ComfyUI native quantized files, legacy scaled-fp8 files,
+files of the old comfy-modelopt node pack, and plain 16-bit models."""
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .families import detect_family, diffusion_prefix
+from .quantize import META_PREFIX
+from .report import QuantReport
+from .safetensors_io import FLOAT_DTYPES, SafetensorsFile
+
+QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale",
+                  "comfy_quant")
+OLD_PACK_SUFFIXES = ("weight_q", "block_scale", "tensor_scale", "svd_u", "svd_s", "svd_v", "use_svd")
+OLD_PACK_META = ("_model_config", "unet_config", "model_type", "latent_format_cls", "precision")
+
+KINDS = {
+    "comfy_modelopt": "comfy-modelopt checkpoint (ComfyUI-native quantized; loads with stock "
+                      "'Load Diffusion Model')",
+    "comfyui_native": "ComfyUI-native quantized checkpoint (.comfy_quant / _quantization_metadata; "
+                      "loads with stock 'Load Diffusion Model')",
+    "scaled_fp8": "legacy scaled-fp8 checkpoint (scaled_fp8 marker, .scale_weight); ComfyUI "
+                  "converts it to float8_e4m3fn at load",
+    "old_modelopt_pack": "file of the old comfy-modelopt node pack (private keys such as "
+                         ".weight_q/.block_scale/.svd_u): stock ComfyUI cannot load it; "
+                         "re-quantize the original model with comfy-modelopt",
+    "unquantized": "unquantized model (no quantized layers)",
+}
+
+
+@dataclass
+class InspectResult:
+    path: str
+    kind: str
+    family: str
+    prefix: str
+    file_bytes: int
+    layers_by_format: dict = field(default_factory=dict)   # format -> layer count
+    bytes_by_format: dict = field(default_factory=dict)    # format or dtype -> bytes
+    bytes_16bit: int = 0                                   # the same model at 2 bytes/value
+    ours: dict = field(default_factory=dict)               # our metadata, parsed
+    notes: list = field(default_factory=list)
+
+    @property
+    def description(self) -> str:
+        return KINDS[self.kind]
+
+    @property
+    def ratio(self) -> float:
+        return self.file_bytes / self.bytes_16bit if self.bytes_16bit else 0.0
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "kind": self.kind, "description": self.description,
+                "family": self.family, "prefix": self.prefix, "file_bytes": self.file_bytes,
+                "bytes_16bit": self.bytes_16bit, "ratio_vs_16bit": round(self.ratio, 4),
+                "layers_by_format": self.layers_by_format, "bytes_by_format": self.bytes_by_format,
+                "comfy_modelopt": self.ours, "notes": self.notes}
+
+    def text(self) -> str:
+        lines = [f"file:    {self.path}", f"kind:    {self.description}",
+                 f"family:  {self.family}" + (f"   (prefix {self.prefix!r})" if self.prefix else ""),
+                 f"size:    {self.file_bytes / 2**20:.1f} MiB; at 16-bit {self.bytes_16bit / 2**20:.1f} MiB "
+                 f"({self.ratio:.3f}x)", "layers by format:"]
+        for fmt, n in sorted(self.layers_by_format.items(), key=lambda x: -x[1]):
+            lines.append(f"  {fmt:22s} {n:6d} layers")
+        lines.append("bytes by format:")
+        for fmt, b in sorted(self.bytes_by_format.items(), key=lambda x: -x[1]):
+            lines.append(f"  {fmt:22s} {b / 2**20:10.1f} MiB")
+        if self.ours:
+            lines.append(f"comfy-modelopt {self.ours.get('version', '?')}: recipe {self.ours.get('recipe')}")
+            if "source" in self.ours:
+                lines.append(f"  source: {self.ours['source']}")
+            if "summary" in self.ours:
+                lines.append("  " + self.ours["summary"].replace("\n", "\n  "))
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def inspect_file(path: str) -> InspectResult:
+    with SafetensorsFile(path) as f:
+        return _inspect(f)
+
+
+def _inspect(f: SafetensorsFile) -> InspectResult:
+    keys = f.tensors
+    prefix = diffusion_prefix(keys)
+    rel = {k[len(prefix):]: t.shape for k, t in keys.items() if k.startswith(prefix)}
+    family = detect_family(rel).name
+    layer_formats = _native_layers(f)
+    old_pack = [k for k in keys if k.rsplit(".", 1)[-1] in OLD_PACK_SUFFIXES[:4]]
+    if META_PREFIX + "version" in f.metadata:
+        kind = "comfy_modelopt"
+    elif layer_formats:
+        kind = "comfyui_native"
+    elif "scaled_fp8" in keys or any(k.endswith(".scale_weight") for k in keys):
+        kind = "scaled_fp8"
+        layer_formats = {k[:-13]: "scaled_fp8" for k in keys if k.endswith(".scale_weight")}
+    elif old_pack or any(m in f.metadata for m in OLD_PACK_META):
+        kind = "old_modelopt_pack"
+        precision = _old_precision(f.metadata)
+        layer_formats = {k.rsplit(".", 1)[0]: f"old:{precision}" for k in keys if k.endswith(".weight_q")}
+    else:
+        kind = "unquantized"
+    res = InspectResult(f.path, kind, family, prefix, f.size)
+    _tally(f, layer_formats, res)
+    if kind == "comfy_modelopt":
+        res.ours = _our_metadata(f.metadata)
+    if kind == "old_modelopt_pack":
+        res.notes.append("its nvfp4/int4 payloads were stored unpacked or saturated by that pack; "
+                         "the weights cannot be trusted")
+    missing = sorted(set(layer_formats) - {k[:-7] for k in keys if k.endswith(".weight")})
+    if kind in ("comfy_modelopt", "comfyui_native") and missing:
+        res.notes.append(f"{len(missing)} layers declared quantized have no weight, e.g. {missing[0]}")
+    return res
+
+
+def _native_layers(f: SafetensorsFile) -> dict:
+    """layer -> format from .comfy_quant tensors, else from _quantization_metadata."""
+    layers = {}
+    for key in f.tensors:
+        if key.endswith(".comfy_quant"):
+            conf = json.loads(bytes(f.read(key).tolist()).decode("utf-8"))
+            layers[key[:-12]] = _label(conf)
+    meta = f.metadata.get("_quantization_metadata")
+    if meta:
+        try:
+            for name, conf in json.loads(meta).get("layers", {}).items():
+                layers.setdefault(name, _label(conf))
+        except (json.JSONDecodeError, AttributeError):
+            pass
+    return layers
+
+
+def _label(conf: dict) -> str:
+    label = conf.get("format", "?")
+    if conf.get("convrot"):
+        label += "+convrot"
+    if conf.get("full_precision_matrix_mult"):
+        label += " (weight-only)"
+    return label
+
+
+def _old_precision(meta: dict) -> str:
+    for key in ("precision", "quantization_format", "quant_format"):
+        if key in meta:
+            return meta[key].strip('"')
+    for key in ("_model_config", "quantization"):
+        if key in meta:
+            try:
+                return json.loads(meta[key]).get("precision", "?")
+            except (json.JSONDecodeError, AttributeError):
+                pass
+    return "?"
+
+
+def _tally(f: SafetensorsFile, layer_formats: dict, res: InspectResult) -> None:
+    counts, nbytes = defaultdict(int), defaultdict(int)
+    for name, fmt in layer_formats.items():
+        counts[fmt] += 1
+    for key, t in f.tensors.items():
+        layer, _, suffix = key.rpartition(".")
+        if layer in layer_formats and suffix in QUANT_SUFFIXES + OLD_PACK_SUFFIXES + ("scale_weight", "scale_input"):
+            fmt = layer_formats[layer]
+            nbytes[fmt] += t.nbytes
+            if suffix in ("weight", "weight_q"):
+                res.bytes_16bit += _logical_numel(fmt, t.shape) * 2
+            continue
+        label = t.dtype.lower()
+        if t.dtype in FLOAT_DTYPES and len(t.shape) == 2 and suffix == "weight":
+            counts[label] += 1
+        nbytes[label] += t.nbytes
+        res.bytes_16bit += math.prod(t.shape) * 2 if t.dtype in FLOAT_DTYPES else t.nbytes
+    res.layers_by_format = dict(counts)
+    res.bytes_by_format = dict(nbytes)
+
+
+def _logical_numel(fmt: str, shape: tuple) -> int:
+    n = math.prod(shape)
+    return n * 2 if fmt.startswith(("nvfp4", "convrot_w4a4")) else n
+
+
+def _our_metadata(meta: dict) -> dict:
+    out = {"version": meta.get(META_PREFIX + "version")}
+    for key in ("recipe", "source", "calibration"):
+        if META_PREFIX + key in meta:
+            out[key] = json.loads(meta[META_PREFIX + key])
+    if META_PREFIX + "report" in meta:
+        rep = QuantReport.from_header(meta[META_PREFIX + "report"], out.get("recipe", {}))
+        out["summary"] = rep.summary()
+        out["family"] = rep.family
+    return out

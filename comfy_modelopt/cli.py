@@ -1,0 +1,143 @@
+"""comfy-modelopt command line: quantize | inspect | demo."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from . import __version__
+from .formats import FORMATS
+
+
+class _Progress:
+    """A one-line progress bar on stderr (a line per 10% when not a terminal)."""
+
+    def __init__(self, label: str, quiet: bool = False):
+        self.label, self.quiet, self.t0, self.last = label, quiet, time.perf_counter(), -1
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        if self.quiet or total == 0:
+            return
+        frac = done / total
+        elapsed = time.perf_counter() - self.t0
+        if self.tty:
+            bar = "#" * int(30 * frac)
+            sys.stderr.write(f"\r{self.label} [{bar:30s}] {done}/{total} {elapsed:6.1f}s {name[:40]:40s}")
+            if done == total:
+                sys.stderr.write("\n")
+        elif int(frac * 10) != self.last:
+            self.last = int(frac * 10)
+            sys.stderr.write(f"{self.label}: {done}/{total} layers, {elapsed:.1f}s\n")
+        sys.stderr.flush()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="comfy-modelopt", description=__doc__)
+    p.add_argument("--version", action="version", version=f"comfy-modelopt {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    q = sub.add_parser("quantize", help="quantize a diffusion-model checkpoint into ComfyUI's native format")
+    q.add_argument("src", help="source .safetensors (diffusion model, or full checkpoint)")
+    q.add_argument("-o", "--output", required=True, help="output .safetensors (written atomically)")
+    q.add_argument("--format", default="float8_e4m3fn", choices=sorted(FORMATS))
+    q.add_argument("--weight-scale", default="mse", choices=["absmax", "mse"],
+                   help="weight scale: absmax, or MSE-optimal clipping search (default)")
+    q.add_argument("--stats", help="activation statistics (.safetensors from calibration): "
+                                   "static input scales (fp8 W8A8) and activation-aware searches")
+    q.add_argument("--input-scale", default="mse", choices=["max", "percentile", "mse"],
+                   help="with --stats: how activation scales are chosen (default mse)")
+    q.add_argument("--percentile", type=float, default=99.99)
+    q.add_argument("--smoothing", default="none", choices=["none", "smoothquant", "awq"])
+    q.add_argument("--smooth-alpha", type=float, default=0.5)
+    q.add_argument("--gptq", action="store_true", help="error-compensated rounding (needs --stats)")
+    q.add_argument("--static-nvfp4-input", action="store_true",
+                   help="nvfp4: store a calibrated input_scale instead of dynamic activation amax")
+    q.add_argument("--convrot", action="store_true", help="int8_tensorwise: Hadamard rotation (ConvRot)")
+    q.add_argument("--convrot-groupsize", type=int, default=256)
+    q.add_argument("--linear-dtype", default="int4", choices=["int4", "int8"],
+                   help="convrot_w4a4 activation dtype")
+    q.add_argument("--keep", action="append", default=[], metavar="PATTERN",
+                   help="glob of layer names to keep 16-bit (repeatable)")
+    q.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
+    q.add_argument("--hash", action="store_true", help="record the source file's sha256 (reads it once more)")
+    q.add_argument("--report", help="also write the per-layer report as JSON here")
+    q.add_argument("--table", action="store_true", help="print the per-layer table")
+    q.add_argument("-q", "--quiet", action="store_true")
+
+    i = sub.add_parser("inspect", help="describe a checkpoint: kind, family, formats, sizes")
+    i.add_argument("file")
+    i.add_argument("--json", action="store_true")
+
+    d = sub.add_parser("demo", help="build a small Flux-layout model, quantize it to every format, verify")
+    d.add_argument("--out", help="folder for the files (default: a temporary folder, removed after)")
+    d.add_argument("--json", help="write the result table as JSON here")
+    return p
+
+
+def _recipe(a):
+    from .recipe import Recipe
+    return Recipe(format=a.format, weight_scale=a.weight_scale, input_scale=a.input_scale,
+                  percentile=a.percentile, smoothing=a.smoothing, smooth_alpha=a.smooth_alpha,
+                  gptq=a.gptq, static_nvfp4_input=a.static_nvfp4_input, convrot=a.convrot,
+                  convrot_groupsize=a.convrot_groupsize, linear_dtype=a.linear_dtype,
+                  keep=tuple(a.keep))
+
+
+def cmd_quantize(a) -> int:
+    from .quantize import quantize_file
+    recipe = _recipe(a)
+    stats = None
+    if a.stats:
+        from .stats import ActivationStats
+        stats = ActivationStats.load(a.stats)
+    report = quantize_file(a.src, a.output, recipe, stats=stats, overwrite=a.overwrite,
+                           hash_source=a.hash, progress=_Progress("quantizing", a.quiet))
+    if a.table:
+        print(report.table())
+    print(report.summary())
+    print(f"wrote {a.output} in {report.seconds:.1f}s")
+    if a.report:
+        with open(a.report, "w") as f:
+            json.dump(report.to_dict(), f, indent=1)
+    return 0
+
+
+def cmd_inspect(a) -> int:
+    from .checkpoint import inspect_file
+    res = inspect_file(a.file)
+    print(json.dumps(res.to_dict(), indent=1) if a.json else res.text())
+    return 0
+
+
+def cmd_demo(a) -> int:
+    from .demo import run_demo
+    rows = run_demo(a.out, keep_files=a.out is not None)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    import torch
+
+    from .plan import PlanError
+    from .quantize import QuantizeError
+    from .safetensors_io import CheckpointError
+    command = {"quantize": cmd_quantize, "inspect": cmd_inspect, "demo": cmd_demo}[args.command]
+    try:
+        with torch.inference_mode():
+            return command(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted: nothing was written", file=sys.stderr)
+        return 130
+    except (CheckpointError, PlanError, QuantizeError, FileExistsError, FileNotFoundError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Model families: how to recognise them from state-dict keys, and which layers stay 16-bit.
+
+Keys here are relative to the diffusion model (no ``model.diffusion_model.`` prefix).  Patterns
+are shell-style globs matched against layer names (the weight key without ``.weight``).
+
+What stays 16-bit, and why:
+- layers whose weight shape ComfyUI's model detection reads (``detect_unet_config``): packed or
+  padded storage would change the detected architecture, so they are never quantized;
+- the first and last layers of the network (input/output projections, timestep, text and
+  pooled-vector embedders, final layers): few parameters, large quality effect.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+Shapes = Mapping[str, tuple]
+
+# Prefixes under which a full checkpoint stores its diffusion model (ComfyUI's
+# model_detection.unet_prefix_from_state_dict candidates).
+DIFFUSION_PREFIXES = ("model.diffusion_model.", "model.model.", "net.")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    comfy_model: str                     # what ComfyUI calls it (image_model / class)
+    detect: Callable[[Shapes], bool]
+    keep: tuple[str, ...]                # layers kept 16-bit (globs)
+    not_linear: tuple[str, ...] = ()     # 2-D weights that are not Linear (embeddings)
+    notes: str = ""
+
+    def keep_reason(self, layer: str) -> str | None:
+        for pat in self.keep:
+            if fnmatch.fnmatchcase(layer, pat):
+                return f"{self.name} rule {pat}"
+        return None
+
+    def is_linear(self, layer: str) -> bool:
+        return not any(fnmatch.fnmatchcase(layer, p) for p in self.not_linear)
+
+
+def _has(*keys):
+    return lambda s: all(k in s for k in keys)
+
+
+def _unet(adm: bool):
+    def detect(s):
+        if "input_blocks.0.0.weight" not in s:
+            return False
+        return ("label_emb.0.0.weight" in s) == adm
+    return detect
+
+
+def _flux(variant: str):
+    def detect(s):
+        is_flux = ("double_blocks.0.img_attn.norm.key_norm.scale" in s
+                   or "double_blocks.0.img_attn.norm.key_norm.weight" in s)
+        if not is_flux:
+            return False
+        chroma = any(k.startswith("distilled_guidance_layer.") for k in s)
+        flux2 = "double_stream_modulation_img.lin.weight" in s
+        return {"flux": not chroma and not flux2, "flux2": flux2, "chroma": chroma}[variant]
+    return detect
+
+
+_UNET_KEEP = ("time_embed.*", "label_emb.*", "*.attn2.to_k")
+_FLUX_KEEP = ("img_in", "txt_in", "vector_in.*", "time_in.*", "guidance_in.*", "final_layer.*")
+
+FAMILIES: tuple[Family, ...] = (
+    Family("sd3", "SD3 / SD3.5 (MMDiT)", _has("joint_blocks.0.context_block.attn.qkv.weight"),
+           ("x_embedder.*", "context_embedder", "y_embedder.*", "t_embedder.*", "final_layer.*")),
+    Family("hunyuan_video", "HunyuanVideo",
+           _has("txt_in.individual_token_refiner.blocks.0.norm1.weight"),
+           ("img_in.*", "txt_in.input_embedder", "txt_in.t_embedder.*", "txt_in.c_embedder.*",
+            "time_in.*", "time_r_in.*", "vector_in.*", "guidance_in.*", "byt5_in.*",
+            "vision_in.*", "final_layer.*"),
+           not_linear=("cond_type_embedding",)),
+    Family("flux2", "Flux.2", _flux("flux2"), _FLUX_KEEP),
+    Family("chroma", "Chroma", _flux("chroma"), _FLUX_KEEP + ("distilled_guidance_layer.*",)),
+    Family("flux", "Flux.1", _flux("flux"), _FLUX_KEEP),
+    Family("ltxv", "LTX-Video", _has("adaln_single.emb.timestep_embedder.linear_1.bias"),
+           ("patchify_proj", "adaln_single.*", "caption_projection.*", "proj_out",
+            "*.attn2.to_k", "audio_*")),
+    Family("lumina2", "Lumina 2 / Z-Image",
+           _has("cap_embedder.1.weight", "noise_refiner.0.attention.k_norm.weight"),
+           ("x_embedder", "t_embedder.*", "cap_embedder.*", "final_layer.*")),
+    Family("wan", "Wan 2.x", _has("head.modulation", "patch_embedding.weight"),
+           ("patch_embedding", "text_embedding.*", "time_embedding.*", "time_projection.*",
+            "img_emb.*", "head.*")),
+    Family("qwen_image", "Qwen-Image", _has("txt_norm.weight", "img_in.weight"),
+           ("img_in", "txt_in", "time_text_embed.*", "norm_out.*", "proj_out")),
+    Family("sdxl", "SDXL (UNet)", _unet(adm=True), _UNET_KEEP),
+    Family("sd15", "SD1.x / SD2.x (UNet)", _unet(adm=False), _UNET_KEEP),
+)
+
+GENERIC = Family(
+    "unknown", "unknown", lambda s: True,
+    ("*embed*", "*_in", "*_in.*", "*time*", "*final*", "*head*", "*proj_out", "*norm_out*",
+     "*adaln_single*", "*patchify*"),
+    notes="generic rules: embedders, input/output projections and final layers stay 16-bit")
+
+
+def detect_family(shapes: Shapes) -> Family:
+    """The first family (most specific first) whose signature matches, else GENERIC."""
+    for fam in FAMILIES:
+        if fam.detect(shapes):
+            return fam
+    return GENERIC
+
+
+def family_by_name(name: str) -> Family:
+    for fam in FAMILIES + (GENERIC,):
+        if fam.name == name:
+            return fam
+    raise ValueError(f"unknown family {name!r}; known: {', '.join(f.name for f in FAMILIES)}")
+
+
+def diffusion_prefix(keys) -> str:
+    """The diffusion-model prefix of a full checkpoint, or '' for a bare diffusion model."""
+    counts = {p: 0 for p in DIFFUSION_PREFIXES}
+    for k in keys:
+        for p in DIFFUSION_PREFIXES:
+            if k.startswith(p):
+                counts[p] += 1
+                break
+    best = max(counts, key=counts.get)
+    return best if counts[best] > 5 else ""
+

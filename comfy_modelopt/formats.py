@@ -1,0 +1,381 @@
+"""Quantization formats, one per ComfyUI ``QUANT_ALGOS`` key.
+
+Each Format knows three things:
+- ``shape_problem``: whether a ``[N, K]`` Linear weight can use it (kernel and layout rules);
+- ``encode``: the on-disk tensors, produced by comfy-kitchen (never re-implemented here);
+- ``fake_quant``: a fast torch re-statement of the same rounding, used only to *search* scales.
+  The tests hold it equal to kitchen's quantize -> dequantize round trip.
+
+A scale choice is a clip factor ``alpha`` (a 0-d tensor, or one value per output row) relative
+to the absmax scale: ``alpha == 1`` is the naive absmax encoding.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from comfy_kitchen.tensor import QuantizedTensor
+from comfy_kitchen.tensor.int8_utils import _build_hadamard, _rotate_weight
+
+F8_E4M3_MAX = 448.0
+F4_E2M1_MAX = 6.0
+_FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+# E2M1 magnitudes and the decision thresholds between them (round to nearest, ties to even
+# mantissa: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4).
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_UPPER = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_TIE_UP = (False, True, False, True, False, True, False)
+
+
+@dataclass(frozen=True)
+class Format:
+    """A ComfyUI-native quantized Linear format."""
+
+    name: str                 # ComfyUI QUANT_ALGOS key, written into .comfy_quant
+    layout: str               # comfy-kitchen layout class name
+    bits: float               # nominal bits per weight (scales excluded)
+    packed: bool              # 4-bit packing halves shape[1]: detection keys must stay 16-bit
+    native_sm: tuple          # NVIDIA compute capability from which ComfyUI computes it natively
+    static_input_scale: bool  # ComfyUI honours a stored input_scale (fp8, nvfp4)
+    needs_input_scale: bool   # without one ComfyUI would clip activations (fp8): store weight-only
+    free_scale: str           # "tensor", "row" or "" : what a clip factor applies to
+    k_multiple: int           # in_features must be a multiple of this (kernel rule)
+    n_multiple: int = 1       # out_features rule
+    description: str = ""
+
+    # ---------------------------------------------------------------- rules
+    def shape_problem(self, n: int, k: int, convrot_groupsize: int = 256) -> str | None:
+        """Why a [n, k] weight cannot use this format, or None."""
+        if k % self.k_multiple:
+            return f"{self.name} needs in_features % {self.k_multiple} == 0, got {k}"
+        if n % self.n_multiple:
+            return f"{self.name} needs out_features % {self.n_multiple} == 0, got {n}"
+        return None
+
+    def conf(self, weight_only: bool = False, convrot: bool = False, convrot_groupsize: int = 256,
+             linear_dtype: str = "int4") -> dict:
+        """The ``.comfy_quant`` JSON object for one layer."""
+        conf = {"format": self.name}
+        if weight_only:
+            conf["full_precision_matrix_mult"] = True
+        return conf
+
+    def layout_kwargs(self, convrot: bool = False, convrot_groupsize: int = 256,
+                      linear_dtype: str = "int4") -> dict:
+        return {}
+
+    # ---------------------------------------------------------------- encode
+    def _prepare(self, w: torch.Tensor, alpha: torch.Tensor | None, opts: dict) -> tuple[torch.Tensor, dict]:
+        """Return (tensor handed to kitchen, extra from_float kwargs) for clip factor alpha."""
+        return w, {}
+
+    def quantize(self, w: torch.Tensor, alpha: torch.Tensor | None = None, **opts) -> QuantizedTensor:
+        """kitchen QuantizedTensor of a float32 [N, K] weight with clip factor alpha."""
+        prepared, extra = self._prepare(w, alpha, opts)
+        return QuantizedTensor.from_float(prepared, self.layout, **self.layout_kwargs(**opts), **extra)
+
+    def encode(self, w: torch.Tensor, alpha: torch.Tensor | None = None, **opts
+               ) -> tuple[dict[str, torch.Tensor], QuantizedTensor]:
+        """On-disk tensors by key suffix ('' is the weight itself) and the QuantizedTensor."""
+        qt = self.quantize(w, alpha, **opts)
+        tensors = qt.state_dict("")
+        return {k: _storage(v) for k, v in tensors.items()}, qt
+
+    def planned(self, n: int, k: int, **opts) -> dict[str, tuple[torch.dtype, tuple]]:
+        """Dtype and shape of every encoded tensor, from kitchen run on a meta tensor."""
+        meta = torch.empty(n, k, dtype=torch.float32, device="meta")
+        qt = QuantizedTensor.from_float(meta, self.layout, **self.layout_kwargs(**opts),
+                                        **self._meta_extra(meta))
+        return {s: (_storage_dtype(t.dtype), tuple(t.shape)) for s, t in qt.state_dict("").items()}
+
+    def _meta_extra(self, meta: torch.Tensor) -> dict:
+        return {}
+
+    # ---------------------------------------------------------------- search
+    def search_space(self, w: torch.Tensor, **opts) -> torch.Tensor:
+        """The basis in which the format rounds (rotated for ConvRot); norms are preserved."""
+        return w
+
+    def fake_rows(self, x: torch.Tensor, alpha: torch.Tensor | None = None,
+                  amax: torch.Tensor | None = None) -> torch.Tensor:
+        """Quantize -> dequantize in the search space, float32, for clip factor alpha.
+
+        ``amax`` overrides the tensor absmax of per-tensor formats, so a subset of rows can be
+        searched with the whole tensor's scale."""
+        raise NotImplementedError(self.name)
+
+    def fake_quant(self, w: torch.Tensor, alpha: torch.Tensor | None = None, **opts) -> torch.Tensor:
+        """kitchen's quantize -> dequantize round trip, restated in torch for fast scale search."""
+        return self.fake_rows(w, alpha)
+
+    def clip_candidates(self) -> torch.Tensor:
+        """Clip factors tried by the MSE search (always includes 1.0 = absmax)."""
+        if not self.free_scale:
+            return torch.ones(1)
+        return torch.linspace(0.5, 1.0, 26)
+
+    def from_stored(self, tensors: dict[str, torch.Tensor], conf: dict, orig_shape: tuple,
+                    dtype: torch.dtype = torch.float32) -> QuantizedTensor:
+        """Rebuild kitchen's QuantizedTensor from stored tensors (suffix -> tensor) and the
+        .comfy_quant JSON, the way ComfyUI's loader does (ops._load_quantized_module)."""
+        from comfy_kitchen.tensor import get_layout_class
+        params = get_layout_class(self.layout).Params(
+            **self._stored_params(tensors, conf), orig_dtype=dtype, orig_shape=tuple(orig_shape))
+        return QuantizedTensor(tensors[""], self.layout, params)
+
+    def _stored_params(self, tensors: dict, conf: dict) -> dict:
+        return {"scale": tensors["_scale"]}
+
+    def bytes_for(self, n: int, k: int, **opts) -> int:
+        total = 0
+        for dtype, shape in self.planned(n, k, **opts).values():
+            total += math.prod(shape) * _itemsize(dtype)
+        return total
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    # ComfyUI's DynamicVRAM loader has no F8_E8M0 entry: E8M0 block scales are stored as U8.
+    return torch.uint8 if dtype == torch.float8_e8m0fnu else dtype
+
+
+def _storage(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e8m0fnu else t
+
+
+def _row_alpha(alpha: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor | None:
+    if alpha is None:
+        return None
+    return alpha.reshape(-1, 1).to(w.dtype) if alpha.dim() else alpha.to(w.dtype)
+
+
+def _clip_rows(w: torch.Tensor, alpha: torch.Tensor | None) -> torch.Tensor:
+    """Clamp each row to alpha * its absmax, so kitchen's absmax scale becomes the clipped one."""
+    if alpha is None:
+        return w
+    bound = w.abs().amax(dim=-1, keepdim=True) * _row_alpha(alpha, w)
+    return torch.minimum(torch.maximum(w, -bound), bound)
+
+
+# ==================================================================== fp8 per-tensor
+@dataclass(frozen=True)
+class Fp8Format(Format):
+    def fmax(self) -> float:
+        return torch.finfo(_FP8_DTYPES[self.name]).max
+
+    def layout_kwargs(self, **opts) -> dict:
+        return {"dtype": _FP8_DTYPES[self.name]}
+
+    def weight_scale(self, w: torch.Tensor, alpha: torch.Tensor | None,
+                     amax: torch.Tensor | None = None) -> torch.Tensor:
+        scale = (w.abs().amax() if amax is None else amax).float() / self.fmax()
+        if alpha is not None:
+            scale = scale * alpha.float()
+        # an all-zero weight would give scale 0 and 0/0 in the encoder
+        return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+    def _prepare(self, w, alpha, opts):
+        return w, {"scale": self.weight_scale(w, alpha)}
+
+    def _meta_extra(self, meta):
+        return {"scale": torch.ones((), device="meta")}
+
+    def fake_rows(self, w, alpha=None, amax=None):
+        scale = self.weight_scale(w, alpha, amax)
+        fmax = self.fmax()
+        q = (w * (1.0 / scale)).clamp(-fmax, fmax).to(_FP8_DTYPES[self.name])
+        return q.to(torch.float32) * scale
+
+
+# ==================================================================== int8 per-row (+ConvRot)
+def _hadamard_rotate(w: torch.Tensor, group: int) -> torch.Tensor:
+    """W·Hᵀ per group of K with kitchen's normalized regular Hadamard (H = Hᵀ, H·H = I)."""
+    return _rotate_weight(w, _build_hadamard(group, device=w.device, dtype=w.dtype), group)
+
+
+@dataclass(frozen=True)
+class RowwiseIntFormat(Format):
+    qmax: int = 127
+    rotated: bool = False  # convrot_w4a4 always rotates; int8 only with convrot=True
+
+    def _rotates(self, opts) -> bool:
+        return self.rotated or bool(opts.get("convrot"))
+
+    def shape_problem(self, n, k, convrot_groupsize=256, convrot=False):
+        problem = super().shape_problem(n, k)
+        if problem is None and (self.rotated or convrot) and k % convrot_groupsize:
+            problem = f"{self.name} with ConvRot needs in_features % {convrot_groupsize} == 0, got {k}"
+        return problem
+
+    def _prepare(self, w, alpha, opts):
+        if alpha is None:
+            return w, {}
+        if not self._rotates(opts):
+            return _clip_rows(w, alpha), {}
+        # Clip in the rotated basis (where kitchen takes its row absmax), then rotate back so
+        # kitchen's own rotation lands on the clipped rows.
+        group = opts.get("convrot_groupsize", 256)
+        return _hadamard_rotate(_clip_rows(_hadamard_rotate(w, group), alpha), group), {}
+
+    def search_space(self, w, **opts):
+        return _hadamard_rotate(w, opts.get("convrot_groupsize", 256)) if self._rotates(opts) else w
+
+    def fake_quant(self, w, alpha=None, **opts):
+        out = self.fake_rows(self.search_space(w, **opts), alpha)
+        return self.search_space(out, **opts)  # the rotation is its own inverse
+
+    def fake_rows(self, x, alpha=None, amax=None):
+        x = _clip_rows(x, alpha)
+        absmax = x.abs().amax(dim=-1, keepdim=True)
+        if self.qmax == 127:  # kitchen quantize_int8_rowwise
+            scale = (absmax / 127.0).clamp(min=1e-30)
+            q = (x / scale).round().clamp(-128.0, 127.0)
+        else:                 # kitchen quantize_signed_int4_rowwise
+            scale = absmax.clamp(min=1e-10) / self.qmax
+            q = (x / scale).round().clamp(-self.qmax, self.qmax)
+        return q * scale
+
+
+@dataclass(frozen=True)
+class Int8Format(RowwiseIntFormat):
+    def _stored_params(self, tensors, conf):
+        params = {"scale": tensors["_scale"]}
+        if conf.get("convrot"):
+            params.update(convrot=True, convrot_groupsize=int(conf.get("convrot_groupsize", 256)))
+        return params
+
+    def layout_kwargs(self, convrot=False, convrot_groupsize=256, **opts):
+        kw = {"per_channel": True}
+        if convrot:
+            kw.update(convrot=True, convrot_groupsize=convrot_groupsize)
+        return kw
+
+    def conf(self, weight_only=False, convrot=False, convrot_groupsize=256, **opts):
+        conf = super().conf(weight_only)
+        if convrot:
+            conf.update(convrot=True, convrot_groupsize=convrot_groupsize)
+        return conf
+
+
+@dataclass(frozen=True)
+class ConvRotW4A4Format(RowwiseIntFormat):
+    def _stored_params(self, tensors, conf):
+        return {"scale": tensors["_scale"], "convrot_groupsize": int(conf.get("convrot_groupsize", 256)),
+                "quant_group_size": 64, "linear_dtype": conf.get("linear_dtype", "int4")}
+
+    def layout_kwargs(self, convrot_groupsize=256, linear_dtype="int4", **opts):
+        return {"convrot_groupsize": convrot_groupsize, "linear_dtype": linear_dtype}
+
+    def conf(self, weight_only=False, convrot_groupsize=256, linear_dtype="int4", **opts):
+        conf = super().conf(weight_only)
+        conf["convrot_groupsize"] = convrot_groupsize
+        if linear_dtype != "int4":
+            conf["linear_dtype"] = linear_dtype
+        return conf
+
+    def clip_candidates(self):
+        return torch.linspace(0.4, 1.0, 31)
+
+
+# ==================================================================== nvfp4
+def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round |x| <= 6 to the E2M1 grid exactly like kitchen's _f32_to_floatx_unpacked."""
+    mag = x.abs()
+    out = torch.zeros_like(mag)
+    for lower, upper, tie_up, value in zip((0.0,) + _E2M1_UPPER, _E2M1_UPPER + (math.inf,),
+                                           (True,) + _E2M1_TIE_UP, _E2M1_VALUES):
+        above = mag > lower if not tie_up else mag >= lower
+        out = torch.where(above, torch.full_like(mag, value), out)
+    return torch.copysign(out, x)
+
+
+@dataclass(frozen=True)
+class NvFp4Format(Format):
+    def _stored_params(self, tensors, conf):
+        return {"scale": tensors["_scale_2"], "block_scale": tensors["_scale"].view(torch.float8_e4m3fn)}
+
+    def global_scale(self, w: torch.Tensor, alpha: torch.Tensor | None,
+                     amax: torch.Tensor | None = None) -> torch.Tensor:
+        scale = (w.abs().amax() if amax is None else amax).float() / (F8_E4M3_MAX * F4_E2M1_MAX)
+        if alpha is not None:
+            scale = scale * alpha.float()
+        return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+    def _prepare(self, w, alpha, opts):
+        return w, {"scale": self.global_scale(w, alpha)}
+
+    def _meta_extra(self, meta):
+        return {"scale": torch.ones((), device="meta")}
+
+    def clip_candidates(self):
+        # below 1 clips the largest blocks; above 1 moves every block scale on the E4M3 grid
+        return torch.cat([torch.linspace(0.5, 1.0, 11), torch.linspace(1.05, 1.6, 12)])
+
+    def fake_rows(self, w, alpha=None, amax=None):
+        n, k = w.shape
+        pad_n, pad_k = -n % 16, -k % 16
+        x = torch.nn.functional.pad(w, (0, pad_k, 0, pad_n)) if pad_n or pad_k else w
+        s = self.global_scale(w, alpha, amax)
+        blocks = x.reshape(x.shape[0], -1, 16)
+        bscale = (blocks.abs().amax(dim=-1).float() / F4_E2M1_MAX / s).clamp(max=F8_E4M3_MAX)
+        bscale = bscale.to(torch.float8_e4m3fn).float()
+        total = s * bscale
+        safe = torch.where(total == 0, torch.ones_like(total), total).unsqueeze(-1)
+        scaled = torch.where(total.unsqueeze(-1) == 0, torch.zeros_like(blocks), blocks / safe)
+        q = _round_e2m1(scaled.clamp(-F4_E2M1_MAX, F4_E2M1_MAX))
+        deq = (q * total.unsqueeze(-1)).reshape(x.shape)
+        return deq[:n, :k]
+
+
+# ==================================================================== mxfp8
+@dataclass(frozen=True)
+class MxFp8Format(Format):
+    def _stored_params(self, tensors, conf):
+        return {"scale": tensors["_scale"].view(torch.float8_e8m0fnu)}
+
+    def fake_rows(self, w, alpha=None, amax=None):
+        n, k = w.shape
+        pad_n, pad_k = -n % 32, -k % 32
+        x = torch.nn.functional.pad(w, (0, pad_k, 0, pad_n)) if pad_n or pad_k else w
+        blocks = x.reshape(x.shape[0], -1, 32)
+        amax = blocks.abs().amax(dim=-1).float()
+        exp = torch.ceil(torch.log2((amax / F8_E4M3_MAX).clamp(min=2.0 ** -127))).clamp(-127, 127)
+        scale = torch.where(amax == 0, torch.ones_like(amax), torch.exp2(exp)).unsqueeze(-1)
+        q = (blocks / scale).clamp(-F8_E4M3_MAX, F8_E4M3_MAX).to(torch.float8_e4m3fn).float()
+        deq = torch.where(amax.unsqueeze(-1) == 0, torch.zeros_like(q), q * scale)
+        return deq.reshape(x.shape)[:n, :k]
+
+
+FLOAT8_E4M3FN = Fp8Format(
+    "float8_e4m3fn", "TensorCoreFP8Layout", 8, False, (8, 9), True, True, "tensor", 16, 16,
+    "FP8 E4M3, per-tensor scale; W8A8 with a calibrated input_scale, else weight-only")
+FLOAT8_E5M2 = Fp8Format(
+    "float8_e5m2", "TensorCoreFP8Layout", 8, False, (8, 9), True, True, "tensor", 16, 16,
+    "FP8 E5M2 (wider range, 2 mantissa bits), per-tensor scale")
+INT8_TENSORWISE = Int8Format(
+    "int8_tensorwise", "TensorWiseINT8Layout", 8, False, (7, 5), False, False, "row", 16, 1,
+    "INT8 per-row weight scale, dynamic per-row int8 activations; optional ConvRot rotation")
+MXFP8 = MxFp8Format(
+    "mxfp8", "TensorCoreMXFP8Layout", 8.25, False, (10, 0), False, False, "", 32, 1,
+    "MXFP8: E4M3 values with one E8M0 scale per 32; dynamic activations")
+NVFP4 = NvFp4Format(
+    "nvfp4", "TensorCoreNVFP4Layout", 4.5, True, (10, 0), True, False, "tensor", 32, 1,
+    "NVFP4: E2M1 values, E4M3 scale per 16, fp32 global scale; dynamic or static activations")
+CONVROT_W4A4 = ConvRotW4A4Format(
+    "convrot_w4a4", "TensorCoreConvRotW4A4Layout", 4, True, (7, 5), False, False, "row", 64, 1,
+    "Hadamard-rotated signed int4 weights and activations (int4 MMA)", qmax=7, rotated=True)
+
+FORMATS: dict[str, Format] = {f.name: f for f in (
+    FLOAT8_E4M3FN, FLOAT8_E5M2, INT8_TENSORWISE, MXFP8, NVFP4, CONVROT_W4A4)}
+
+
+def get_format(name: str) -> Format:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown format {name!r}; choose one of: {', '.join(FORMATS)}") from None

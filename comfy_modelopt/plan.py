@@ -1,0 +1,159 @@
+"""Which layer gets which format, and why the others stay 16-bit.
+
+Planning needs only names, dtypes and shapes (a safetensors header or a module's state dict),
+so the whole output file can be laid out before any weight is read.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .families import Family, detect_family, diffusion_prefix
+from .formats import Format, get_format
+from .recipe import Recipe
+from .safetensors_io import FLOAT_DTYPES, ST_DTYPES
+
+SUFFIX_KEYS = {"": ".weight", "_scale": ".weight_scale", "_scale_2": ".weight_scale_2"}
+QUANT_MARKERS = (".comfy_quant", ".scale_weight", ".weight_q")
+
+
+class PlanError(ValueError):
+    pass
+
+
+@dataclass
+class LayerPlan:
+    name: str                    # layer name as in the file (weight key minus ".weight")
+    rel: str                     # name relative to the diffusion model
+    n: int                       # out_features
+    k: int                       # in_features
+    src_dtype: str
+    format: str | None = None    # None: kept 16-bit
+    reason: str = ""             # why kept, or why weight-only
+    weight_only: bool = False    # stored quantized, computed dequantized (no input_scale)
+    static_input: bool = False   # writes input_scale
+    conf: dict | None = None     # .comfy_quant JSON
+    tensors: dict = field(default_factory=dict)  # output key -> (safetensors dtype, shape)
+
+    @property
+    def quantized(self) -> bool:
+        return self.format is not None
+
+
+@dataclass
+class Plan:
+    recipe: Recipe
+    family: Family
+    prefix: str
+    layers: list[LayerPlan]
+    passthrough: dict            # key -> (dtype, shape) copied unchanged
+
+    @property
+    def quantized(self) -> list[LayerPlan]:
+        return [l for l in self.layers if l.quantized]
+
+    @property
+    def kept(self) -> list[LayerPlan]:
+        return [l for l in self.layers if not l.quantized]
+
+    def entries(self) -> dict:
+        out = dict(self.passthrough)
+        for layer in self.layers:
+            out.update(layer.tensors)
+        return out
+
+    def quantization_metadata(self) -> str:
+        layers = {l.name: l.conf for l in self.quantized}
+        return json.dumps({"format_version": "1.0", "layers": layers})
+
+
+def comfy_quant_bytes(conf: dict) -> bytes:
+    """What ComfyUI writes for .comfy_quant (ops._quantized_weight_state_dict)."""
+    return json.dumps(conf).encode("utf-8")
+
+
+def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
+              family: Family | None = None) -> Plan:
+    """Plan a file whose tensors are ``source``: key -> (safetensors dtype, shape).
+
+    ``stats`` (ActivationStats) enables static input scales: layers it lacks are kept as the
+    format allows (fp8 weight-only), never silently given a default scale.
+    """
+    marked = [k for k in source if k.endswith(QUANT_MARKERS) or k == "scaled_fp8"]
+    if marked:
+        raise PlanError(f"already quantized (e.g. {marked[0]}): quantize from the 16-bit model")
+    prefix = diffusion_prefix(source)
+    rel_shapes = {k[len(prefix):]: v[1] for k, v in source.items() if k.startswith(prefix)}
+    if not rel_shapes:
+        raise PlanError("no diffusion-model tensors found")
+    family = family or detect_family(rel_shapes)
+    fmt = get_format(recipe.format)
+    opts = recipe.format_options()
+
+    layers, passthrough = [], {}
+    for key, (dtype, shape) in source.items():
+        rel = key[len(prefix):] if key.startswith(prefix) else None
+        if rel is None or not rel.endswith(".weight") or len(shape) != 2:
+            passthrough[key] = (dtype, tuple(shape))
+            continue
+        layer = LayerPlan(key[:-7], rel[:-7], shape[0], shape[1], dtype)
+        if not family.is_linear(layer.rel):
+            passthrough[key] = (dtype, tuple(shape))
+            continue
+        _decide(layer, fmt, recipe, opts, family, stats)
+        if layer.quantized:
+            _lay_out(layer, fmt, recipe, opts)
+        else:
+            layer.tensors = {key: (dtype, tuple(shape))}
+        layers.append(layer)
+    if not layers:
+        raise PlanError("no Linear weights found in the diffusion model")
+    return Plan(recipe, family, prefix, layers, passthrough)
+
+
+def _decide(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict, family: Family, stats) -> None:
+    for pat in recipe.keep:
+        if fnmatch.fnmatchcase(layer.rel, pat) or fnmatch.fnmatchcase(layer.name, pat):
+            layer.reason = f"--keep {pat}"
+            return
+    rule = family.keep_reason(layer.rel)
+    if rule:
+        layer.reason = rule
+        return
+    if layer.src_dtype not in FLOAT_DTYPES:
+        layer.reason = f"source dtype {layer.src_dtype} is not 16/32-bit float"
+        return
+    problem = fmt.shape_problem(layer.n, layer.k, **_shape_opts(fmt, opts))
+    if problem:
+        layer.reason = problem
+        return
+    layer.format = fmt.name
+    if stats is not None and not stats.has(layer.rel):
+        if fmt.needs_input_scale:
+            layer.weight_only = True
+            layer.reason = "no activation statistics for this layer (never ran during calibration)"
+        return
+    if stats is None:
+        if fmt.needs_input_scale:
+            layer.weight_only = True
+            layer.reason = "no activation statistics: weight-only (calibrate for W8A8)"
+        return
+    layer.static_input = fmt.needs_input_scale or (fmt.static_input_scale and recipe.static_nvfp4_input)
+
+
+def _shape_opts(fmt: Format, opts: dict) -> dict:
+    out = {"convrot_groupsize": opts.get("convrot_groupsize", 256)}
+    if fmt.name == "int8_tensorwise":
+        out["convrot"] = opts.get("convrot", False)
+    return out
+
+
+def _lay_out(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict) -> None:
+    layer.conf = fmt.conf(weight_only=layer.weight_only, **opts)
+    for suffix, (dtype, shape) in fmt.planned(layer.n, layer.k, **opts).items():
+        layer.tensors[layer.name + SUFFIX_KEYS[suffix]] = (ST_DTYPES[dtype], shape)
+    if layer.static_input:
+        layer.tensors[layer.name + ".input_scale"] = ("F32", ())
+    layer.tensors[layer.name + ".comfy_quant"] = ("U8", (len(comfy_quant_bytes(layer.conf)),))

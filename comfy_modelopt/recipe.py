@@ -1,0 +1,81 @@
+"""Recipe: what to do to a model, as a frozen dataclass that round-trips through JSON.
+
+The same object is parsed by the CLI, built by the ComfyUI nodes and stored in the checkpoint.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+from .formats import FORMATS
+
+WEIGHT_SCALE_METHODS = ("absmax", "mse")
+INPUT_SCALE_METHODS = ("max", "percentile", "mse")
+SMOOTHING_METHODS = ("none", "smoothquant", "awq")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    format: str = "float8_e4m3fn"
+    weight_scale: str = "mse"          # absmax | mse (clip search on the weight, or on outputs with stats)
+    input_scale: str = "mse"           # with activation statistics: max | percentile | mse
+    percentile: float = 99.99          # for input_scale="percentile"
+    static_nvfp4_input: bool = False   # nvfp4: store a calibrated input_scale instead of dynamic amax
+    smoothing: str = "none"            # none | smoothquant | awq (needs statistics)
+    smooth_alpha: float = 0.5          # SmoothQuant migration strength
+    lowrank: int = 0                   # rank of the 16-bit low-rank branch (own loader only)
+    gptq: bool = False                 # error-compensated rounding (needs statistics)
+    convrot: bool = False              # int8_tensorwise: Hadamard rotation (ConvRot)
+    convrot_groupsize: int = 256
+    linear_dtype: str = "int4"         # convrot_w4a4 activations: int4 or int8
+    keep: tuple[str, ...] = field(default_factory=tuple)  # glob patterns forced to 16-bit
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown format {self.format!r}; choose one of: {', '.join(FORMATS)}")
+        _check("weight_scale", self.weight_scale, WEIGHT_SCALE_METHODS)
+        _check("input_scale", self.input_scale, INPUT_SCALE_METHODS)
+        _check("smoothing", self.smoothing, SMOOTHING_METHODS)
+        _check("linear_dtype", self.linear_dtype, ("int4", "int8"))
+        if self.convrot and self.format != "int8_tensorwise":
+            raise ValueError("convrot applies to int8_tensorwise only (convrot_w4a4 always rotates)")
+        if self.convrot_groupsize not in (16, 64, 256, 1024):
+            raise ValueError(f"convrot_groupsize must be a power of 4 (16..1024), got {self.convrot_groupsize}")
+        if not 0.0 < self.percentile <= 100.0:
+            raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
+        if self.lowrank < 0:
+            raise ValueError(f"lowrank must be >= 0, got {self.lowrank}")
+        object.__setattr__(self, "keep", tuple(self.keep))
+
+    def format_options(self) -> dict:
+        """Options passed to the Format's encode/plan/conf for every layer."""
+        if self.format == "int8_tensorwise":
+            return {"convrot": self.convrot, "convrot_groupsize": self.convrot_groupsize}
+        if self.format == "convrot_w4a4":
+            return {"convrot_groupsize": self.convrot_groupsize, "linear_dtype": self.linear_dtype}
+        return {}
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["keep"] = list(self.keep)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Recipe":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown recipe fields: {', '.join(sorted(unknown))}")
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, s: str) -> "Recipe":
+        return cls.from_dict(json.loads(s))
+
+
+def _check(name: str, value: str, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")

@@ -1,0 +1,119 @@
+"""QuantReport: per-layer format, bytes and error; JSON for the checkpoint header and a table.
+
+Numbers in the header JSON are written with fixed widths, so the report can be laid out in the
+header before quantizing and filled in afterwards without moving any tensor data.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LayerReport:
+    name: str
+    format: str                  # quantized format, or the 16-bit dtype it kept
+    bytes: int                   # bytes of this layer's weight tensors in the output
+    bytes_16bit: int             # the same weight at 2 bytes per value
+    reason: str = ""             # why kept 16-bit / why weight-only
+    weight_only: bool = False
+    rel_err: float = 0.0         # ||W - deq(Q(W))|| / ||W||  (kitchen dequantization)
+    out_err: float = -1.0        # relative output error on calibration inputs (-1: not measured)
+    alpha: float = 1.0           # chosen clip factor (mean over rows for per-row formats)
+    input_scale: float = 0.0     # static input_scale written (0: none)
+    notes: str = ""              # algorithm notes (smoothing applied/skipped, rank, ...)
+
+    def header_json(self) -> str:
+        # %.4e numbers: the header reserves room for the report, filled in after the run
+        return ("{" + f'"format":{json.dumps(self.format)},"bytes":{self.bytes},'
+                f'"bytes_16bit":{self.bytes_16bit},"rel_err":{_e(self.rel_err)},'
+                f'"out_err":{_e(self.out_err)},"alpha":{_e(self.alpha)},'
+                f'"input_scale":{_e(self.input_scale)},"weight_only":{json.dumps(self.weight_only)},'
+                f'"reason":{json.dumps(self.reason)},"notes":{json.dumps(self.notes)}' + "}")
+
+
+def _e(x: float) -> str:
+    return f"{float(x):.4e}"
+
+
+@dataclass
+class QuantReport:
+    family: str
+    recipe: dict
+    layers: list[LayerReport] = field(default_factory=list)
+    passthrough_bytes: int = 0
+    passthrough_bytes_16bit: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ totals
+    @property
+    def quantized(self) -> list[LayerReport]:
+        return [l for l in self.layers if l.format == self.recipe.get("format")]
+
+    @property
+    def kept(self) -> list[LayerReport]:
+        return [l for l in self.layers if l.format != self.recipe.get("format")]
+
+    def total_bytes(self) -> int:
+        return self.passthrough_bytes + sum(l.bytes for l in self.layers)
+
+    def total_bytes_16bit(self) -> int:
+        return self.passthrough_bytes_16bit + sum(l.bytes_16bit for l in self.layers)
+
+    def mean_rel_err(self) -> float:
+        q = self.quantized
+        return sum(l.rel_err for l in q) / len(q) if q else 0.0
+
+    def max_rel_err(self) -> float:
+        return max((l.rel_err for l in self.quantized), default=0.0)
+
+    # ------------------------------------------------------------------ serialisation
+    def header_json(self) -> str:
+        """Fixed-width JSON for the safetensors header (same length before and after the run)."""
+        body = ",".join(f"{json.dumps(l.name)}:{l.header_json()}" for l in self.layers)
+        return ("{" + f'"family":{json.dumps(self.family)},"seconds":{_e(self.seconds)},'
+                f'"bytes":{self.total_bytes()},"bytes_16bit":{self.total_bytes_16bit()},'
+                f'"notes":{json.dumps(self.notes)},"layers":{{{body}}}' + "}")
+
+    def to_dict(self) -> dict:
+        d = json.loads(self.header_json())
+        d["recipe"] = self.recipe
+        return d
+
+    @classmethod
+    def from_header(cls, text: str, recipe: dict) -> "QuantReport":
+        d = json.loads(text)
+        layers = [LayerReport(name=k, **v) for k, v in d["layers"].items()]
+        rep = cls(d["family"], recipe, layers, seconds=d["seconds"], notes=d.get("notes", []))
+        rep.passthrough_bytes = d["bytes"] - sum(l.bytes for l in layers)
+        rep.passthrough_bytes_16bit = d["bytes_16bit"] - sum(l.bytes_16bit for l in layers)
+        return rep
+
+    def summary(self) -> str:
+        fmt = self.recipe.get("format")
+        q, kept = self.quantized, self.kept
+        total, base = self.total_bytes(), self.total_bytes_16bit()
+        lines = [
+            f"family: {self.family}   format: {fmt}   layers: {len(q)} quantized, {len(kept)} kept 16-bit",
+            f"size: {total / 2**20:.1f} MiB vs {base / 2**20:.1f} MiB at 16-bit "
+            f"({total / base if base else 0:.3f}x)",
+            f"weight error (relative, quantized layers): mean {self.mean_rel_err():.4f}, "
+            f"max {self.max_rel_err():.4f}",
+        ]
+        wo = [l for l in q if l.weight_only]
+        if wo:
+            lines.append(f"weight-only: {len(wo)} layers ({wo[0].reason})")
+        lines += self.notes
+        return "\n".join(lines)
+
+    def table(self, limit: int | None = None) -> str:
+        rows = [f"{'layer':58s} {'format':16s} {'MiB':>8s} {'rel_err':>8s} {'alpha':>6s}  note"]
+        layers = self.layers if limit is None else self.layers[:limit]
+        for l in layers:
+            note = l.reason or l.notes
+            rows.append(f"{l.name[:58]:58s} {l.format:16s} {l.bytes / 2**20:8.2f} "
+                        f"{l.rel_err:8.4f} {l.alpha:6.3f}  {note}")
+        if limit is not None and len(self.layers) > limit:
+            rows.append(f"... {len(self.layers) - limit} more layers")
+        return "\n".join(rows)

@@ -1,0 +1,37 @@
+"""Regenerate tests/data/keysets/*.json.gz: the full-size state-dict key sets (names and shapes)
+of ComfyUI's own model classes, used by the CPU family-detection tests.
+
+    COMFYUI_PATH=/path/to/ComfyUI python tests/comfyui/make_keysets.py
+"""
+import gzip
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import models  # noqa: E402
+
+
+def main():
+    out_dir = os.path.join(os.path.dirname(__file__), "..", "data", "keysets")
+    os.makedirs(out_dir, exist_ok=True)
+    models.setup_comfy()
+    for family, sizes in models.CONFIGS.items():
+        model, sd = models.build(family, "full", device="meta")
+        shapes = {k: list(v.shape) for k, v in sd.items()}
+        doc = {"family": family, "comfy_class": type(models.model_config(family, "full")).__name__,
+               "comfyui_version": _version(), "shapes": shapes}
+        path = os.path.join(out_dir, f"{family}.json.gz")
+        with gzip.GzipFile(path, "wb", mtime=0) as f:
+            f.write(json.dumps(doc, sort_keys=True).encode())
+        print(f"{path}: {len(shapes)} keys ({doc['comfy_class']})")
+
+
+def _version():
+    ns = {}
+    exec(open(os.path.join(models.COMFYUI_PATH, "comfyui_version.py")).read(), ns)
+    return ns["__version__"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Real ComfyUI model classes for the contract tests and the key-set fixtures.
+
+Needs COMFYUI_PATH (a real ComfyUI tree, v0.29+).  Each family is described by the config
+ComfyUI's own detection produces for it (``detect_unet_config``); ``build`` turns it into the
+model ComfyUI would construct, with deterministic random weights.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
+
+
+def setup_comfy():
+    if not COMFYUI_PATH:
+        raise RuntimeError("COMFYUI_PATH is not set")
+    if COMFYUI_PATH not in sys.path:
+        sys.path.insert(0, COMFYUI_PATH)
+    from comfy.cli_args import args
+    if not torch.cuda.is_available():
+        args.cpu = True
+    import comfy.model_management  # noqa: F401
+
+
+_UNET = {'use_checkpoint': False, 'image_size': 32, 'out_channels': 4, 'use_spatial_transformer': True,
+         'legacy': False, 'in_channels': 4, 'model_channels': 320, 'use_temporal_attention': False,
+         'use_temporal_resblock': False}
+SD15_FULL = dict(_UNET, adm_in_channels=None, num_res_blocks=[2, 2, 2, 2], transformer_depth=[1, 1, 1, 1, 1, 1, 0, 0],
+                 channel_mult=[1, 2, 4, 4], transformer_depth_middle=1, use_linear_in_transformer=False,
+                 context_dim=768, num_heads=8, transformer_depth_output=[1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0])
+SD15_SMALL = dict(SD15_FULL, num_res_blocks=[1, 1], transformer_depth=[1, 1], channel_mult=[1, 2],
+                  transformer_depth_output=[1, 1, 1, 1])
+SDXL_FULL = dict(_UNET, num_classes='sequential', adm_in_channels=2816, num_res_blocks=[2, 2, 2],
+                 transformer_depth=[0, 0, 2, 2, 10, 10], channel_mult=[1, 2, 4], transformer_depth_middle=10,
+                 use_linear_in_transformer=True, context_dim=2048, num_head_channels=64,
+                 transformer_depth_output=[0, 0, 0, 2, 2, 2, 10, 10, 10])
+# ComfyUI matches SDXL-family models by transformer_depth, so the smallest one it knows stands in
+SDXL_SMALL = dict(SDXL_FULL, num_res_blocks=[1, 1, 1], transformer_depth=[0, 2, 5],
+                  transformer_depth_output=[0, 0, 2, 2, 5, 5], transformer_depth_middle=-2)   # KOALA-700M
+
+SD3_FULL = {"in_channels": 16, "patch_size": 2, "out_channels": 16, "depth": 38, "input_size": None,
+            "adm_in_channels": 2048, "context_embedder_config": {"target": "torch.nn.Linear",
+                                                                  "params": {"in_features": 4096, "out_features": 2432}},
+            "num_patches": 36864, "pos_embed_max_size": 192, "qk_norm": "rms", "pos_embed_scaling_factor": None,
+            "x_block_self_attn_layers": []}                                            # SD3.5 Large
+SD3_SMALL = dict(SD3_FULL, depth=2, context_embedder_config={"target": "torch.nn.Linear",
+                 "params": {"in_features": 4096, "out_features": 128}}, num_patches=4096, pos_embed_max_size=64)
+
+FLUX_FULL = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 768, "context_in_dim": 4096,
+             "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "depth": 19, "depth_single_blocks": 38,
+             "axes_dim": [16, 56, 56], "theta": 10000, "qkv_bias": True, "guidance_embed": True, "patch_size": 2,
+             "txt_ids_dims": [], "yak_mlp": False, "txt_norm": False}                  # Flux.1-dev
+FLUX_SMALL = dict(FLUX_FULL, hidden_size=256, num_heads=2, depth=1, depth_single_blocks=1, context_in_dim=256,
+                  vec_in_dim=256)
+
+WAN_FULL = {"image_model": "wan2.1", "dim": 1536, "out_dim": 16, "num_heads": 12, "ffn_dim": 8960, "num_layers": 30,
+            "patch_size": (1, 2, 2), "freq_dim": 256, "window_size": (-1, -1), "qk_norm": True,
+            "cross_attn_norm": True, "eps": 1e-6, "in_dim": 16, "model_type": "t2v"}    # Wan 2.1 1.3B
+WAN_SMALL = dict(WAN_FULL, dim=256, num_heads=2, ffn_dim=512, num_layers=2)
+
+QWEN_FULL = {"image_model": "qwen_image", "in_channels": 64, "num_layers": 60}
+QWEN_SMALL = dict(QWEN_FULL, num_layers=1)  # width is fixed by ComfyUI's class (3072)
+
+HUNYUAN_FULL = {"image_model": "hunyuan_video", "in_channels": 16, "patch_size": [1, 2, 2], "out_channels": 16,
+                "vec_in_dim": 768, "axes_dim": [16, 56, 56], "meanflow": False, "context_in_dim": 4096,
+                "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "depth": 20, "depth_single_blocks": 40,
+                "theta": 256, "qkv_bias": True, "byt5": False, "guidance_embed": True,
+                "use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False}
+LTXV_FULL = {"image_model": "ltxv", "num_layers": 28, "attention_head_dim": 64, "cross_attention_dim": 4096}
+LUMINA2_FULL = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 2304, "cap_feat_dim": 2304,
+                "n_layers": 26, "qk_norm": True, "n_heads": 24, "n_kv_heads": 8, "axes_dims": [32, 32, 32],
+                "axes_lens": [300, 512, 512], "rope_theta": 10000.0, "ffn_dim_multiplier": 4.0}
+
+CONFIGS = {
+    "sd15": {"full": SD15_FULL, "small": SD15_SMALL},
+    "sdxl": {"full": SDXL_FULL, "small": SDXL_SMALL},
+    "sd3": {"full": SD3_FULL, "small": SD3_SMALL},
+    "flux": {"full": FLUX_FULL, "small": FLUX_SMALL},
+    "wan": {"full": WAN_FULL, "small": WAN_SMALL},
+    "qwen_image": {"full": QWEN_FULL, "small": QWEN_SMALL},
+    "hunyuan_video": {"full": HUNYUAN_FULL},
+    "ltxv": {"full": LTXV_FULL},
+    "lumina2": {"full": LUMINA2_FULL},
+}
+
+
+def model_config(family: str, size: str = "small"):
+    setup_comfy()
+    import comfy.model_detection as md
+    cfg = dict(CONFIGS[family][size])
+    mc = md.model_config_from_unet_config(cfg)
+    if mc is None:
+        raise RuntimeError(f"ComfyUI matched no model for the {family}/{size} config")
+    return mc
+
+
+def build(family: str, size: str = "small", device: str = "cpu", seed: int = 0,
+          dtype=torch.bfloat16):
+    """(ComfyUI BaseModel, diffusion-model state dict with deterministic weights)."""
+    from comfy_modelopt.synthetic import tensor_for
+    mc = model_config(family, size)
+    mc.set_inference_dtype(dtype, None)
+    if device == "meta":
+        with torch.device("meta"):
+            model = mc.get_model({}, "", device="meta")
+        sd = model.diffusion_model.state_dict()
+        return model, {k: v for k, v in sd.items()}
+    model = mc.get_model({}, "", device=device)
+    sd = {}
+    for k, v in model.diffusion_model.state_dict().items():
+        if v.is_floating_point():
+            sd[k] = tensor_for(k, tuple(v.shape), seed, dtype)
+        else:
+            sd[k] = v.clone()
+    return model, sd

@@ -1,0 +1,211 @@
+"""The CLI end to end on Flux-layout files: outputs, metadata, rules and every bad input."""
+import json
+import os
+
+import pytest
+import torch
+
+from comfy_modelopt import cli
+from comfy_modelopt.checkpoint import inspect_file
+from comfy_modelopt.formats import FORMATS, get_format
+from comfy_modelopt.quantize import quantize_file
+from comfy_modelopt.recipe import Recipe
+from comfy_modelopt.safetensors_io import SafetensorsFile, StreamWriter, tensor_entry
+from comfy_modelopt.synthetic import flux_layout, tensor_for
+
+from conftest import TINY_FLUX
+
+
+def run(*args):
+    return cli.main([str(a) for a in args])
+
+
+def read_all(path):
+    with SafetensorsFile(path) as f:
+        return {k: f.read(k) for k in f.keys()}, dict(f.metadata)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_quantize_every_format(flux_file, tmp_path, fmt, capsys):
+    out = tmp_path / f"{fmt}.safetensors"
+    assert run("quantize", flux_file, "-o", out, "--format", fmt, "-q") == 0
+    tensors, meta = read_all(out)
+    qmeta = json.loads(meta["_quantization_metadata"])
+    marked = {k[:-12] for k in tensors if k.endswith(".comfy_quant")}
+    assert marked == set(qmeta["layers"]) and marked
+    for layer in marked:
+        conf = json.loads(bytes(tensors[layer + ".comfy_quant"].tolist()))
+        assert conf == qmeta["layers"][layer] and conf["format"] == fmt
+        assert tensors[layer + ".weight"].dtype != torch.bfloat16
+    # detection-critical and first/last layers stay bf16
+    for kept in ("img_in", "txt_in", "time_in.in_layer", "vector_in.in_layer", "guidance_in.in_layer",
+                 "final_layer.linear", "final_layer.adaLN_modulation.1"):
+        assert kept not in marked and tensors[kept + ".weight"].dtype == torch.bfloat16
+    assert meta["comfy_modelopt.family"] == "flux"
+    assert json.loads(meta["comfy_modelopt.recipe"])["format"] == fmt
+    report = json.loads(meta["comfy_modelopt.report"])
+    assert set(report["layers"]) >= marked
+    # every non-weight tensor passes through bit-exactly
+    src, _ = read_all(flux_file)
+    for k, v in src.items():
+        if not k.endswith(".weight") or k[:-7] not in marked:
+            assert torch.equal(tensors[k], v), k
+    if FORMATS[fmt].needs_input_scale:
+        assert all(qmeta["layers"][l].get("full_precision_matrix_mult") for l in marked)
+        assert "weight-only" in capsys.readouterr().out
+
+
+def test_errors_reported_per_layer(flux_file, tmp_path):
+    out = tmp_path / "o.safetensors"
+    report = quantize_file(flux_file, str(out), Recipe("nvfp4"))
+    src, _ = read_all(flux_file)
+    fmt = get_format("nvfp4")
+    with SafetensorsFile(str(out)) as f:
+        for l in report.quantized:
+            stored = {"": f.read(l.name + ".weight"), "_scale": f.read(l.name + ".weight_scale"),
+                      "_scale_2": f.read(l.name + ".weight_scale_2")}
+            w = src[l.name + ".weight"].float()
+            deq = fmt.from_stored(stored, {"format": "nvfp4"}, tuple(w.shape)).dequantize()
+            assert abs(float((deq - w).norm() / w.norm()) - l.rel_err) < 1e-6
+            assert 0 < l.rel_err < 0.2
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8_tensorwise", "nvfp4", "convrot_w4a4"])
+def test_mse_never_worse_than_absmax(flux_file, tmp_path, fmt):
+    mse = quantize_file(flux_file, str(tmp_path / "a.safetensors"), Recipe(fmt, weight_scale="mse"))
+    ab = quantize_file(flux_file, str(tmp_path / "b.safetensors"), Recipe(fmt, weight_scale="absmax"))
+    for m, a in zip(mse.quantized, ab.quantized):
+        assert m.rel_err <= a.rel_err * (1 + 2e-3), m.name
+
+
+def test_full_checkpoint_passes_vae_and_text_encoder_through(tmp_path):
+    layout = flux_layout(**TINY_FLUX)
+    extra = {"first_stage_model.decoder.conv_in.weight": (64, 16, 3, 3),
+             "first_stage_model.decoder.mid.attn_1.q.weight": (64, 64),
+             "text_encoders.clip_l.transformer.text_model.embeddings.token_embedding.weight": (1000, 64),
+             "text_encoders.clip_l.transformer.text_model.encoder.layers.0.mlp.fc1.weight": (256, 64)}
+    tensors = {"model.diffusion_model." + k: tensor_for(k, v) for k, v in layout.items()}
+    tensors.update({k: tensor_for(k, v) for k, v in extra.items()})
+    src = tmp_path / "full.safetensors"
+    with StreamWriter(str(src), {k: tensor_entry(v) for k, v in tensors.items()}) as w:
+        for k, v in tensors.items():
+            w.write(k, v)
+        w.close()
+    out = tmp_path / "full-fp8.safetensors"
+    assert run("quantize", src, "-o", out, "--format", "int8_tensorwise", "-q") == 0
+    got, meta = read_all(out)
+    for k in extra:
+        assert torch.equal(got[k], tensors[k])
+    layers = json.loads(meta["_quantization_metadata"])["layers"]
+    assert layers and all(n.startswith("model.diffusion_model.") for n in layers)
+    assert "model.diffusion_model.double_blocks.0.img_attn.qkv" in layers
+    assert inspect_file(str(out)).prefix == "model.diffusion_model."
+
+
+def test_keep_pattern(flux_file, tmp_path):
+    out = tmp_path / "o.safetensors"
+    assert run("quantize", flux_file, "-o", out, "--format", "int8_tensorwise", "--keep", "single_blocks.*",
+               "--keep", "*.img_mlp.*", "-q") == 0
+    layers = json.loads(read_all(out)[1]["_quantization_metadata"])["layers"]
+    assert not any(n.startswith("single_blocks.") or ".img_mlp." in n for n in layers)
+    assert "double_blocks.0.txt_mlp.0" in layers
+
+
+def test_output_exists_and_overwrite(flux_file, tmp_path, capsys):
+    out = tmp_path / "o.safetensors"
+    out.write_bytes(b"precious")
+    assert run("quantize", flux_file, "-o", out, "-q") == 2
+    assert "already exists" in capsys.readouterr().err and out.read_bytes() == b"precious"
+    assert run("quantize", flux_file, "-o", out, "--overwrite", "-q") == 0
+    assert inspect_file(str(out)).kind == "comfy_modelopt"
+
+
+def test_output_equals_source_refused(flux_file, capsys):
+    before = open(flux_file, "rb").read()
+    assert run("quantize", flux_file, "-o", flux_file, "--overwrite", "-q") == 2
+    assert "overwrite the input model" in capsys.readouterr().err
+    assert open(flux_file, "rb").read() == before
+
+
+def test_nan_weight_refused_with_layer_name(tmp_path, capsys):
+    layout = flux_layout(**TINY_FLUX)
+    tensors = {k: tensor_for(k, v) for k, v in layout.items()}
+    tensors["double_blocks.0.img_mlp.0.weight"][3, 7] = float("nan")
+    src = tmp_path / "nan.safetensors"
+    with StreamWriter(str(src), {k: tensor_entry(v) for k, v in tensors.items()}) as w:
+        for k, v in tensors.items():
+            w.write(k, v)
+        w.close()
+    out = tmp_path / "o.safetensors"
+    assert run("quantize", src, "-o", out, "-q") == 2
+    err = capsys.readouterr().err
+    assert "double_blocks.0.img_mlp.0: 1 NaN/Inf values" in err
+    assert sorted(os.listdir(tmp_path)) == ["nan.safetensors"]
+
+
+def test_interrupted_run_leaves_no_output(flux_file, tmp_path):
+    out = tmp_path / "o.safetensors"
+
+    def progress(done, total, name):
+        if done == 3:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        quantize_file(flux_file, str(out), Recipe("nvfp4"), progress=progress)
+    assert os.listdir(tmp_path) == [os.path.basename(flux_file)]
+
+
+def test_bad_source_files(tmp_path, capsys):
+    bad = tmp_path / "model.ckpt"
+    bad.write_bytes(b"\x80\x02}q\x00(X" + b"\x00" * 64)  # a pickle, never loaded
+    assert run("quantize", bad, "-o", tmp_path / "o.safetensors", "-q") == 2
+    assert "model.ckpt: not a safetensors file" in capsys.readouterr().err
+    assert run("quantize", tmp_path / "missing.safetensors", "-o", tmp_path / "o.safetensors") == 2
+    assert "cannot open" in capsys.readouterr().err
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_already_quantized_source_refused(flux_file, tmp_path, capsys):
+    q = tmp_path / "q.safetensors"
+    assert run("quantize", flux_file, "-o", q, "--format", "int8_tensorwise", "-q") == 0
+    assert run("quantize", q, "-o", tmp_path / "qq.safetensors", "-q") == 2
+    assert "already quantized" in capsys.readouterr().err
+
+
+def test_unknown_family_warns_and_lists_kept(tmp_path):
+    tensors = {"blocks.0.attn.qkv.weight": torch.randn(384, 128), "blocks.0.attn.out.weight": torch.randn(128, 128),
+               "patch_embed.weight": torch.randn(128, 64), "final_proj.weight": torch.randn(64, 128)}
+    src = tmp_path / "odd.safetensors"
+    with StreamWriter(str(src), {k: tensor_entry(v) for k, v in tensors.items()}) as w:
+        for k, v in tensors.items():
+            w.write(k, v)
+        w.close()
+    rep = quantize_file(str(src), str(tmp_path / "o.safetensors"), Recipe("int8_tensorwise"))
+    assert rep.family == "unknown"
+    assert any("patch_embed" in n and "final_proj" in n for n in rep.notes)
+    assert {l.name for l in rep.quantized} == {"blocks.0.attn.qkv", "blocks.0.attn.out"}
+
+
+def test_report_json_and_table(flux_file, tmp_path, capsys):
+    out, rep = tmp_path / "o.safetensors", tmp_path / "r.json"
+    assert run("quantize", flux_file, "-o", out, "--format", "nvfp4", "--report", rep, "--table", "-q") == 0
+    d = json.loads(rep.read_text())
+    assert d["recipe"]["format"] == "nvfp4" and d["layers"]
+    assert "double_blocks.0.img_attn.qkv" in capsys.readouterr().out
+
+
+def test_hash_flag_records_sha256(flux_file, tmp_path):
+    import hashlib
+    out = tmp_path / "o.safetensors"
+    assert run("quantize", flux_file, "-o", out, "--hash", "-q") == 0
+    src = json.loads(read_all(out)[1]["comfy_modelopt.source"])
+    assert src["sha256"] == hashlib.sha256(open(flux_file, "rb").read()).hexdigest()
+    assert src["bytes"] == os.path.getsize(flux_file)
+
+
+def test_demo_runs(capsys):
+    from comfy_modelopt.demo import run_demo
+    rows = run_demo()
+    assert {r["format"] for r in rows} == set(FORMATS) | {"int8_tensorwise+convrot"}
+    assert all(r["verified"] for r in rows)
+    by = {r["format"]: r for r in rows}
+    assert by["nvfp4"]["ratio_vs_bf16"] < 0.45 and by["float8_e4m3fn"]["ratio_vs_bf16"] < 0.65
