@@ -12,7 +12,7 @@ __all__ = ["FORMATS", "Format", "Recipe", "get_format", "quantize_file", "inspec
 
 
 def quantize_file(*args, **kwargs):
-    from .quantize import quantize_file as _q
+    from .pipeline import quantize_file as _q
     return _q(*args, **kwargs)
 
 

@@ -8,7 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .families import detect_family, diffusion_prefix
-from .quantize import META_PREFIX
+from .pipeline import META_PREFIX
 from .report import QuantReport
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile
 

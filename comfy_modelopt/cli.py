@@ -86,7 +86,7 @@ def _recipe(a):
 
 
 def cmd_quantize(a) -> int:
-    from .quantize import quantize_file
+    from .pipeline import quantize_file
     recipe = _recipe(a)
     stats = None
     if a.stats:

@@ -15,7 +15,7 @@ import time
 import torch
 
 from .formats import get_format
-from .quantize import quantize_file
+from .pipeline import quantize_file
 from .recipe import Recipe
 from .safetensors_io import SafetensorsFile
 from .synthetic import flux_layout, tensor_for, write_checkpoint

@@ -15,19 +15,20 @@ import math
 from dataclasses import dataclass
 
 import torch
+import comfy_kitchen.tensor as ck_tensor
 from comfy_kitchen.tensor import QuantizedTensor
 from comfy_kitchen.tensor.int8_utils import _build_hadamard, _rotate_weight
+
+# kitchen's own layout classes, held directly: ComfyUI re-registers some layout names with its
+# subclasses (e.g. "TensorCoreFP8Layout" becomes its E4M3 class without a dtype argument), so
+# resolving by name inside a ComfyUI process would not run kitchen's encoder.
+_KITCHEN_LAYOUTS = {name: getattr(ck_tensor, name) for name in (
+    "TensorCoreFP8Layout", "TensorWiseINT8Layout", "TensorCoreMXFP8Layout", "TensorCoreNVFP4Layout",
+    "TensorCoreConvRotW4A4Layout")}
 
 F8_E4M3_MAX = 448.0
 F4_E2M1_MAX = 6.0
 _FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-
-# E2M1 magnitudes and the decision thresholds between them (round to nearest, ties to even
-# mantissa: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4).
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_E2M1_UPPER = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_E2M1_TIE_UP = (False, True, False, True, False, True, False)
-
 
 @dataclass(frozen=True)
 class Format:
@@ -68,26 +69,38 @@ class Format:
 
     # ---------------------------------------------------------------- encode
     def _prepare(self, w: torch.Tensor, alpha: torch.Tensor | None, opts: dict) -> tuple[torch.Tensor, dict]:
-        """Return (tensor handed to kitchen, extra from_float kwargs) for clip factor alpha."""
+        """Return (tensor handed to kitchen, extra quantize kwargs) for clip factor alpha."""
         return w, {}
 
-    def quantize(self, w: torch.Tensor, alpha: torch.Tensor | None = None, **opts) -> QuantizedTensor:
-        """kitchen QuantizedTensor of a float32 [N, K] weight with clip factor alpha."""
-        prepared, extra = self._prepare(w, alpha, opts)
-        return QuantizedTensor.from_float(prepared, self.layout, **self.layout_kwargs(**opts), **extra)
+    def _explicit(self, scale: torch.Tensor) -> dict:
+        """quantize kwargs for an explicit scale (formats whose scale kitchen takes as given)."""
+        raise ValueError(f"{self.name}: kitchen derives this format's scales itself")
 
-    def encode(self, w: torch.Tensor, alpha: torch.Tensor | None = None, **opts
-               ) -> tuple[dict[str, torch.Tensor], QuantizedTensor]:
+    def quantize(self, w: torch.Tensor, alpha: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None, **opts) -> QuantizedTensor:
+        """kitchen QuantizedTensor of a float32 [N, K] weight with clip factor alpha, or with an
+        explicit ``scale`` (fp8: the tensor scale; int8: per-row [N]) for pre-rounded weights."""
+        if scale is not None:
+            prepared, extra = w, self._explicit(scale)
+        else:
+            prepared, extra = self._prepare(w, alpha, opts)
+        return self._kitchen(prepared, **{**self.layout_kwargs(**opts), **extra})
+
+    def _kitchen(self, tensor: torch.Tensor, **kw) -> QuantizedTensor:
+        qdata, params = _KITCHEN_LAYOUTS[self.layout].quantize(tensor, **kw)
+        return QuantizedTensor(qdata, self.layout, params)
+
+    def encode(self, w: torch.Tensor, alpha: torch.Tensor | None = None,
+               scale: torch.Tensor | None = None, **opts) -> tuple[dict[str, torch.Tensor], QuantizedTensor]:
         """On-disk tensors by key suffix ('' is the weight itself) and the QuantizedTensor."""
-        qt = self.quantize(w, alpha, **opts)
+        qt = self.quantize(w, alpha, scale, **opts)
         tensors = qt.state_dict("")
         return {k: _storage(v) for k, v in tensors.items()}, qt
 
     def planned(self, n: int, k: int, **opts) -> dict[str, tuple[torch.dtype, tuple]]:
         """Dtype and shape of every encoded tensor, from kitchen run on a meta tensor."""
         meta = torch.empty(n, k, dtype=torch.float32, device="meta")
-        qt = QuantizedTensor.from_float(meta, self.layout, **self.layout_kwargs(**opts),
-                                        **self._meta_extra(meta))
+        qt = self._kitchen(meta, **self.layout_kwargs(**opts), **self._meta_extra(meta))
         return {s: (_storage_dtype(t.dtype), tuple(t.shape)) for s, t in qt.state_dict("").items()}
 
     def _meta_extra(self, meta: torch.Tensor) -> dict:
@@ -110,18 +123,22 @@ class Format:
         """kitchen's quantize -> dequantize round trip, restated in torch for fast scale search."""
         return self.fake_rows(w, alpha)
 
+    def fake_act(self, x: torch.Tensor, input_scale: float | None = None, **opts) -> torch.Tensor:
+        """What ComfyUI does to a [M, K] activation before the GEMM (quantize -> dequantize), in
+        the weight's search space (rotated for ConvRot)."""
+        return x
+
     def clip_candidates(self) -> torch.Tensor:
         """Clip factors tried by the MSE search (always includes 1.0 = absmax)."""
         if not self.free_scale:
             return torch.ones(1)
-        return torch.linspace(0.5, 1.0, 26)
+        return torch.linspace(0.5, 1.0, 11)
 
     def from_stored(self, tensors: dict[str, torch.Tensor], conf: dict, orig_shape: tuple,
                     dtype: torch.dtype = torch.float32) -> QuantizedTensor:
         """Rebuild kitchen's QuantizedTensor from stored tensors (suffix -> tensor) and the
         .comfy_quant JSON, the way ComfyUI's loader does (ops._load_quantized_module)."""
-        from comfy_kitchen.tensor import get_layout_class
-        params = get_layout_class(self.layout).Params(
+        params = _KITCHEN_LAYOUTS[self.layout].Params(
             **self._stored_params(tensors, conf), orig_dtype=dtype, orig_shape=tuple(orig_shape))
         return QuantizedTensor(tensors[""], self.layout, params)
 
@@ -182,8 +199,18 @@ class Fp8Format(Format):
     def _prepare(self, w, alpha, opts):
         return w, {"scale": self.weight_scale(w, alpha)}
 
+    def _explicit(self, scale):
+        return {"scale": scale.reshape(()).float()}
+
     def _meta_extra(self, meta):
         return {"scale": torch.ones((), device="meta")}
+
+    def fake_act(self, x, input_scale=None, **opts):
+        if input_scale is None:  # weight-only: the matmul runs in 16-bit
+            return x
+        fmax = self.fmax()
+        q = (x * (1.0 / input_scale)).clamp(-fmax, fmax).to(_FP8_DTYPES[self.name])
+        return q.to(torch.float32) * input_scale
 
     def fake_rows(self, w, alpha=None, amax=None):
         scale = self.weight_scale(w, alpha, amax)
@@ -229,6 +256,14 @@ class RowwiseIntFormat(Format):
         out = self.fake_rows(self.search_space(w, **opts), alpha)
         return self.search_space(out, **opts)  # the rotation is its own inverse
 
+    def fake_act(self, x, input_scale=None, linear_dtype="int4", **opts):
+        # kitchen's int8/int4 linear: dynamic per-row absmax quantization of the (rotated) input
+        x = self.search_space(x, **opts)
+        if self.qmax == 127 or linear_dtype == "int8":
+            scale = (x.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-30)
+            return (x / scale).round().clamp(-128.0, 127.0) * scale
+        return self.fake_rows(x)
+
     def fake_rows(self, x, alpha=None, amax=None):
         x = _clip_rows(x, alpha)
         absmax = x.abs().amax(dim=-1, keepdim=True)
@@ -243,6 +278,14 @@ class RowwiseIntFormat(Format):
 
 @dataclass(frozen=True)
 class Int8Format(RowwiseIntFormat):
+    def _explicit(self, scale):
+        # kitchen's tensorwise quantizer broadcasts an [N, 1] scale: per-row with given scales
+        return {"scale": scale.reshape(-1, 1).float(), "per_channel": False}
+
+    def clip_candidates(self):
+        # 127 levels: the optimum of a row without outliers sits close to its absmax
+        return torch.tensor([0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.925, 0.95, 0.975, 1.0])
+
     def _stored_params(self, tensors, conf):
         params = {"scale": tensors["_scale"]}
         if conf.get("convrot"):
@@ -279,19 +322,17 @@ class ConvRotW4A4Format(RowwiseIntFormat):
         return conf
 
     def clip_candidates(self):
-        return torch.linspace(0.4, 1.0, 31)
+        return torch.linspace(0.4, 1.0, 13)
 
 
 # ==================================================================== nvfp4
 def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Round |x| <= 6 to the E2M1 grid exactly like kitchen's _f32_to_floatx_unpacked."""
+    """Round |x| <= 6 to the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} like kitchen's
+    _f32_to_floatx_unpacked: nearest, ties to even mantissa.  The grid step is 0.5 below 2,
+    1 below 4 and 2 above, and torch.round rounds half to even on the step count."""
     mag = x.abs()
-    out = torch.zeros_like(mag)
-    for lower, upper, tie_up, value in zip((0.0,) + _E2M1_UPPER, _E2M1_UPPER + (math.inf,),
-                                           (True,) + _E2M1_TIE_UP, _E2M1_VALUES):
-        above = mag > lower if not tie_up else mag >= lower
-        out = torch.where(above, torch.full_like(mag, value), out)
-    return torch.copysign(out, x)
+    step = torch.where(mag < 2.0, 0.5, torch.where(mag < 4.0, 1.0, 2.0))
+    return torch.copysign(torch.round(mag / step) * step, x)
 
 
 @dataclass(frozen=True)
@@ -312,9 +353,14 @@ class NvFp4Format(Format):
     def _meta_extra(self, meta):
         return {"scale": torch.ones((), device="meta")}
 
+    def fake_act(self, x, input_scale=None, **opts):
+        amax = None if input_scale is None else torch.tensor(input_scale * F8_E4M3_MAX * F4_E2M1_MAX)
+        return self.fake_rows(x, None, amax)
+
     def clip_candidates(self):
-        # below 1 clips the largest blocks; above 1 moves every block scale on the E4M3 grid
-        return torch.cat([torch.linspace(0.5, 1.0, 11), torch.linspace(1.05, 1.6, 12)])
+        # below 1 clips the largest blocks; above 1 only shifts block scales on the E4M3 grid
+        # (periodic in log2), so a few phases suffice
+        return torch.cat([torch.linspace(0.5, 1.0, 11), torch.tensor([1.25, 1.5, 1.75])])
 
     def fake_rows(self, w, alpha=None, amax=None):
         n, k = w.shape
@@ -337,6 +383,9 @@ class NvFp4Format(Format):
 class MxFp8Format(Format):
     def _stored_params(self, tensors, conf):
         return {"scale": tensors["_scale"].view(torch.float8_e8m0fnu)}
+
+    def fake_act(self, x, input_scale=None, **opts):
+        return self.fake_rows(x)
 
     def fake_rows(self, w, alpha=None, amax=None):
         n, k = w.shape

@@ -25,6 +25,7 @@ class Recipe:
     smooth_alpha: float = 0.5          # SmoothQuant migration strength
     lowrank: int = 0                   # rank of the 16-bit low-rank branch (own loader only)
     gptq: bool = False                 # error-compensated rounding (needs statistics)
+    sensitivity: bool = True           # with statistics: per-layer output error of every format
     convrot: bool = False              # int8_tensorwise: Hadamard rotation (ConvRot)
     convrot_groupsize: int = 256
     linear_dtype: str = "int4"         # convrot_w4a4 activations: int4 or int8

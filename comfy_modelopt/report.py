@@ -22,6 +22,7 @@ class LayerReport:
     alpha: float = 1.0           # chosen clip factor (mean over rows for per-row formats)
     input_scale: float = 0.0     # static input_scale written (0: none)
     notes: str = ""              # algorithm notes (smoothing applied/skipped, rank, ...)
+    sensitivity: dict = field(default_factory=dict)  # format -> relative output error on samples
 
     def header_json(self) -> str:
         # %.4e numbers: the header reserves room for the report, filled in after the run
@@ -29,7 +30,8 @@ class LayerReport:
                 f'"bytes_16bit":{self.bytes_16bit},"rel_err":{_e(self.rel_err)},'
                 f'"out_err":{_e(self.out_err)},"alpha":{_e(self.alpha)},'
                 f'"input_scale":{_e(self.input_scale)},"weight_only":{json.dumps(self.weight_only)},'
-                f'"reason":{json.dumps(self.reason)},"notes":{json.dumps(self.notes)}' + "}")
+                f'"reason":{json.dumps(self.reason)},"notes":{json.dumps(self.notes)},'
+                f'"sensitivity":{json.dumps(self.sensitivity, sort_keys=True)}' + "}")
 
 
 def _e(x: float) -> str:

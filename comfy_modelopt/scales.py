@@ -14,6 +14,7 @@ from .formats import Format
 
 # Per-tensor searches look at a row subset of at most this many elements, then confirm on all.
 SEARCH_ELEMENTS = 1 << 22
+ROW_CHUNK_ELEMENTS = 1 << 18
 
 
 @dataclass
@@ -52,14 +53,25 @@ def choose_weight_clip(w: torch.Tensor, fmt: Format, method: str = "mse",
     return _search_tensor(fmt, x, xs, grid, objective)
 
 
+def _row_chunks(x: torch.Tensor):
+    """Row blocks small enough that a candidate's passes stay in cache (the search is memory bound)."""
+    step = max(1, ROW_CHUNK_ELEMENTS // max(1, x.shape[1]))
+    for r0 in range(0, x.shape[0], step):
+        yield x[r0:r0 + step]
+
+
 def _search_rows(fmt, x, xs, grid, objective) -> ClipChoice:
-    best_err = torch.full((x.shape[0],), float("inf"))
     best = torch.ones(x.shape[0])
-    for a in grid.tolist():
-        err = squared_error(fmt, x, torch.tensor(a), xs=xs)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best = torch.where(better, torch.full_like(best, a), best)
+    r0 = 0
+    for rows in _row_chunks(x):
+        best_err = torch.full((rows.shape[0],), float("inf"))
+        chunk_best = best[r0:r0 + rows.shape[0]]
+        r0 += rows.shape[0]
+        for a in grid.tolist():
+            err = squared_error(fmt, rows, torch.tensor(a), xs=xs)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            chunk_best.masked_fill_(better, a)
     if bool((best == 1.0).all()):
         return ClipChoice(None, 1.0, objective)
     return ClipChoice(best, float(best.mean()), objective)
@@ -71,13 +83,77 @@ def _search_tensor(fmt, x, xs, grid, objective) -> ClipChoice:
     step = max(1, (x.numel() + SEARCH_ELEMENTS - 1) // SEARCH_ELEMENTS)
     if step > 1:
         rows = x[::step]
-    errs = [float(squared_error(fmt, rows, torch.tensor(a), amax, xs).sum()) for a in grid.tolist()]
-    a_best = float(grid[int(torch.tensor(errs).argmin())])
+    errs = torch.zeros(len(grid), dtype=torch.float64)
+    for chunk in _row_chunks(rows):
+        for i, a in enumerate(grid.tolist()):
+            errs[i] += float(squared_error(fmt, chunk, torch.tensor(a), amax, xs).sum())
+    a_best = float(grid[int(errs.argmin())])
     if a_best == 1.0:
         return ClipChoice(None, 1.0, objective)
     if step > 1:  # confirm on every row that the subset's choice beats absmax
-        full = float(squared_error(fmt, x, torch.tensor(a_best), amax, xs).sum())
-        base = float(squared_error(fmt, x, None, amax, xs).sum())
+        full = sum(float(squared_error(fmt, c, torch.tensor(a_best), amax, xs).sum()) for c in _row_chunks(x))
+        base = sum(float(squared_error(fmt, c, None, amax, xs).sum()) for c in _row_chunks(x))
         if full >= base:
             return ClipChoice(None, 1.0, objective)
     return ClipChoice(torch.tensor(a_best), a_best, objective)
+
+
+# ====================================================================== activation (input) scales
+ACT_CLIP_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+ACT_CLIP_PERCENTILES = (99.0, 99.9, 99.99, 99.999)
+
+
+def input_fmax(fmt: Format) -> float:
+    """What ComfyUI divides the activation clip value by to get input_scale."""
+    if fmt.name == "nvfp4":  # the activation global scale: amax / (6 * 448)
+        return 6.0 * 448.0
+    return float(torch.finfo(_fp8_dtype(fmt)).max)
+
+
+def _fp8_dtype(fmt: Format) -> torch.dtype:
+    return torch.float8_e5m2 if fmt.name == "float8_e5m2" else torch.float8_e4m3fn
+
+
+def choose_input_scale(layer_stats, fmt: Format, recipe) -> float:
+    """Static input_scale from the statistics: max, percentile, or the MSE-optimal clip."""
+    amax = layer_stats.amax_value()
+    if amax <= 0.0:
+        return 1.0  # the layer only ever saw zeros: any scale is exact
+    fmax = input_fmax(fmt)
+    if recipe.input_scale == "max":
+        clip = amax
+    elif recipe.input_scale == "percentile":
+        clip = layer_stats.percentile(recipe.percentile)
+    else:
+        clip = _mse_activation_clip(layer_stats, fmt, amax, fmax)
+    return max(clip, 1e-12) / fmax
+
+
+def activation_clip_candidates(layer_stats, amax: float) -> list[float]:
+    cands = {amax * f for f in ACT_CLIP_FRACTIONS}
+    cands |= {layer_stats.percentile(p) for p in ACT_CLIP_PERCENTILES}
+    return sorted(c for c in cands if c > 0)
+
+
+def _mse_activation_clip(layer_stats, fmt: Format, amax: float, fmax: float) -> float:
+    cands = activation_clip_candidates(layer_stats, amax)
+    if fmt.name == "nvfp4":
+        if not layer_stats.has_sample():
+            return amax
+        x = layer_stats.sample()
+        errs = [float(squared_error(fmt, x, None, torch.tensor(c)).sum()) for c in cands]
+    else:
+        from .stats import hist_centers
+        counts = layer_stats.hist.double().cpu()
+        values = hist_centers().clamp(max=amax)
+        used = counts > 0
+        counts, values = counts[used], values[used]
+        errs = [fp8_hist_error(values, counts, c / fmax, fmax, _fp8_dtype(fmt)) for c in cands]
+    return cands[min(range(len(cands)), key=errs.__getitem__)]
+
+
+def fp8_hist_error(values: torch.Tensor, counts: torch.Tensor, scale: float, fmax: float,
+                   dtype: torch.dtype = torch.float8_e4m3fn) -> float:
+    """Sum over histogram bins of count * (fp8(v / scale) * scale - v)^2 (ComfyUI clamps at fmax)."""
+    q = (values.float() / scale).clamp(-fmax, fmax).to(dtype).double() * scale
+    return float((counts * (q - values) ** 2).sum())

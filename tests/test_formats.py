@@ -122,3 +122,32 @@ def test_shape_rules():
 def test_unknown_format_is_named():
     with pytest.raises(ValueError, match="unknown format 'fp4'"):
         get_format("fp4")
+
+
+def test_e2m1_rounding_matches_kitchen_on_ties():
+    from comfy_kitchen.float_utils import _f32_to_floatx_unpacked
+
+    from comfy_modelopt.formats import _round_e2m1
+    x = torch.arange(-48, 49, dtype=torch.float32) / 8  # includes every tie: .25 .75 1.25 1.75 2.5 3.5 5
+    codes = _f32_to_floatx_unpacked(x, 2, 1).long()
+    lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    kitchen = lut[codes & 7] * torch.where(codes & 8 > 0, -1.0, 1.0)
+    ours = _round_e2m1(x)
+    assert torch.equal(ours.abs(), kitchen.abs())
+    nz = ours != 0
+    assert torch.equal(ours[nz].sign(), x[nz].sign())
+
+
+def test_encode_ignores_layouts_registered_by_name(monkeypatch):
+    """ComfyUI re-registers kitchen layout names with its own subclasses; our encoder must still
+    run kitchen's own classes (found when running inside ComfyUI)."""
+    from comfy_kitchen.tensor import TensorCoreFP8Layout, base
+
+    class Shadow(TensorCoreFP8Layout):
+        @classmethod
+        def quantize(cls, tensor, scale=None, stochastic_rounding=0, inplace_ops=False):
+            raise AssertionError("used the registry's class")
+    monkeypatch.setitem(base.LAYOUTS, "TensorCoreFP8Layout", Shadow)
+    w = weight(64, 256)
+    tensors, _ = get_format("float8_e5m2").encode(w)
+    assert tensors[""].dtype == torch.float8_e5m2

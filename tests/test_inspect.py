@@ -5,7 +5,7 @@ import torch
 
 from comfy_modelopt import cli
 from comfy_modelopt.checkpoint import inspect_file
-from comfy_modelopt.quantize import quantize_file
+from comfy_modelopt.pipeline import quantize_file
 from comfy_modelopt.recipe import Recipe
 from comfy_modelopt.safetensors_io import SafetensorsFile, StreamWriter, tensor_entry
 

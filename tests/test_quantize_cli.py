@@ -8,7 +8,7 @@ import torch
 from comfy_modelopt import cli
 from comfy_modelopt.checkpoint import inspect_file
 from comfy_modelopt.formats import FORMATS, get_format
-from comfy_modelopt.quantize import quantize_file
+from comfy_modelopt.pipeline import quantize_file
 from comfy_modelopt.recipe import Recipe
 from comfy_modelopt.safetensors_io import SafetensorsFile, StreamWriter, tensor_entry
 from comfy_modelopt.synthetic import flux_layout, tensor_for

@@ -1,0 +1,94 @@
+"""Collect ActivationStats from real forward passes: hooks on every Linear input, nothing else.
+
+``calibrate(module, forward_loop)`` hooks the input of every Linear layer of any torch module
+(ComfyUI's ``comfy.ops`` Linear classes are ``torch.nn.Linear`` subclasses), runs
+``forward_loop(module)`` - which owns the data: prompts, sampler, steps - and returns the
+statistics.  Hooks are always removed, also when the loop raises or is interrupted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .stats import ActivationStats, CalibrationError, LayerStats, rows_for_budget
+
+
+@dataclass(frozen=True)
+class CalibrationOptions:
+    reservoir_bytes: int = 2 << 20     # sampled input rows kept per layer (bf16)
+    seed: int = 0
+    nonfinite: str = "error"           # "error": refuse NaN/Inf activations; "ignore": count them only
+
+
+def is_linear(module: torch.nn.Module) -> bool:
+    """torch Linear layers, and ComfyUI's quantized Linear (not an nn.Linear subclass)."""
+    if isinstance(module, torch.nn.Linear):
+        return True
+    return type(module).__name__ == "Linear" and hasattr(module, "in_features") and hasattr(module, "weight")
+
+
+def linear_layers(module: torch.nn.Module, predicate: Callable = is_linear) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in module.named_modules() if name and predicate(m)}
+
+
+def calibrate(module: torch.nn.Module, forward_loop: Callable[[torch.nn.Module], object],
+              options: CalibrationOptions = CalibrationOptions(), stats: ActivationStats | None = None,
+              info: dict | None = None) -> ActivationStats:
+    """Run ``forward_loop(module)`` with input statistics collected on every Linear layer.
+
+    Pass ``stats`` from an earlier call to keep accumulating (more prompts later).
+    """
+    layers = linear_layers(module)
+    if not layers:
+        raise CalibrationError(f"{type(module).__name__} has no Linear layers to calibrate")
+    fingerprint = {n: [int(m.out_features), int(m.in_features)] for n, m in layers.items()}
+    if stats is None:
+        stats = ActivationStats(fingerprint=fingerprint)
+        for i, (name, m) in enumerate(layers.items()):
+            k = int(m.in_features)
+            stats.layers[name] = LayerStats(k, rows_for_budget(k, options.reservoir_bytes), seed=options.seed + i)
+    else:
+        stats.check_model({n: tuple(v) for n, v in fingerprint.items()})
+    if info:
+        stats.info.update(info)
+
+    def make_hook(layer_stats: LayerStats):
+        def hook(_module, args, kwargs=None):
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                layer_stats.update(x)
+        return hook
+
+    calls = [0]
+
+    def count(_module, _args):
+        calls[0] += 1
+
+    handles = [module.register_forward_pre_hook(count)]
+    try:
+        for name, m in layers.items():
+            handles.append(m.register_forward_pre_hook(make_hook(stats.layers[name])))
+        forward_loop(module)
+    finally:
+        for h in handles:
+            h.remove()
+        for s in stats.layers.values():
+            s.finish()
+    stats.forward_calls += calls[0]
+    _check(stats, options)
+    return stats
+
+
+def _check(stats: ActivationStats, options: CalibrationOptions) -> None:
+    if stats.forward_calls == 0 or not any(s.rows for s in stats.layers.values()):
+        raise CalibrationError("calibration saw no forward calls: forward_loop never ran the model "
+                               "(check the prompts, steps and that sampling actually ran)")
+    bad = sorted((n for n, s in stats.layers.items() if s.nonfinite), key=lambda n: -stats.layers[n].nonfinite)
+    if bad and options.nonfinite == "error":
+        worst = stats.layers[bad[0]]
+        raise CalibrationError(
+            f"NaN/Inf activations in {len(bad)} layers (e.g. {bad[0]}: {worst.nonfinite} values): the model "
+            f"produced non-finite values during calibration (fp16 overflow?); sample it in bf16/fp32, "
+            f"or fix the inputs")

@@ -1,0 +1,91 @@
+"""SmoothQuant and AWQ: per-input-channel scales that move quantization difficulty from
+activations to weights, searched to minimise the layer's output error.
+
+With ``s`` [K] the layer computes ``(x / s) @ (W * s)^T == x @ W^T`` exactly in float; quantizing
+``W * s`` and ``x / s`` instead of ``W`` and ``x`` flattens outlier input channels:
+
+- SmoothQuant: ``s_j = max|x_j|^a / max|W_:,j|^(1-a)`` (balances activation and weight ranges);
+- AWQ: ``s_j = mean|x_j|^a`` (protects the weight columns that meet large activations).
+
+The migration strength ``a`` is searched on sampled calibration inputs by the real objective:
+``|| x W^T - Qa(x / s) Qw(W s)^T ||`` with the format's own activation (Qa) and weight (Qw)
+rounding.  ``a = 0`` (no smoothing) is always a candidate, so the result is never worse on
+that objective.
+
+Where the scales go is the caller's business: folded exactly into the producing layer
+(see ``folding``), or stored as ``pre_quant_scale`` for a runtime that applies it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .formats import Format
+
+ALPHAS = tuple(i / 10 for i in range(11))
+
+
+@dataclass
+class Smoothing:
+    scales: torch.Tensor | None   # s [K] (weights times s, inputs divided by s); None: no gain
+    method: str
+    alpha: float
+    error: float                  # relative output error with the chosen scales
+    base_error: float             # ... without smoothing
+
+
+def candidate_scales(method: str, alpha: float, x_absmax: torch.Tensor, x_meanabs: torch.Tensor,
+                     w: torch.Tensor) -> torch.Tensor:
+    eps = 1e-6
+    if method == "smoothquant":
+        wmax = w.abs().amax(dim=0).clamp(min=eps)
+        s = x_absmax.clamp(min=eps) ** alpha / wmax ** (1 - alpha)
+    elif method == "awq":
+        s = x_meanabs.clamp(min=eps) ** alpha
+    else:
+        raise ValueError(f"unknown smoothing method {method!r} (smoothquant or awq)")
+    # geometric normalisation keeps W*s and x/s in a sane range; the product is unchanged
+    s = s / torch.exp(torch.log(s).mean())
+    return s.clamp(1e-4, 1e4)
+
+
+def output_error(fmt: Format, w: torch.Tensor, x: torch.Tensor, s: torch.Tensor | None,
+                 input_amax: float | None = None, **opts) -> float:
+    """Relative error of the quantized layer's output on inputs x (x [m, K], w [N, K]).
+
+    ``input_amax`` (the smoothed input's amax over all calibration data) gives fp8 its static
+    input scale; without it the activation rounding is the format's dynamic one."""
+    ref = x @ w.T
+    ws, xs = (w, x) if s is None else (w * s, x / s)
+    scale = None
+    if input_amax is not None and fmt.needs_input_scale:
+        scale = max(input_amax, 1e-12) / float(torch.finfo(_fp8(fmt)).max)
+    q_out = fmt.fake_act(xs, scale, **opts) @ fmt.fake_rows(fmt.search_space(ws, **opts)).T
+    denom = float(ref.norm())
+    return float((q_out - ref).norm()) / denom if denom > 0 else 0.0
+
+
+def _fp8(fmt: Format) -> torch.dtype:
+    return torch.float8_e5m2 if fmt.name == "float8_e5m2" else torch.float8_e4m3fn
+
+
+def search_smoothing(w: torch.Tensor, x: torch.Tensor, x_absmax: torch.Tensor, x_meanabs: torch.Tensor,
+                     fmt: Format, method: str, alphas=ALPHAS, static_input: bool = False,
+                     **opts) -> Smoothing:
+    """Best smoothing scales for weight w [N, K] given sampled inputs x [m, K] and per-channel
+    input statistics over all calibration data (``static_input``: fp8 with a static scale)."""
+    def amax(s):
+        if not static_input:
+            return None
+        return float((x_absmax if s is None else x_absmax / s).max())
+    base = output_error(fmt, w, x, None, amax(None), **opts)
+    best = Smoothing(None, method, 0.0, base, base)
+    for a in alphas:
+        if a == 0:
+            continue
+        s = candidate_scales(method, a, x_absmax, x_meanabs, w)
+        err = output_error(fmt, w, x, s, amax(s), **opts)
+        if err < best.error:
+            best = Smoothing(s, method, a, err, base)
+    return best

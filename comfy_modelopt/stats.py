@@ -1,0 +1,288 @@
+"""ActivationStats: what the inputs of every Linear layer looked like during calibration.
+
+Per layer, streamed over every forward call (many prompts x every timestep):
+- ``amax``: largest |x|;
+- ``channel_absmax`` / ``channel_abssum`` [K]: per-input-channel max and sum of |x| (SmoothQuant,
+  AWQ);
+- ``hist``: counts of |x| in log2-spaced bins (32 per octave over 2^-40..2^24, plus one bin for
+  zero), exact and order-independent, for percentile and MSE activation clipping;
+- a reservoir of input rows (uniform sample over every row seen, bounded by a byte budget) for
+  the activation-aware searches.
+
+Streaming equals batch: every statistic above is identical whether the rows arrive in one call
+or many (sums are float64; the reservoir draws its random slot from a hash of the global row
+index, not from call boundaries).
+
+Saved as safetensors: tensors per layer plus a JSON header (forward calls, timesteps seen, the
+model fingerprint = Linear layer names and shapes).  Loading for another model is refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+HIST_MIN_EXP = -40
+HIST_MAX_EXP = 24
+HIST_PER_OCTAVE = 32
+HIST_BINS = (HIST_MAX_EXP - HIST_MIN_EXP) * HIST_PER_OCTAVE + 1  # bin 0 holds exact zeros
+FORMAT_VERSION = 1
+
+
+class CalibrationError(ValueError):
+    """Statistics that cannot be used; the message says which layer or file and why."""
+
+
+def hist_edges() -> torch.Tensor:
+    """Upper edge of every histogram bin (bin 0: zeros)."""
+    k = torch.arange(1, HIST_BINS, dtype=torch.float64)
+    upper = torch.exp2(HIST_MIN_EXP + k / HIST_PER_OCTAVE)
+    return torch.cat([torch.zeros(1, dtype=torch.float64), upper])
+
+
+def hist_centers() -> torch.Tensor:
+    """Geometric center of every bin (bin 0: 0)."""
+    k = torch.arange(1, HIST_BINS, dtype=torch.float64)
+    center = torch.exp2(HIST_MIN_EXP + (k - 0.5) / HIST_PER_OCTAVE)
+    return torch.cat([torch.zeros(1, dtype=torch.float64), center])
+
+
+def _s64(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _hash_uniform(index: torch.Tensor, seed: int) -> torch.Tensor:
+    """A float64 in [0, 1) from each int64 row index (splitmix64 finalizer, 53 bits).
+    int64 arithmetic wraps; right shifts are masked to act as logical shifts."""
+    x = index * _s64(0x9E3779B97F4A7C15) + seed
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _s64(0xBF58476D1CE4E5B9)
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _s64(0x94D049BB133111EB)
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    return (x & ((1 << 53) - 1)).to(torch.float64) / float(1 << 53)
+
+
+@dataclass
+class LayerStats:
+    """Streaming statistics of one Linear layer's input (in_features = K)."""
+
+    k: int
+    capacity: int                        # reservoir rows
+    calls: int = 0
+    rows: int = 0
+    nonfinite: int = 0
+    amax: torch.Tensor | None = None
+    channel_absmax: torch.Tensor | None = None
+    channel_abssum: torch.Tensor | None = None
+    hist: torch.Tensor | None = None
+    reservoir: torch.Tensor | None = None  # [min(rows, capacity), K] bf16
+    seed: int = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        """Fold a [..., K] input into the statistics (no host synchronisation)."""
+        x = x.detach().reshape(-1, self.k)
+        self.calls += 1
+        if x.shape[0] == 0:
+            return
+        xf = x.float()
+        finite = torch.isfinite(xf)
+        a = xf.abs()
+        if self.amax is None:
+            dev = x.device
+            self.amax = torch.zeros((), device=dev)
+            self.channel_absmax = torch.zeros(self.k, device=dev)
+            self.channel_abssum = torch.zeros(self.k, dtype=torch.float64, device=dev)
+            self.hist = torch.zeros(HIST_BINS, dtype=torch.int64, device=dev)
+            self._nonfinite = torch.zeros((), dtype=torch.int64, device=dev)
+        self._nonfinite += (~finite).sum()
+        a = torch.where(finite, a, torch.zeros_like(a))
+        self.amax = torch.maximum(self.amax, a.amax())
+        self.channel_absmax = torch.maximum(self.channel_absmax, a.amax(dim=0))
+        self.channel_abssum += a.sum(dim=0, dtype=torch.float64)
+        self.hist += torch.bincount(_hist_index(a).reshape(-1), minlength=HIST_BINS)
+        self._sample(x)
+        self.rows += x.shape[0]
+
+    def _sample(self, x: torch.Tensor) -> None:
+        """Reservoir sampling (Algorithm R) with slots drawn from the global row index."""
+        if self.capacity <= 0:
+            return
+        n = x.shape[0]
+        idx = torch.arange(self.rows, self.rows + n, dtype=torch.int64, device=x.device)
+        slot = torch.where(idx < self.capacity, idx,
+                           (_hash_uniform(idx, self.seed) * (idx + 1).to(torch.float64)).to(torch.int64))
+        keep = slot < self.capacity
+        filled = min(self.rows, self.capacity)
+        grow = min(self.rows + n, self.capacity)
+        if self.reservoir is None:
+            self.reservoir = torch.zeros(0, self.k, dtype=torch.bfloat16, device=x.device)
+        if grow > filled:
+            self.reservoir = torch.cat([self.reservoir, torch.zeros(grow - filled, self.k, dtype=torch.bfloat16,
+                                                                    device=x.device)])
+        # the last row drawing a slot wins, as in the sequential algorithm
+        last = torch.full((self.capacity,), -1, dtype=torch.int64, device=x.device)
+        pos = torch.arange(n, device=x.device)
+        last.scatter_reduce_(0, slot[keep], pos[keep], reduce="amax")
+        take = last[:grow] >= 0
+        self.reservoir[:grow][take] = x[last[:grow][take]].to(torch.bfloat16)
+
+    def finish(self) -> None:
+        if self.amax is not None:
+            self.nonfinite += int(self._nonfinite)
+            self._nonfinite.zero_()
+
+    # ------------------------------------------------------------------ queries
+    def has_sample(self) -> bool:
+        return self.reservoir is not None and self.reservoir.shape[0] > 0
+
+    def sample(self) -> torch.Tensor:
+        """Sampled input rows [m, K], float32, on the CPU."""
+        return self.reservoir.float().cpu()
+
+    def amax_value(self) -> float:
+        return float(self.amax) if self.amax is not None else 0.0
+
+    def channel_mean_abs(self) -> torch.Tensor:
+        return (self.channel_abssum / max(self.rows, 1)).float().cpu()
+
+    def percentile(self, p: float) -> float:
+        """Upper edge of the bin holding the p-th percentile of |x| (never above amax)."""
+        counts = self.hist.double().cpu()
+        cum = torch.cumsum(counts, 0)
+        target = cum[-1] * (p / 100.0)
+        i = int(torch.searchsorted(cum, target.reshape(1)).clamp(max=HIST_BINS - 1))
+        return min(float(hist_edges()[i]), self.amax_value())
+
+    def to(self, device) -> "LayerStats":
+        for name in ("amax", "channel_absmax", "channel_abssum", "hist", "reservoir"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
+        return self
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in
+                   (self.amax, self.channel_absmax, self.channel_abssum, self.hist, self.reservoir)
+                   if t is not None)
+
+
+def _hist_index(a: torch.Tensor) -> torch.Tensor:
+    """Bin of each |x|: 0 for zero, else 1 + floor((log2|x| - MIN) * PER_OCTAVE), clamped."""
+    pos = a > 0
+    e = torch.log2(torch.where(pos, a, torch.ones_like(a)))
+    k = torch.floor((e - HIST_MIN_EXP) * HIST_PER_OCTAVE).to(torch.int64) + 1
+    return torch.where(pos, k.clamp(1, HIST_BINS - 1), torch.zeros_like(k))
+
+
+@dataclass
+class ActivationStats:
+    """Statistics for every calibrated Linear layer, keyed by module name."""
+
+    layers: dict[str, LayerStats] = field(default_factory=dict)
+    fingerprint: dict[str, list] = field(default_factory=dict)   # layer -> [out_features, in_features]
+    forward_calls: int = 0
+    info: dict = field(default_factory=dict)   # timesteps/sigmas seen, prompts, steps, sampler...
+
+    # ------------------------------------------------------------------ queries used by the planner
+    def has(self, name: str) -> bool:
+        s = self.layers.get(name)
+        return s is not None and s.rows > 0
+
+    def layer(self, name: str) -> LayerStats:
+        return self.layers[name]
+
+    def never_ran(self) -> list[str]:
+        return sorted(n for n in self.fingerprint if not self.has(n))
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.layers.values())
+
+    def fingerprint_hash(self) -> str:
+        text = json.dumps(sorted((k, list(v)) for k, v in self.fingerprint.items()))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def check_model(self, layers: dict[str, tuple]) -> None:
+        """Refuse statistics of another model: ``layers`` maps Linear names to (out, in)."""
+        mine = {k: tuple(v) for k, v in self.fingerprint.items()}
+        common = set(mine) & set(layers)
+        bad = sorted(n for n in common if tuple(layers[n]) != mine[n])
+        if bad:
+            n = bad[0]
+            raise CalibrationError(
+                f"statistics are from another model: layer {n} is {list(layers[n])} here but "
+                f"{list(mine[n])} in the statistics ({len(bad)} layers differ)")
+        if len(common) < 0.5 * max(len(mine), 1):
+            example = sorted(set(layers) - set(mine))[:2] or sorted(mine)[:2]
+            raise CalibrationError(
+                f"statistics are from another model: only {len(common)} of its {len(mine)} layers "
+                f"exist here (e.g. {', '.join(example)}); calibrate this model")
+
+    def summary(self) -> dict:
+        return {"forward_calls": self.forward_calls, "layers": len(self.fingerprint),
+                "layers_with_data": sum(1 for n in self.fingerprint if self.has(n)),
+                "never_ran": self.never_ran()[:20], "bytes": self.nbytes(),
+                "fingerprint": self.fingerprint_hash(), **self.info}
+
+    def summary_json(self) -> str:
+        return json.dumps(self.summary(), sort_keys=True)
+
+    # ------------------------------------------------------------------ file
+    def save(self, path: str, overwrite: bool = False) -> str:
+        """Write the statistics as a safetensors file (atomic)."""
+        from .safetensors_io import StreamWriter, tensor_entry
+        tensors = {}
+        per_layer = {}
+        for name, s in self.layers.items():
+            s.to("cpu")
+            per_layer[name] = {"k": s.k, "capacity": s.capacity, "calls": s.calls, "rows": s.rows,
+                               "nonfinite": s.nonfinite, "seed": s.seed}
+            if s.amax is None:
+                continue
+            tensors[f"{name}::amax"] = s.amax.reshape(1).float()
+            tensors[f"{name}::channel_absmax"] = s.channel_absmax.float()
+            tensors[f"{name}::channel_abssum"] = s.channel_abssum.double()
+            tensors[f"{name}::hist"] = s.hist.long()
+            if s.reservoir is not None:
+                tensors[f"{name}::reservoir"] = s.reservoir.contiguous()
+        meta = {"comfy_modelopt.stats": json.dumps({
+            "format_version": FORMAT_VERSION, "forward_calls": self.forward_calls, "info": self.info,
+            "fingerprint": self.fingerprint, "layers": per_layer}, sort_keys=True)}
+        with StreamWriter(path, {k: tensor_entry(v) for k, v in tensors.items()}, meta,
+                          overwrite=overwrite) as w:
+            for k, v in tensors.items():
+                w.write(k, v)
+            return w.close()
+
+    @classmethod
+    def load(cls, path: str) -> "ActivationStats":
+        from .safetensors_io import SafetensorsFile
+        with SafetensorsFile(path) as f:
+            raw = f.metadata.get("comfy_modelopt.stats")
+            if raw is None:
+                raise CalibrationError(f"{f.name}: not a comfy-modelopt statistics file "
+                                       f"(no comfy_modelopt.stats header)")
+            doc = json.loads(raw)
+            if doc.get("format_version") != FORMAT_VERSION:
+                raise CalibrationError(f"{f.name}: statistics format {doc.get('format_version')} "
+                                       f"is not supported (expected {FORMAT_VERSION})")
+            stats = cls(fingerprint=doc["fingerprint"], forward_calls=doc["forward_calls"],
+                        info=doc.get("info", {}))
+            for name, d in doc["layers"].items():
+                s = LayerStats(d["k"], d["capacity"], d["calls"], d["rows"], d["nonfinite"], seed=d["seed"])
+                if f"{name}::amax" in f:
+                    s.amax = f.read(f"{name}::amax").reshape(())
+                    s.channel_absmax = f.read(f"{name}::channel_absmax")
+                    s.channel_abssum = f.read(f"{name}::channel_abssum")
+                    s.hist = f.read(f"{name}::hist")
+                    if f"{name}::reservoir" in f:
+                        s.reservoir = f.read(f"{name}::reservoir")
+                stats.layers[name] = s
+        if stats.forward_calls == 0:
+            raise CalibrationError(f"{path}: the calibration recorded no forward calls")
+        return stats
+
+
+def rows_for_budget(k: int, budget_bytes: int) -> int:
+    """Reservoir rows of K bf16 values that fit in ``budget_bytes``."""
+    return max(0, budget_bytes // (2 * k))

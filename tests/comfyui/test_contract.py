@@ -1,0 +1,151 @@
+"""The ComfyUI contract, against a real ComfyUI tree (COMFYUI_PATH, v0.29+).
+
+For each family: build a small-config model with ComfyUI's own classes, save it in bf16, run our
+CLI for every format, load the output with ``comfy.sd.load_diffusion_model`` and check that
+ComfyUI detects the same architecture, that the planned layers are ComfyUI quantized modules of
+the planned format (and nothing else is), and that a forward pass stays close to bf16.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import models  # noqa: E402
+
+if not models.COMFYUI_PATH:
+    pytest.skip("COMFYUI_PATH is not set: ComfyUI contract tests SKIPPED (point it at a ComfyUI "
+                "v0.29+ tree to run them; see README 'Testing against ComfyUI')", allow_module_level=True)
+
+models.setup_comfy()
+import comfy.model_management  # noqa: E402
+import comfy.sd  # noqa: E402
+from comfy.quant_ops import QuantizedTensor  # noqa: E402
+
+from comfy_modelopt import cli  # noqa: E402
+from comfy_modelopt.formats import FORMATS  # noqa: E402
+from comfy_modelopt.plan import make_plan  # noqa: E402
+from comfy_modelopt.recipe import Recipe  # noqa: E402
+from comfy_modelopt.safetensors_io import SafetensorsFile, StreamWriter, tensor_entry  # noqa: E402
+
+FAMILIES = ["sd15", "sdxl", "sd3", "flux", "wan", "qwen_image"]
+VARIANTS = [(f, []) for f in sorted(FORMATS)] + [("int8_tensorwise", ["--convrot"])]
+BIG = {"sdxl", "qwen_image"}  # hundreds of millions of parameters: absmax scales keep the test quick
+
+# relative L2 error of the model output against the bf16 model, per format (random weights)
+MAX_OUTPUT_ERROR = {"float8_e4m3fn": 0.05, "float8_e5m2": 0.1, "int8_tensorwise": 0.02, "mxfp8": 0.05,
+                    "nvfp4": 0.15, "convrot_w4a4": 0.25}
+
+
+def inputs(family: str, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return {
+        "sd15": dict(x=r(1, 4, 16, 16), c_crossattn=r(1, 8, 768)),
+        "sdxl": dict(x=r(1, 4, 16, 16), c_crossattn=r(1, 8, 2048), y=r(1, 2816)),
+        "sd3": dict(x=r(1, 16, 16, 16), c_crossattn=r(1, 8, 4096), y=r(1, 2048)),
+        "flux": dict(x=r(1, 16, 16, 16), c_crossattn=r(1, 8, 256), y=r(1, 256), guidance=torch.tensor([3.5])),
+        "wan": dict(x=r(1, 16, 1, 8, 8), c_crossattn=r(1, 8, 4096)),
+        "qwen_image": dict(x=r(1, 16, 1, 8, 8), c_crossattn=r(1, 8, 3584)),
+    }[family]
+
+
+def forward(patcher, family: str) -> torch.Tensor:
+    comfy.model_management.load_models_gpu([patcher])
+    kw = inputs(family)
+    x = kw.pop("x")
+    return patcher.model.apply_model(x, torch.tensor([0.7]), **kw).float()
+
+
+def save(path: str, sd: dict) -> None:
+    with StreamWriter(path, {k: tensor_entry(v) for k, v in sd.items()}, overwrite=True) as w:
+        for k, v in sd.items():
+            w.write(k, v)
+        w.close()
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            folder = tmp_path_factory.mktemp(family)
+            _, sd = models.build(family, "small", seed=1)
+            path = str(folder / f"{family}-bf16.safetensors")
+            save(path, sd)
+            patcher = comfy.sd.load_diffusion_model(path)
+            cache[family] = (path, folder, patcher.model.model_config, forward(patcher, family))
+            del patcher
+        return cache[family]
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fmt,extra", VARIANTS, ids=[f + "".join(e) for f, e in VARIANTS])
+def test_quantized_file_loads_in_comfyui(source, family, fmt, extra):
+    src, folder, ref_config, ref_out = source(family)
+    out = str(folder / f"{family}-{fmt}{''.join(extra)}.safetensors")
+    args = ["quantize", src, "-o", out, "--format", fmt, "--overwrite", "-q"] + extra
+    if family in BIG:
+        args += ["--weight-scale", "absmax"]
+    assert cli.main(args) == 0
+
+    with SafetensorsFile(out) as f:
+        planned = json.loads(f.metadata["_quantization_metadata"])["layers"]
+    assert planned, "nothing was quantized"
+
+    patcher = comfy.sd.load_diffusion_model(out)
+    config = patcher.model.model_config
+    assert type(config) is type(ref_config), "ComfyUI detected another model"
+    assert {k: v for k, v in config.unet_config.items() if k != "dtype"} == \
+        {k: v for k, v in ref_config.unet_config.items() if k != "dtype"}
+
+    quantized = {}
+    for name, module in patcher.model.diffusion_model.named_modules():
+        w = getattr(module, "weight", None)
+        if isinstance(w, QuantizedTensor):
+            quantized[name] = module
+    assert set(quantized) == set(planned), "ComfyUI's quantized modules differ from the plan"
+    for name, module in quantized.items():
+        assert module.quant_format == fmt, name
+        assert tuple(module.weight.shape) == tuple(module._orig_shape)
+        if "--convrot" in extra:
+            assert module.weight._params.convrot
+        assert getattr(module, "input_scale", None) is None  # no statistics: none written
+
+    out_t = forward(patcher, family)
+    err = float((out_t - ref_out).norm() / ref_out.norm())
+    print(f"{family} {fmt}{''.join(extra)}: output error vs bf16 {err:.4f}")
+    assert torch.isfinite(out_t).all()
+    assert err < MAX_OUTPUT_ERROR[fmt], f"{family}/{fmt}: output error {err:.4f}"
+
+
+@pytest.mark.parametrize("family", sorted(models.CONFIGS))
+def test_planned_layers_are_comfyui_linears(family):
+    """At full size, every layer we would quantize is built by ComfyUI as operations.Linear."""
+    import comfy.ops
+    model, sd = models.build(family, "full", device="meta")
+    linears = {n for n, m in model.diffusion_model.named_modules()
+               if isinstance(m, torch.nn.Linear) and isinstance(m, comfy.ops.CastWeightBiasOp)}
+    source = {k: ("BF16", tuple(v.shape)) for k, v in sd.items()}
+    for fmt in ("float8_e4m3fn", "nvfp4"):
+        plan = make_plan(source, Recipe(fmt))
+        assert plan.family.name == family
+        not_linear = [l.name for l in plan.quantized if l.name not in linears]
+        assert not not_linear, f"{family}: planned layers that are not Linear: {not_linear[:5]}"
+
+
+def test_demo_layout_matches_comfyui_flux():
+    """The demo's Flux key layout is ComfyUI's Flux state dict (norm '.scale' as in BFL files)."""
+    from comfy_modelopt.synthetic import flux_layout
+    cfg = dict(models.FLUX_SMALL)
+    _, sd = models.build("flux", "small", device="meta")
+    ours = {k.replace(".scale", ".weight"): v for k, v in
+            flux_layout(hidden=cfg["hidden_size"], depth=cfg["depth"], depth_single=cfg["depth_single_blocks"],
+                        context_in=cfg["context_in_dim"], vec_in=cfg["vec_in_dim"]).items()}
+    assert ours == {k: tuple(v.shape) for k, v in sd.items()}
