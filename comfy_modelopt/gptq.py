@@ -21,7 +21,7 @@ def hessian(x: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     x = x.double()
     h = x.T @ x / max(x.shape[0], 1)
     d = torch.diagonal(h)
-    h += torch.eye(h.shape[0], dtype=h.dtype) * (damp * float(d.mean()) + 1e-12)
+    h += torch.eye(h.shape[0], dtype=h.dtype, device=h.device) * (damp * float(d.mean()) + 1e-12)
     return h
 
 

@@ -76,14 +76,16 @@ class FileSink:
 
 
 class DictSink:
-    def __init__(self):
-        self.tensors, self.metadata = {}, {}
+    """Collects the output state dict (on ``device``, CPU by default)."""
+
+    def __init__(self, device="cpu"):
+        self.tensors, self.metadata, self.device = {}, {}, device
 
     def open(self, entries, metadata):
         self.entries, self.metadata = entries, metadata
 
     def write(self, key, tensor):
-        self.tensors[key] = tensor
+        self.tensors[key] = tensor.to(self.device)
 
     def close(self, metadata):
         missing = set(self.entries) - set(self.tensors)
@@ -128,8 +130,10 @@ def plan_folds(plan: Plan, source, stats, recipe: Recipe, progress: Progress | N
             continue
         st = stats.layer(first)
         w = torch.cat([_read_rows_scaled(source, p + c + ".weight", folds) for c in g.consumers])
-        res = search_smoothing(w, st.sample(), st.channel_absmax.float().cpu(), st.channel_mean_abs(), fmt,
-                               recipe.smoothing, static_input=rel_layers[first].static_input, **opts)
+        dev = w.device
+        res = search_smoothing(w, st.sample().to(dev), st.channel_absmax.float().to(dev),
+                               st.channel_mean_abs().to(dev), fmt, recipe.smoothing,
+                               static_input=rel_layers[first].static_input, **opts)
         if res.scales is None:
             for c in g.consumers:
                 folds.notes[p + c] = f"{recipe.smoothing}: no gain"
@@ -155,17 +159,16 @@ def _read_rows_scaled(source, key: str, folds: Folds) -> torch.Tensor:
     t = source.read(key).float()
     if key in folds.rows:
         rows, inv = folds.rows[key]
+        inv = inv.to(t.device)
         t = t.clone()
         t[rows] = t[rows] * (inv.reshape(-1, 1) if t.dim() == 2 else inv)
     return t
 
 
-def _rescaled(source, key: str, folds: Folds) -> torch.Tensor:
-    """Source tensor with its fold rescaling applied, in its own dtype."""
-    t = source.read(key)
-    if key not in folds.rows:
-        return t
-    return _read_rows_scaled(source, key, folds).to(t.dtype)
+def _passthrough(source, key: str, folds: Folds, dtype: str) -> torch.Tensor:
+    """Source tensor with its fold rescaling applied, in its planned output dtype."""
+    t = _read_rows_scaled(source, key, folds) if key in folds.rows else source.read(key)
+    return t.to(TORCH_DTYPES[dtype])
 
 
 # ====================================================================== the pipeline
@@ -218,8 +221,8 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
     width = len(json.dumps(report.header_json())) + per_layer * len(plan.layers) + 1024
     sink.open(plan.entries(), output_metadata(plan, report, source.metadata, info, summary, width))
     try:
-        for key in plan.passthrough:
-            sink.write(key, _rescaled(source, key, folds))
+        for key, (dtype, _shape) in plan.passthrough.items():
+            sink.write(key, _passthrough(source, key, folds, dtype))
         by_name = {l.name: i for i, l in enumerate(plan.layers)}
         for done, layer in enumerate(plan.layers):
             if check_interrupt:
@@ -228,7 +231,7 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
                 progress(done, len(plan.layers), layer.name)
             key = layer.name + ".weight"
             if not layer.quantized:
-                sink.write(key, _rescaled(source, key, folds))
+                sink.write(key, _passthrough(source, key, folds, layer.tensors[key][0]))
                 continue
             w = _read_rows_scaled(source, key, folds) if key in folds.rows else source.read(key)
             layer_stats = stats.layer(layer.rel) if stats is not None and stats.has(layer.rel) else None

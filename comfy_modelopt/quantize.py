@@ -40,10 +40,11 @@ def quantize_layer(w: torch.Tensor, layer: LayerPlan, recipe: Recipe, layer_stat
     opts = recipe.format_options()
     w = w.to(torch.float32)
     check_finite(layer.name, w)
-    x = layer_stats.sample() if (layer_stats is not None and layer_stats.has_sample()) else None
+    x = layer_stats.sample().to(w.device) if (layer_stats is not None and layer_stats.has_sample()) else None
     notes = []
     w_ref, x_ref = w, x
     if smooth is not None:
+        smooth = smooth.to(w.device)
         w = w * smooth
         x = x / smooth if x is not None else None
 
@@ -84,7 +85,7 @@ def _input_scale(layer_stats, fmt: Format, recipe: Recipe, smooth) -> float:
     if smooth is None:
         return choose_input_scale(layer_stats, fmt, recipe)
     # the histogram describes the unsmoothed input: after smoothing use its exact amax
-    amax = float((layer_stats.channel_absmax.float().cpu() / smooth).max())
+    amax = float((layer_stats.channel_absmax.float().cpu() / smooth.cpu()).max())
     return max(amax, 1e-12) / input_fmax(fmt)
 
 
@@ -95,7 +96,9 @@ def _gptq_encode(w, fmt: Format, alpha, x, opts):
         q = gptq_mod.gptq(w, h, gptq_mod.fp8_column_quantizer(scale, _fp8(fmt)))
         return fmt.encode(q, scale=torch.tensor(scale), **opts)
     absmax = w.abs().amax(dim=1)
-    row_scale = (absmax * (alpha if alpha is not None else 1.0) / 127.0).clamp(min=1e-30)
+    if alpha is not None:
+        absmax = absmax * alpha.to(w.device)
+    row_scale = (absmax / 127.0).clamp(min=1e-30)
     q = gptq_mod.gptq(w, h, gptq_mod.int8_column_quantizer(row_scale))
     return fmt.encode(q, scale=row_scale, **opts)
 

@@ -46,7 +46,7 @@ def choose_weight_clip(w: torch.Tensor, fmt: Format, method: str = "mse",
         raise ValueError(f"unknown weight scale method {method!r} (absmax or mse)")
     x = fmt.search_space(w, **opts)
     if xs is not None:
-        xs = fmt.search_space(xs, **opts)
+        xs = fmt.search_space(xs.to(w.device), **opts)
     grid = fmt.clip_candidates()
     if fmt.free_scale == "row":
         return _search_rows(fmt, x, xs, grid, objective)
@@ -61,10 +61,10 @@ def _row_chunks(x: torch.Tensor):
 
 
 def _search_rows(fmt, x, xs, grid, objective) -> ClipChoice:
-    best = torch.ones(x.shape[0])
+    best = torch.ones(x.shape[0], device=x.device)
     r0 = 0
     for rows in _row_chunks(x):
-        best_err = torch.full((rows.shape[0],), float("inf"))
+        best_err = torch.full((rows.shape[0],), float("inf"), device=x.device)
         chunk_best = best[r0:r0 + rows.shape[0]]
         r0 += rows.shape[0]
         for a in grid.tolist():
@@ -141,7 +141,7 @@ def _mse_activation_clip(layer_stats, fmt: Format, amax: float, fmax: float) -> 
         if not layer_stats.has_sample():
             return amax
         x = layer_stats.sample()
-        errs = [float(squared_error(fmt, x, None, torch.tensor(c)).sum()) for c in cands]
+        errs = [float(squared_error(fmt, x, None, torch.tensor(c)).sum()) for c in cands]  # CPU sample
     else:
         from .stats import hist_centers
         counts = layer_stats.hist.double().cpu()

@@ -116,3 +116,26 @@ def build(family: str, size: str = "small", device: str = "cpu", seed: int = 0,
         else:
             sd[k] = v.clone()
     return model, sd
+
+
+def clip_l_state_dict(seed: int = 0, dtype=torch.bfloat16) -> dict:
+    """A CLIP-L text encoder (ComfyUI's own class) with deterministic random weights, keyed like
+    the text_encoders/clip_l.safetensors files users download."""
+    setup_comfy()
+    import comfy.sd1_clip
+    from comfy_modelopt.synthetic import tensor_for
+    with torch.device("meta"):
+        model = comfy.sd1_clip.SDClipModel(device="meta", dtype=dtype)
+    sd = {}
+    for k, v in model.state_dict().items():
+        if not k.startswith("transformer."):
+            continue
+        key = k[len("transformer."):]
+        if v.is_floating_point():
+            t = tensor_for(key, tuple(v.shape), seed, dtype)
+            if key.endswith("position_embedding.weight") or key.endswith("token_embedding.weight"):
+                t = t * 0.02 * (v.shape[-1] ** 0.5)
+            sd[key] = t
+        else:
+            sd[key] = torch.zeros(v.shape, dtype=v.dtype)
+    return sd

@@ -1,0 +1,335 @@
+"""The comfy-modelopt nodes (ComfyUI V3 node API).  Thin: inputs -> Recipe -> core -> output.
+
+Node ids are those of the older comfy-modelopt pack, so its saved workflows still open.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from typing_extensions import override
+
+import comfy.model_management
+import comfy.samplers
+import comfy.sd
+import comfy.utils
+import folder_paths
+from comfy_api.latest import ComfyExtension, io
+
+from ..calibrate import CalibrationOptions
+from ..checkpoint import inspect_file
+from ..formats import FORMATS
+from ..pipeline import DictSink, quantize_source
+from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS
+from ..recipe import Recipe
+from ..safetensors_io import StreamWriter, tensor_entry
+from ..stats import ActivationStats
+from .model import NodeError, PatcherSource, artifact_of, build_quantized_model, compute_device, log
+from .sampling import calibrate_by_sampling, empty_latent
+
+CALIBRATION = io.Custom("MODELOPT_CALIBRATION")
+CATEGORY = "modelopt"
+CALIBRATION_FOLDER = "modelopt_calibration"
+OLD_UNET_FOLDER = "modelopt_unet"
+
+
+def register_folders() -> None:
+    for name in (CALIBRATION_FOLDER, OLD_UNET_FOLDER):
+        if name not in folder_paths.folder_names_and_paths:
+            folder_paths.folder_names_and_paths[name] = (
+                [os.path.join(folder_paths.models_dir, name)], {".safetensors"})
+
+
+def _node_id(cls) -> str | None:
+    return getattr(cls.hidden, "unique_id", None) if cls.hidden is not None else None
+
+
+def _pattern_lines(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.replace(",", "\n").splitlines() if p.strip())
+
+
+def gpu_note(fmt_name: str) -> str:
+    """What the current GPU does with the format (ComfyUI's own gates)."""
+    fmt = FORMATS[fmt_name]
+    dev = compute_device()
+    if dev.type != "cuda":
+        return f"{fmt_name}: no CUDA GPU here; ComfyUI computes it dequantized (smaller, not faster)"
+    sm = torch.cuda.get_device_capability(dev)
+    if tuple(sm) >= tuple(fmt.native_sm):
+        return f"{fmt_name}: runs natively on this GPU (SM {sm[0]}.{sm[1]})"
+    return (f"{fmt_name}: needs SM {fmt.native_sm[0]}.{fmt.native_sm[1]}+ to run natively; on this GPU "
+            f"(SM {sm[0]}.{sm[1]}) ComfyUI dequantizes it on every step: smaller, not faster")
+
+
+# ====================================================================== calibrate
+class ModelOptCalibrationHelper(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="ModelOptCalibrationHelper",
+            display_name="Calibrate Model (ModelOpt)",
+            category=CATEGORY,
+            description="Samples real prompts through ComfyUI's own sampler over the whole denoising "
+                        "trajectory and records what every Linear layer's input looks like. Feed the "
+                        "result to Quantize Model for W8A8 fp8 with static input scales, smoothing, "
+                        "activation-aware clipping and GPTQ.",
+            inputs=[
+                io.Model.Input("model", tooltip="The 16-bit model to calibrate (LoRAs applied upstream count)."),
+                io.Clip.Input("clip", tooltip="The text encoder of this model."),
+                io.String.Input("prompts", multiline=True, default="\n".join(DEFAULT_PROMPTS),
+                                tooltip="One prompt per line; the first num_prompts are used."),
+                io.String.Input("negative_prompt", multiline=True, default=DEFAULT_NEGATIVE),
+                io.Int.Input("num_prompts", default=16, min=1, max=1024,
+                             tooltip="How many prompts to sample (more = better statistics, slower)."),
+                io.Int.Input("steps", default=20, min=1, max=200, tooltip="Sampling steps per prompt."),
+                io.Float.Input("cfg", default=4.0, min=0.0, max=30.0, step=0.1,
+                               tooltip="CFG used while sampling (1.0 for guidance-distilled models like Flux-dev)."),
+                io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="euler"),
+                io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="simple"),
+                io.Int.Input("width", default=1024, min=64, max=8192, step=8),
+                io.Int.Input("height", default=1024, min=64, max=8192, step=8),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF, control_after_generate=True),
+                io.Float.Input("guidance", default=3.5, min=0.0, max=100.0, step=0.1,
+                               tooltip="Embedded guidance for guidance-distilled models (Flux); others ignore it."),
+                io.Float.Input("samples_mib_per_layer", default=2.0, min=0.0, max=256.0, step=0.5, advanced=True,
+                               tooltip="Input rows kept per layer for the activation-aware searches (bf16)."),
+                io.String.Input("save_name", default="", tooltip="If set, also save the statistics as "
+                                "models/modelopt_calibration/<save_name>.safetensors (for the CLI's --stats)."),
+                io.Latent.Input("latent", optional=True, tooltip="Sample this latent instead of an empty "
+                                "width x height image (video models need their own latent)."),
+            ],
+            outputs=[CALIBRATION.Output(display_name="calibration"), io.String.Output(display_name="summary")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, model, clip, prompts, negative_prompt, num_prompts, steps, cfg, sampler_name, scheduler,
+                width, height, seed, guidance, samples_mib_per_layer, save_name, latent=None) -> io.NodeOutput:
+        lines = [p.strip() for p in prompts.splitlines() if p.strip()][:num_prompts]
+        if latent is not None:
+            samples = _latent_samples(model, latent)
+        else:
+            samples = empty_latent(model, width, height)
+        opts = CalibrationOptions(reservoir_bytes=int(samples_mib_per_layer * 2**20), seed=seed)
+        stats = calibrate_by_sampling(model, clip, lines, negative_prompt, steps, cfg, sampler_name, scheduler,
+                                      samples, seed, guidance if guidance > 0 else None, opts,
+                                      node_id=_node_id(cls))
+        summary = _stats_text(stats)
+        if save_name.strip():
+            register_folders()
+            folder = folder_paths.get_folder_paths(CALIBRATION_FOLDER)[0]
+            os.makedirs(folder, exist_ok=True)
+            name = save_name.strip()
+            path = os.path.join(folder, name if name.endswith(".safetensors") else name + ".safetensors")
+            stats.save(path, overwrite=True)
+            summary += f"\nsaved: {path}"
+        log(summary)
+        return io.NodeOutput(stats, summary)
+
+
+def _latent_samples(model, latent: dict) -> torch.Tensor:
+    import comfy.sample
+    return comfy.sample.fix_empty_latent_channels(model, latent["samples"][:1],
+                                                  latent.get("downscale_ratio_spacial", None),
+                                                  latent.get("downscale_ratio_temporal", None))
+
+
+def _stats_text(stats: ActivationStats) -> str:
+    s = stats.summary()
+    text = (f"calibrated {s['layers_with_data']}/{s['layers']} Linear layers over {s['forward_calls']} model "
+            f"calls ({s.get('prompts')} prompts x {s.get('steps')} steps), statistics {s['bytes'] / 2**20:.1f} MiB")
+    if s["never_ran"]:
+        text += f"\nlayers that never ran: {', '.join(s['never_ran'][:5])}"
+    return text
+
+
+class ModelOptLoadCalibration(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        register_folders()
+        return io.Schema(
+            node_id="ModelOptLoadCalibration",
+            display_name="Load Calibration (ModelOpt)",
+            category=CATEGORY,
+            description="Load statistics saved by Calibrate Model (models/modelopt_calibration).",
+            inputs=[io.Combo.Input("calibration_name", options=folder_paths.get_filename_list(CALIBRATION_FOLDER))],
+            outputs=[CALIBRATION.Output(display_name="calibration"), io.String.Output(display_name="summary")],
+        )
+
+    @classmethod
+    def execute(cls, calibration_name) -> io.NodeOutput:
+        stats = ActivationStats.load(folder_paths.get_full_path_or_raise(CALIBRATION_FOLDER, calibration_name))
+        return io.NodeOutput(stats, _stats_text(stats))
+
+
+# ====================================================================== quantize
+class ModelOptQuantizeUNet(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="ModelOptQuantizeUNet",
+            display_name="Quantize Model (ModelOpt)",
+            category=CATEGORY,
+            description="Quantizes the diffusion model into ComfyUI's native format and returns a stock "
+                        "quantized MODEL that samples right away (ComfyUI's mixed-precision ops and "
+                        "comfy-kitchen kernels). The input MODEL is not changed; LoRAs applied upstream "
+                        "are baked in.",
+            inputs=[
+                io.Model.Input("model"),
+                io.Combo.Input("format", options=list(FORMATS), default="float8_e4m3fn",
+                               tooltip="fp8: Ada/Hopper+ (W8A8 with calibration, weight-only without); "
+                                       "int8_tensorwise: Turing+; nvfp4/mxfp8: native on Blackwell, "
+                                       "stored smaller everywhere; convrot_w4a4: 4-bit int4 MMA."),
+                CALIBRATION.Input("calibration", optional=True,
+                                  tooltip="From Calibrate Model: static input scales (true fp8 W8A8), smoothing, "
+                                          "activation-aware clipping, GPTQ, per-layer sensitivity."),
+                io.Combo.Input("weight_scale", options=["mse", "absmax"], default="mse",
+                               tooltip="mse: search the clipping that minimises the error (on the layer's "
+                                       "outputs when calibrated); absmax: naive."),
+                io.Combo.Input("input_scale", options=["mse", "percentile", "max"], default="mse", advanced=True,
+                               tooltip="How calibrated static activation scales are chosen (fp8, nvfp4)."),
+                io.Combo.Input("smoothing", options=["none", "smoothquant", "awq"], default="none",
+                               tooltip="Needs calibration. Applied where it folds exactly into the "
+                                       "stock file (SD1.x/SDXL/Wan attention and FF layers), else skipped and reported."),
+                io.Boolean.Input("gptq", default=False, advanced=True,
+                                 tooltip="Error-compensated rounding (fp8 and int8 without ConvRot; needs calibration)."),
+                io.Boolean.Input("convrot", default=False, advanced=True,
+                                 tooltip="int8_tensorwise only: Hadamard-rotate weights and activations (outliers)."),
+                io.Boolean.Input("static_nvfp4_input", default=False, advanced=True,
+                                 tooltip="nvfp4: store a calibrated input_scale instead of dynamic activation amax."),
+                io.String.Input("keep", multiline=True, default="",
+                                tooltip="Layer-name patterns to keep in 16-bit, one per line, e.g. *.img_mlp.*"),
+            ],
+            outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, model, format, weight_scale, input_scale, smoothing, gptq, convrot, static_nvfp4_input,
+                keep, calibration=None) -> io.NodeOutput:
+        if convrot and format != "int8_tensorwise":
+            raise NodeError("convrot applies to int8_tensorwise only (convrot_w4a4 is always rotated)")
+        if (smoothing != "none" or gptq) and calibration is None:
+            raise NodeError(f"{'smoothing' if smoothing != 'none' else 'gptq'} needs calibration: connect "
+                            "Calibrate Model (or Load Calibration) to the calibration input")
+        recipe = Recipe(format=format, weight_scale=weight_scale, input_scale=input_scale, smoothing=smoothing,
+                        gptq=gptq, convrot=convrot, static_nvfp4_input=static_nvfp4_input,
+                        keep=_pattern_lines(keep))
+        source = PatcherSource(model, compute_device())
+        pbar = comfy.utils.ProgressBar(1, node_id=_node_id(cls))
+
+        def progress(done, total, name):
+            pbar.update_absolute(done, total)
+
+        sink = DictSink("cpu")
+        report = quantize_source(source, sink, recipe, calibration, {"name": "ComfyUI MODEL"}, progress,
+                                 comfy.model_management.throw_exception_if_processing_interrupted)
+        if not report.quantized:
+            raise NodeError("nothing was quantized: every Linear layer was kept 16-bit (see keep patterns "
+                            "and the format's shape rules in the report)\n" + report.table(limit=20))
+        qmodel = build_quantized_model(sink.tensors, sink.metadata, report, model)
+        text = "\n".join([report.summary(), gpu_note(format)])
+        log(text)
+        return io.NodeOutput(qmodel, text + "\n\n" + report.table())
+
+
+# ====================================================================== save / load
+class ModelOptSaveQuantized(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="ModelOptSaveQuantized",
+            display_name="Save Quantized Model (ModelOpt)",
+            category=CATEGORY,
+            description="Writes the quantized model into models/diffusion_models (atomically, with its "
+                        "report and recipe), where ComfyUI's own Load Diffusion Model lists it.",
+            inputs=[
+                io.Model.Input("model", tooltip="The MODEL output of Quantize Model."),
+                io.String.Input("filename", default="quantized/model-fp8",
+                                tooltip="Relative to models/diffusion_models; .safetensors is added."),
+                io.Boolean.Input("overwrite", default=False),
+            ],
+            outputs=[io.String.Output(display_name="path")],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, model, filename, overwrite) -> io.NodeOutput:
+        art = artifact_of(model)
+        if art is None:
+            raise NodeError("this MODEL was not made by Quantize Model: connect its MODEL output "
+                            "(stock files from disk are already saved)")
+        folder = folder_paths.get_folder_paths("diffusion_models")[0]
+        name = filename.strip().lstrip("/\\")
+        if not name:
+            raise NodeError("filename is empty")
+        path = os.path.abspath(os.path.join(folder, name if name.endswith(".safetensors") else name + ".safetensors"))
+        if not path.startswith(os.path.abspath(folder) + os.sep):
+            raise NodeError(f"filename must stay inside {folder}")
+        if os.path.exists(path) and not overwrite:
+            raise NodeError(f"{path} exists; choose another filename or enable overwrite")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        entries = {k: tensor_entry(v) for k, v in art.state_dict.items()}
+        with StreamWriter(path, entries, art.metadata, overwrite=overwrite) as w:
+            pbar = comfy.utils.ProgressBar(len(entries))
+            for i, (k, v) in enumerate(art.state_dict.items()):
+                comfy.model_management.throw_exception_if_processing_interrupted()
+                w.write(k, v)
+                pbar.update_absolute(i + 1)
+            w.close()
+        size = os.path.getsize(path)
+        text = f"saved {path} ({size / 2**20:.1f} MiB)"
+        log(text)
+        return io.NodeOutput(path, ui={"text": [text]})
+
+
+def _unet_files() -> list[str]:
+    register_folders()
+    names = list(folder_paths.get_filename_list("diffusion_models"))
+    names += [n for n in folder_paths.get_filename_list(OLD_UNET_FOLDER) if n not in names]
+    return names
+
+
+class ModelOptUNetLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="ModelOptUNetLoader",
+            display_name="Load Quantized Model (ModelOpt)",
+            category=CATEGORY,
+            description="Loads a quantized diffusion model (diffusion_models or the older modelopt_unet "
+                        "folder), checks its comfy-modelopt metadata and shows its report.",
+            inputs=[io.Combo.Input("unet_name", options=_unet_files())],
+            outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report")],
+        )
+
+    @classmethod
+    def execute(cls, unet_name) -> io.NodeOutput:
+        try:
+            path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        except FileNotFoundError:
+            path = folder_paths.get_full_path_or_raise(OLD_UNET_FOLDER, unet_name)
+        info = inspect_file(path)
+        if info.kind == "old_modelopt_pack":
+            raise NodeError(f"{unet_name}: {info.description}")
+        patcher = comfy.sd.load_diffusion_model(path)
+        if patcher is None:
+            raise NodeError(f"{unet_name}: ComfyUI could not detect the model in this file")
+        text = info.text()
+        return io.NodeOutput(patcher, text)
+
+
+class ModelOptExtension(ComfyExtension):
+    @override
+    async def on_load(self) -> None:
+        register_folders()
+
+    @override
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return [ModelOptCalibrationHelper, ModelOptLoadCalibration, ModelOptQuantizeUNet,
+                ModelOptSaveQuantized, ModelOptUNetLoader]
+
+
+async def comfy_entrypoint() -> ModelOptExtension:
+    register_folders()
+    return ModelOptExtension()

@@ -1,0 +1,61 @@
+"""Calibration through ComfyUI's own sampler: every prompt sampled over the whole denoising
+trajectory with the model's own sampling settings, while the core collects statistics."""
+from __future__ import annotations
+
+import torch
+
+import comfy.model_management
+import comfy.sample
+import comfy.samplers
+import comfy.utils
+import node_helpers
+
+from ..calibrate import CalibrationOptions, calibrate
+from ..stats import ActivationStats
+
+
+def encode(clip, text: str, guidance: float | None):
+    cond = clip.encode_from_tokens_scheduled(clip.tokenize(text))
+    if guidance is not None:  # guidance-distilled models (Flux) read it; others ignore the key
+        cond = node_helpers.conditioning_set_values(cond, {"guidance": guidance})
+    return cond
+
+
+def empty_latent(model, width: int, height: int) -> torch.Tensor:
+    latent = torch.zeros([1, 4, height // 8, width // 8], device=comfy.model_management.intermediate_device())
+    return comfy.sample.fix_empty_latent_channels(model, latent)
+
+
+def calibrate_by_sampling(model, clip, prompts: list[str], negative: str, steps: int, cfg: float,
+                          sampler_name: str, scheduler: str, latent: torch.Tensor, seed: int,
+                          guidance: float | None, options: CalibrationOptions,
+                          node_id: str | None = None) -> ActivationStats:
+    """Sample each prompt (seed + i) with statistics hooks on the diffusion model's Linears."""
+    if not prompts:
+        raise ValueError("no calibration prompts: give at least one prompt (one per line)")
+    if clip is None:
+        raise ValueError("the CLIP input is empty: connect the text encoder that belongs to this model")
+    negative_cond = encode(clip, negative, None)
+    conds = [encode(clip, p, guidance) for p in prompts]
+    total = len(prompts) * steps
+    pbar = comfy.utils.ProgressBar(total, node_id=node_id)
+    done = [0]
+
+    def callback(step, x0, x, total_steps):
+        pbar.update_absolute(done[0] + step + 1, total)
+
+    def forward_loop(_module):
+        for i, cond in enumerate(conds):
+            comfy.model_management.throw_exception_if_processing_interrupted()
+            noise = comfy.sample.prepare_noise(latent, seed + i)
+            comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, cond, negative_cond,
+                                latent, seed=seed + i, callback=callback, disable_pbar=True)
+            done[0] += steps
+            pbar.update_absolute(done[0], total)
+
+    sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), scheduler, steps)
+    info = {"prompts": len(prompts), "steps": steps, "cfg": cfg, "sampler": sampler_name,
+            "scheduler": scheduler, "latent_shape": list(latent.shape), "seed": seed,
+            "sigmas": [round(float(s), 5) for s in sigmas], "model": type(model.model).__name__,
+            "guidance": guidance}
+    return calibrate(model.model.diffusion_model, forward_loop, options, info=info)

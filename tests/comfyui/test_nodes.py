@@ -1,0 +1,169 @@
+"""The nodes in-process against a real ComfyUI tree (COMFYUI_PATH): input MODEL untouched, LoRA
+baked in, ComfyUI quantized modules of the chosen format, save -> reload identical, errors."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import models  # noqa: E402
+
+if not models.COMFYUI_PATH:
+    pytest.skip("COMFYUI_PATH is not set: ComfyUI node tests SKIPPED (point it at a ComfyUI v0.29+ tree)",
+                allow_module_level=True)
+
+models.setup_comfy()
+import comfy.sd  # noqa: E402
+import folder_paths  # noqa: E402
+from comfy.quant_ops import QuantizedTensor  # noqa: E402
+
+from comfy_modelopt.safetensors_io import SafetensorsFile, StreamWriter, tensor_entry  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def load_pack():
+    """Import the node pack the way ComfyUI's loader does (folder __init__.py as a package)."""
+    name = "comfy_modelopt_nodepack"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "__init__.py"),
+                                                      submodule_search_locations=[ROOT])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name + ".comfy_modelopt.comfyui.nodes"]
+
+
+def save(path, sd):
+    with StreamWriter(path, {k: tensor_entry(v) for k, v in sd.items()}, overwrite=True) as w:
+        for k, v in sd.items():
+            w.write(k, v)
+        return w.close()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    d = tmp_path_factory.mktemp("nodes")
+    save(str(d / "clip_l.safetensors"), models.clip_l_state_dict())
+    _, sd = models.build("sd15", "small", seed=1)
+    save(str(d / "sd15.safetensors"), sd)
+    folder_paths.add_model_folder_path("diffusion_models", str(d / "diffusion_models"), is_default=True)
+    os.makedirs(d / "diffusion_models", exist_ok=True)
+    nodes = load_pack()
+    clip = comfy.sd.load_clip([str(d / "clip_l.safetensors")], clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION)
+    model = comfy.sd.load_diffusion_model(str(d / "sd15.safetensors"))
+    with torch.inference_mode():
+        stats, summary = nodes.ModelOptCalibrationHelper.execute(
+            model=model, clip=clip, prompts="a red fox in snow\na city at night\na bowl of soup",
+            negative_prompt="blurry", num_prompts=2, steps=3, cfg=4.0, sampler_name="euler", scheduler="simple",
+            width=64, height=64, seed=0, guidance=0.0, samples_mib_per_layer=0.5, save_name="").args
+    return {"dir": d, "nodes": nodes, "clip": clip, "model": model, "stats": stats, "summary": summary}
+
+
+def quantize(env, model=None, **kw):
+    args = dict(model=model or env["model"], format="float8_e4m3fn", weight_scale="mse", input_scale="mse",
+                smoothing="none", gptq=False, convrot=False, static_nvfp4_input=False, keep="",
+                calibration=env["stats"])
+    args.update(kw)
+    with torch.inference_mode():
+        return env["nodes"].ModelOptQuantizeUNet.execute(**args).args
+
+
+def test_calibration_covers_the_trajectory(env):
+    st = env["stats"]
+    assert st.forward_calls == 2 * 3  # prompts x steps (cond and uncond batched per call)
+    assert len(st.info["sigmas"]) == 4 and st.info["prompts"] == 2
+    assert not st.never_ran() and "calibrated 80/80" in env["summary"]
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8_tensorwise", "nvfp4"])
+def test_quantized_model_is_stock_and_input_untouched(env, fmt):
+    model = env["model"]
+    before = {k: v.clone() for k, v in model.model.diffusion_model.state_dict().items()}
+    qmodel, report = quantize(env, format=fmt, smoothing="smoothquant" if fmt != "float8_e4m3fn" else "none")
+    after = model.model.diffusion_model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "the input MODEL changed"
+    assert qmodel is not model and qmodel.model is not model.model
+    mods = {n: m for n, m in qmodel.model.diffusion_model.named_modules()
+            if isinstance(getattr(m, "weight", None), QuantizedTensor)}
+    assert len(mods) == 71
+    for name, m in mods.items():
+        assert m.quant_format == fmt
+        if fmt == "float8_e4m3fn":  # calibrated: true W8A8 with a static input scale
+            assert getattr(m, "input_scale", None) is not None and float(m.input_scale) > 0
+    assert "attn2.to_k" not in " ".join(mods)  # detection-critical layers stay 16-bit
+    assert f"format: {fmt}" in report
+
+
+def test_quantized_model_samples(env):
+    import comfy.sample
+    qmodel, _ = quantize(env)
+    with torch.inference_mode():
+        cond = env["clip"].encode_from_tokens_scheduled(env["clip"].tokenize("a cat"))
+        latent = torch.zeros(1, 4, 8, 8)
+        noise = comfy.sample.prepare_noise(latent, 3)
+        out_q = comfy.sample.sample(qmodel, noise, 3, 4.0, "euler", "simple", cond, cond, latent, seed=3)
+        out_f = comfy.sample.sample(env["model"], noise, 3, 4.0, "euler", "simple", cond, cond, latent, seed=3)
+    assert torch.isfinite(out_q).all()
+    assert float((out_q - out_f).norm() / out_f.norm()) < 0.05
+
+
+def test_lora_applied_upstream_is_baked_in(env):
+    model = env["model"].clone()
+    key = "diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight"
+    w = model.model.diffusion_model.state_dict()[key[len("diffusion_model."):]].float()
+    delta = torch.randn(w.shape, generator=torch.Generator().manual_seed(0)) * float(w.abs().max()) * 0.5
+    model.add_patches({key: ("diff", (delta,))}, strength_patch=1.0)
+    qmodel, _ = quantize(env, model=model, format="int8_tensorwise", calibration=None)
+    q = qmodel.model.diffusion_model.get_submodule(key[len("diffusion_model."):-7]).weight.dequantize().float()
+    err_patched = float((q - (w + delta)).norm() / (w + delta).norm())
+    err_base = float((q - w).norm() / w.norm())
+    assert err_patched < 0.02 < err_base
+
+
+def test_save_and_reload_identical(env):
+    nodes = env["nodes"]
+    qmodel, _ = quantize(env)
+    with torch.inference_mode():
+        path = nodes.ModelOptSaveQuantized.execute(model=qmodel, filename="test/sd15-fp8", overwrite=True).args[0]
+    art = nodes.artifact_of(qmodel)
+    assert len(art.state_dict) > 300
+    with SafetensorsFile(path) as f:
+        assert set(f.keys()) == set(art.state_dict)
+        for k in f.keys():
+            a, b = f.read(k), art.state_dict[k].cpu()
+            assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), k
+        assert json.loads(f.metadata["comfy_modelopt.recipe"])["format"] == "float8_e4m3fn"
+    # stock loader and our loader agree
+    stock = comfy.sd.load_diffusion_model(path)
+    ours, text = nodes.ModelOptUNetLoader.execute(unet_name="test/sd15-fp8.safetensors").args
+    assert "comfy-modelopt checkpoint" in text
+    for m in (stock, ours):
+        n = sum(isinstance(getattr(x, "weight", None), QuantizedTensor) for x in m.model.diffusion_model.modules())
+        assert n == 71
+    with pytest.raises(Exception, match="exists"):
+        nodes.ModelOptSaveQuantized.execute(model=qmodel, filename="test/sd15-fp8", overwrite=False)
+
+
+def test_errors_say_what_to_do(env):
+    nodes = env["nodes"]
+    with pytest.raises(nodes.NodeError, match="needs calibration"):
+        quantize(env, smoothing="awq", calibration=None)
+    with pytest.raises(nodes.NodeError, match="convrot applies to int8_tensorwise only"):
+        quantize(env, format="nvfp4", convrot=True)
+    with pytest.raises(nodes.NodeError, match="nothing was quantized"):
+        quantize(env, keep="*")
+    with pytest.raises(nodes.NodeError, match="not made by Quantize Model"):
+        nodes.ModelOptSaveQuantized.execute(model=env["model"], filename="x", overwrite=False)
+    from comfy_modelopt.calibrate import calibrate
+    other = calibrate(torch.nn.Sequential(torch.nn.Linear(8, 8)), lambda m: m(torch.randn(2, 8)))
+    with pytest.raises(Exception, match="statistics are from another model"):
+        quantize(env, calibration=other)
+    qmodel, _ = quantize(env)
+    with pytest.raises(nodes.NodeError, match="already quantized"):
+        quantize(env, model=qmodel)
