@@ -265,8 +265,11 @@ class RowwiseIntFormat(Format):
         return self.fake_rows(x)
 
     def fake_rows(self, x, alpha=None, amax=None):
-        x = _clip_rows(x, alpha)
-        absmax = x.abs().amax(dim=-1, keepdim=True)
+        # amax: the rows' absmax [N, 1] when x holds only some of their columns (search subsample)
+        absmax = x.abs().amax(dim=-1, keepdim=True) if amax is None else amax
+        if alpha is not None:  # candidates are <= 1: the clipped row's absmax is the bound itself
+            absmax = absmax * _row_alpha(alpha, x)
+            x = torch.minimum(torch.maximum(x, -absmax), absmax)
         if self.qmax == 127:  # kitchen quantize_int8_rowwise
             scale = (absmax / 127.0).clamp(min=1e-30)
             q = (x / scale).round().clamp(-128.0, 127.0)
@@ -284,7 +287,7 @@ class Int8Format(RowwiseIntFormat):
 
     def clip_candidates(self):
         # 127 levels: the optimum of a row without outliers sits close to its absmax
-        return torch.tensor([0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.925, 0.95, 0.975, 1.0])
+        return torch.tensor([0.6, 0.75, 0.85, 0.9, 0.95, 1.0])
 
     def _stored_params(self, tensors, conf):
         params = {"scale": tensors["_scale"]}
