@@ -48,7 +48,8 @@ def calibrate(module: torch.nn.Module, forward_loop: Callable[[torch.nn.Module],
         stats = ActivationStats(fingerprint=fingerprint)
         for i, (name, m) in enumerate(layers.items()):
             k = int(m.in_features)
-            stats.layers[name] = LayerStats(k, rows_for_budget(k, options.reservoir_bytes), seed=options.seed + i)
+            stats.layers[name] = LayerStats(k, rows_for_budget(k, options.reservoir_bytes), seed=options.seed + i,
+                                            sanitize=options.nonfinite == "ignore")
     else:
         stats.check_model({n: tuple(v) for n, v in fingerprint.items()})
     if info:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
+import comfy_kitchen as ck
 import comfy_kitchen.tensor as ck_tensor
+import torch
 from comfy_kitchen.tensor import QuantizedTensor
 from comfy_kitchen.tensor.int8_utils import _build_hadamard, _rotate_weight
 
@@ -87,7 +88,8 @@ class Format:
         return self._kitchen(prepared, **{**self.layout_kwargs(**opts), **extra})
 
     def _kitchen(self, tensor: torch.Tensor, **kw) -> QuantizedTensor:
-        qdata, params = _KITCHEN_LAYOUTS[self.layout].quantize(tensor, **kw)
+        with kitchen_reference():
+            qdata, params = _KITCHEN_LAYOUTS[self.layout].quantize(tensor, **kw)
         return QuantizedTensor(qdata, self.layout, params)
 
     def encode(self, w: torch.Tensor, alpha: torch.Tensor | None = None,
@@ -150,6 +152,12 @@ class Format:
         for dtype, shape in self.planned(n, k, **opts).values():
             total += math.prod(shape) * _itemsize(dtype)
         return total
+
+
+def kitchen_reference():
+    """kitchen's eager (reference) backend: the encoder every test checks against, on any device
+    and for float32 inputs (its CUDA quantizers take only 16-bit inputs)."""
+    return ck.use_backend("eager")
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -4,8 +4,9 @@ Per layer, streamed over every forward call (many prompts x every timestep):
 - ``amax``: largest |x|;
 - ``channel_absmax`` / ``channel_abssum`` [K]: per-input-channel max and sum of |x| (SmoothQuant,
   AWQ);
-- ``hist``: counts of |x| in log2-spaced bins (32 per octave over 2^-40..2^24, plus one bin for
-  zero), exact and order-independent, for percentile and MSE activation clipping;
+- ``hist``: counts of |x| by its bf16 exponent and top 5 mantissa bits (32 bins per octave over
+  the whole bf16 range, zeros in bin 0), exact and order-independent, for percentile and MSE
+  activation clipping; computed from the bit pattern, so it costs two integer passes;
 - a reservoir of input rows (uniform sample over every row seen, bounded by a byte budget) for
   the activation-aware searches.
 
@@ -24,29 +25,33 @@ from dataclasses import dataclass, field
 
 import torch
 
-HIST_MIN_EXP = -40
-HIST_MAX_EXP = 24
-HIST_PER_OCTAVE = 32
-HIST_BINS = (HIST_MAX_EXP - HIST_MIN_EXP) * HIST_PER_OCTAVE + 1  # bin 0 holds exact zeros
-FORMAT_VERSION = 1
+HIST_MANTISSA_BITS = 5                       # 32 bins per octave
+HIST_BINS = 1 << (8 + HIST_MANTISSA_BITS)    # bf16 exponent x top mantissa bits (incl. inf/nan)
+FORMAT_VERSION = 2  # 2: bf16-bit-pattern histogram
 
 
 class CalibrationError(ValueError):
     """Statistics that cannot be used; the message says which layer or file and why."""
 
 
+def _bin_value(index: torch.Tensor, offset: float) -> torch.Tensor:
+    """|x| at ``offset`` (0 = lower edge, 1 = upper edge) inside histogram bin ``index``."""
+    e = (index >> HIST_MANTISSA_BITS).double()
+    m = (index & ((1 << HIST_MANTISSA_BITS) - 1)).double() + offset
+    step = 1.0 / (1 << HIST_MANTISSA_BITS)
+    normal = torch.exp2(e - 127) * (1 + m * step)
+    subnormal = torch.exp2(torch.tensor(-126.0, dtype=torch.float64)) * (m * step)
+    return torch.where(e > 0, normal, subnormal)
+
+
 def hist_edges() -> torch.Tensor:
-    """Upper edge of every histogram bin (bin 0: zeros)."""
-    k = torch.arange(1, HIST_BINS, dtype=torch.float64)
-    upper = torch.exp2(HIST_MIN_EXP + k / HIST_PER_OCTAVE)
-    return torch.cat([torch.zeros(1, dtype=torch.float64), upper])
+    """Upper edge of every histogram bin."""
+    return _bin_value(torch.arange(HIST_BINS), 1.0)
 
 
 def hist_centers() -> torch.Tensor:
-    """Geometric center of every bin (bin 0: 0)."""
-    k = torch.arange(1, HIST_BINS, dtype=torch.float64)
-    center = torch.exp2(HIST_MIN_EXP + (k - 0.5) / HIST_PER_OCTAVE)
-    return torch.cat([torch.zeros(1, dtype=torch.float64), center])
+    """Middle of every histogram bin (bin 0 holds zeros and the smallest subnormals)."""
+    return _bin_value(torch.arange(HIST_BINS), 0.5)
 
 
 def _s64(c: int) -> int:
@@ -78,16 +83,15 @@ class LayerStats:
     hist: torch.Tensor | None = None
     reservoir: torch.Tensor | None = None  # [min(rows, capacity), K] bf16
     seed: int = 0
+    sanitize: bool = False                 # zero non-finite inputs before the other statistics
 
     def update(self, x: torch.Tensor) -> None:
-        """Fold a [..., K] input into the statistics (no host synchronisation)."""
+        """Fold a [..., K] input into the statistics (no host synchronisation; a handful of
+        passes over the activation, in its own dtype)."""
         x = x.detach().reshape(-1, self.k)
         self.calls += 1
         if x.shape[0] == 0:
             return
-        xf = x.float()
-        finite = torch.isfinite(xf)
-        a = xf.abs()
         if self.amax is None:
             dev = x.device
             self.amax = torch.zeros((), device=dev)
@@ -95,12 +99,18 @@ class LayerStats:
             self.channel_abssum = torch.zeros(self.k, dtype=torch.float64, device=dev)
             self.hist = torch.zeros(HIST_BINS, dtype=torch.int64, device=dev)
             self._nonfinite = torch.zeros((), dtype=torch.int64, device=dev)
-        self._nonfinite += (~finite).sum()
-        a = torch.where(finite, a, torch.zeros_like(a))
-        self.amax = torch.maximum(self.amax, a.amax())
-        self.channel_absmax = torch.maximum(self.channel_absmax, a.amax(dim=0))
+        a = x.abs()
+        bins = _hist_index(a)
+        counts = _bincount(bins.reshape(-1))
+        inf_nan = (HIST_BINS - (1 << HIST_MANTISSA_BITS))  # bf16 exponent 255: inf and nan
+        self._nonfinite += counts[inf_nan:].sum()
+        counts[inf_nan:] = 0
+        if self.sanitize:  # keep the other statistics finite too (costs one more pass)
+            a = torch.where(bins >= inf_nan, torch.zeros_like(a), a)
+        self.hist += counts
+        self.amax = torch.maximum(self.amax, a.amax().float())
+        self.channel_absmax = torch.maximum(self.channel_absmax, a.amax(dim=0).float())
         self.channel_abssum += a.sum(dim=0, dtype=torch.float64)
-        self.hist += torch.bincount(_hist_index(a).reshape(-1), minlength=HIST_BINS)
         self._sample(x)
         self.rows += x.shape[0]
 
@@ -120,12 +130,14 @@ class LayerStats:
         if grow > filled:
             self.reservoir = torch.cat([self.reservoir, torch.zeros(grow - filled, self.k, dtype=torch.bfloat16,
                                                                     device=x.device)])
-        # the last row drawing a slot wins, as in the sequential algorithm
-        last = torch.full((self.capacity,), -1, dtype=torch.int64, device=x.device)
+        # the last row drawing a slot wins, as in the sequential algorithm; fixed-size ops only
+        # (boolean indexing would wait for the GPU to learn the result's size)
+        last = torch.full((self.capacity + 1,), -1, dtype=torch.int64, device=x.device)
         pos = torch.arange(n, device=x.device)
-        last.scatter_reduce_(0, slot[keep], pos[keep], reduce="amax")
-        take = last[:grow] >= 0
-        self.reservoir[:grow][take] = x[last[:grow][take]].to(torch.bfloat16)
+        last.scatter_reduce_(0, torch.where(keep, slot, self.capacity), pos, reduce="amax")
+        last = last[:grow]
+        picked = x.index_select(0, last.clamp(min=0)).to(torch.bfloat16)
+        self.reservoir[:grow] = torch.where((last >= 0).unsqueeze(1), picked, self.reservoir[:grow])
 
     def finish(self) -> None:
         if self.amax is not None:
@@ -167,12 +179,21 @@ class LayerStats:
                    if t is not None)
 
 
+def _bincount(index: torch.Tensor) -> torch.Tensor:
+    """Counts per histogram bin.  On CUDA by scatter_add: bincount sizes its output from
+    max(input), a host synchronisation per call that stalls the whole forward pass."""
+    if index.device.type == "cpu":
+        return torch.bincount(index, minlength=HIST_BINS)
+    counts = torch.zeros(HIST_BINS, dtype=torch.int64, device=index.device)
+    return counts.scatter_add_(0, index, torch.ones(1, dtype=torch.int64, device=index.device).expand(index.numel()))
+
+
 def _hist_index(a: torch.Tensor) -> torch.Tensor:
-    """Bin of each |x|: 0 for zero, else 1 + floor((log2|x| - MIN) * PER_OCTAVE), clamped."""
-    pos = a > 0
-    e = torch.log2(torch.where(pos, a, torch.ones_like(a)))
-    k = torch.floor((e - HIST_MIN_EXP) * HIST_PER_OCTAVE).to(torch.int64) + 1
-    return torch.where(pos, k.clamp(1, HIST_BINS - 1), torch.zeros_like(k))
+    """Histogram bin of each |x|: its bf16 bit pattern without the sign, top mantissa bits kept.
+    (Rounding to bf16 first moves values by at most half a bf16 step: within their bin or to
+    its neighbour.)"""
+    bits = (a if a.dtype == torch.bfloat16 else a.to(torch.bfloat16)).view(torch.int16).to(torch.int32)
+    return ((bits & 0x7FFF) >> (7 - HIST_MANTISSA_BITS)).long()
 
 
 @dataclass

@@ -57,21 +57,22 @@ def flux_layout(hidden: int = 3072, depth: int = 19, depth_single: int = 38, mlp
 
 
 def tensor_for(key: str, shape: tuple, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-               outliers: bool = False) -> torch.Tensor:
+               outliers: bool = False, device="cpu") -> torch.Tensor:
     """Deterministic tensor for ``key``: N(0, 1/fan_in) weights, ones for norm scales, small biases.
 
     ``outliers`` scales a few input channels of each Linear weight 20-60x (the structure real
     DiTs show), for error and calibration experiments."""
-    g = torch.Generator().manual_seed((zlib.crc32(key.encode()) + 7919 * seed) & 0x7FFFFFFF)
-    if key.endswith((".scale", "norm.weight")) and len(shape) == 1:
-        return (1.0 + 0.1 * torch.randn(shape, generator=g)).to(dtype)
+    g = torch.Generator(device=device).manual_seed((zlib.crc32(key.encode()) + 7919 * seed) & 0x7FFFFFFF)
+    rand = lambda *s: torch.randn(s, generator=g, device=device)  # noqa: E731
+    if len(shape) == 1 and ("norm" in key or key.endswith(".scale")) and key.endswith((".weight", ".scale")):
+        return (1.0 + 0.1 * rand(*shape)).to(dtype)
     if len(shape) == 1:
-        return (0.02 * torch.randn(shape, generator=g)).to(dtype)
+        return (0.02 * rand(*shape)).to(dtype)
     fan_in = math.prod(shape[1:])
-    t = torch.randn(shape, generator=g) / math.sqrt(fan_in)
+    t = rand(*shape) / math.sqrt(fan_in)
     if outliers and len(shape) == 2 and shape[1] >= 64:
-        cols = torch.randperm(shape[1], generator=g)[: max(1, shape[1] // 256)]
-        t[:, cols] *= 20 + 40 * torch.rand(len(cols), generator=g)
+        cols = torch.randperm(shape[1], generator=g, device=device)[: max(1, shape[1] // 256)]
+        t[:, cols] *= 20 + 40 * torch.rand(len(cols), generator=g, device=device)
     return t.to(dtype)
 
 

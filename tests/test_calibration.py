@@ -393,3 +393,16 @@ def test_cli_refuses_stats_of_another_model(flux_file, tmp_path, capsys):
     assert cli.main(["quantize", flux_file, "-o", str(tmp_path / "o.safetensors"), "--stats", path, "-q"]) == 2
     assert "statistics are from another model" in capsys.readouterr().err
     assert not (tmp_path / "o.safetensors").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: checks the hooks never wait for the GPU")
+def test_hooks_do_not_synchronise_on_cuda():
+    m = mlp().cuda()
+    xs = [torch.randn(64, 64, device="cuda") for _ in range(3)]
+    calibrate(m, lambda mod: mod(xs[0]))  # first call allocates
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        st = calibrate(m, lambda mod: [mod(x) for x in xs])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert st.layers["0"].rows == 192

@@ -24,11 +24,18 @@ from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS
 from ..recipe import Recipe
 from ..safetensors_io import StreamWriter, tensor_entry
 from ..stats import ActivationStats
+from .lean import enable_cuda_graphs, enable_int8_attention, make_lean
 from .model import NodeError, PatcherSource, artifact_of, build_quantized_model, compute_device, log
 from .sampling import calibrate_by_sampling, empty_latent
 
 CALIBRATION = io.Custom("MODELOPT_CALIBRATION")
 CATEGORY = "modelopt"
+RUNTIMES = ["lean", "lean + cuda graphs", "lean + cuda graphs + int8 attention", "stock"]
+RUNTIME_TOOLTIP = ("lean: the same kernels as stock ComfyUI without its per-layer Python dispatch "
+                   "(bit-exact for fp8/int8); + cuda graphs: replay whole model evaluations (fastest; "
+                   "falls back to eager when offloading or patched); + int8 attention: kitchen's "
+                   "SageAttention-style INT8 attention (faster still, changes attention numerics); "
+                   "stock: ComfyUI's own layers.")
 CALIBRATION_FOLDER = "modelopt_calibration"
 OLD_UNET_FOLDER = "modelopt_unet"
 
@@ -46,6 +53,24 @@ def _node_id(cls) -> str | None:
 
 def _pattern_lines(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.replace(",", "\n").splitlines() if p.strip())
+
+
+def apply_runtime(patcher, runtime: str) -> tuple:
+    """Lean layers and/or CUDA graphs on a model this pack created; returns (model, note)."""
+    if runtime == "stock":
+        return patcher, "runtime: stock ComfyUI layers"
+    n = make_lean(patcher)
+    note = f"runtime: lean ({n} quantized layers on direct kernel calls)"
+    if runtime.endswith("int8 attention"):
+        try:
+            patcher = enable_int8_attention(patcher)
+            note += " + INT8 attention"
+        except ValueError as e:
+            note += f" (INT8 attention not enabled: {e})"
+    if "cuda graphs" in runtime:
+        patcher, _ = enable_cuda_graphs(patcher)
+        note += " + CUDA graph replay"
+    return patcher, note
 
 
 def gpu_note(fmt_name: str) -> str:
@@ -199,6 +224,7 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                                  tooltip="nvfp4: store a calibrated input_scale instead of dynamic activation amax."),
                 io.String.Input("keep", multiline=True, default="",
                                 tooltip="Layer-name patterns to keep in 16-bit, one per line, e.g. *.img_mlp.*"),
+                io.Combo.Input("runtime", options=RUNTIMES, default="lean", tooltip=RUNTIME_TOOLTIP),
             ],
             outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report")],
             hidden=[io.Hidden.unique_id],
@@ -206,7 +232,7 @@ class ModelOptQuantizeUNet(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, format, weight_scale, input_scale, smoothing, gptq, convrot, static_nvfp4_input,
-                keep, calibration=None) -> io.NodeOutput:
+                keep, runtime="lean", calibration=None) -> io.NodeOutput:
         if convrot and format != "int8_tensorwise":
             raise NodeError("convrot applies to int8_tensorwise only (convrot_w4a4 is always rotated)")
         if (smoothing != "none" or gptq) and calibration is None:
@@ -228,7 +254,8 @@ class ModelOptQuantizeUNet(io.ComfyNode):
             raise NodeError("nothing was quantized: every Linear layer was kept 16-bit (see keep patterns "
                             "and the format's shape rules in the report)\n" + report.table(limit=20))
         qmodel = build_quantized_model(sink.tensors, sink.metadata, report, model)
-        text = "\n".join([report.summary(), gpu_note(format)])
+        qmodel, runtime_note = apply_runtime(qmodel, runtime)
+        text = "\n".join([report.summary(), gpu_note(format), runtime_note])
         log(text)
         return io.NodeOutput(qmodel, text + "\n\n" + report.table())
 
@@ -299,12 +326,13 @@ class ModelOptUNetLoader(io.ComfyNode):
             category=CATEGORY,
             description="Loads a quantized diffusion model (diffusion_models or the older modelopt_unet "
                         "folder), checks its comfy-modelopt metadata and shows its report.",
-            inputs=[io.Combo.Input("unet_name", options=_unet_files())],
+            inputs=[io.Combo.Input("unet_name", options=_unet_files()),
+                    io.Combo.Input("runtime", options=RUNTIMES, default="lean", tooltip=RUNTIME_TOOLTIP)],
             outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report")],
         )
 
     @classmethod
-    def execute(cls, unet_name) -> io.NodeOutput:
+    def execute(cls, unet_name, runtime="lean") -> io.NodeOutput:
         try:
             path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         except FileNotFoundError:
@@ -315,8 +343,31 @@ class ModelOptUNetLoader(io.ComfyNode):
         patcher = comfy.sd.load_diffusion_model(path)
         if patcher is None:
             raise NodeError(f"{unet_name}: ComfyUI could not detect the model in this file")
-        text = info.text()
-        return io.NodeOutput(patcher, text)
+        patcher, note = apply_runtime(patcher, runtime)
+        return io.NodeOutput(patcher, info.text() + "\n" + note)
+
+
+class ModelOptCudaGraphs(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="ModelOptCudaGraphs",
+            display_name="CUDA Graphs (ModelOpt)",
+            category=CATEGORY,
+            description="Captures each model evaluation once per input shape and replays it: removes "
+                        "the per-layer Python overhead of any MODEL, 16-bit or quantized. Falls back to "
+                        "normal execution (logged) when the model is offloaded or patched.",
+            inputs=[io.Model.Input("model")],
+            outputs=[io.Model.Output(display_name="model")],
+        )
+
+    @classmethod
+    def execute(cls, model) -> io.NodeOutput:
+        try:
+            clone, _ = enable_cuda_graphs(model)
+        except ValueError as e:
+            raise NodeError(str(e)) from None
+        return io.NodeOutput(clone)
 
 
 class ModelOptExtension(ComfyExtension):
@@ -327,7 +378,7 @@ class ModelOptExtension(ComfyExtension):
     @override
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         return [ModelOptCalibrationHelper, ModelOptLoadCalibration, ModelOptQuantizeUNet,
-                ModelOptSaveQuantized, ModelOptUNetLoader]
+                ModelOptSaveQuantized, ModelOptUNetLoader, ModelOptCudaGraphs]
 
 
 async def comfy_entrypoint() -> ModelOptExtension:

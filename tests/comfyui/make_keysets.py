@@ -9,7 +9,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-import models  # noqa: E402
+from comfy_modelopt.comfyui import architectures as models  # noqa: E402
 
 
 def main():

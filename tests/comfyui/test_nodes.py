@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import models  # noqa: E402
+from comfy_modelopt.comfyui import architectures as models  # noqa: E402
 
 if not models.COMFYUI_PATH:
     pytest.skip("COMFYUI_PATH is not set: ComfyUI node tests SKIPPED (point it at a ComfyUI v0.29+ tree)",
@@ -66,7 +66,7 @@ def env(tmp_path_factory):
 
 
 def quantize(env, model=None, **kw):
-    args = dict(model=model or env["model"], format="float8_e4m3fn", weight_scale="mse", input_scale="mse",
+    args = dict(model=model or env["model"], format="float8_e4m3fn", weight_scale="absmax", input_scale="mse",
                 smoothing="none", gptq=False, convrot=False, static_nvfp4_input=False, keep="",
                 calibration=env["stats"])
     args.update(kw)
@@ -167,3 +167,56 @@ def test_errors_say_what_to_do(env):
     qmodel, _ = quantize(env)
     with pytest.raises(nodes.NodeError, match="already quantized"):
         quantize(env, model=qmodel)
+
+
+@pytest.mark.parametrize("fmt", ["int8_tensorwise", "nvfp4", "float8_e4m3fn"])
+def test_lean_runtime_equals_stock(env, fmt):
+    """Lean layers call the kernels the stock dispatch ends in: identical outputs."""
+    lean_mod = env["nodes"].make_lean
+    stock, _ = quantize(env, format=fmt, runtime="stock")
+    lean, _ = quantize(env, format=fmt, runtime="stock")
+    assert lean_mod(lean) == 71
+    g = torch.Generator().manual_seed(0)
+    x, c = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 8, 768, generator=g)
+    with torch.inference_mode():
+        a = stock.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)
+        b = lean.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)
+    assert torch.equal(a, b)
+    if fmt == "float8_e4m3fn":  # force the W8A8 path on both (ComfyUI emulates fp8 on a CPU)
+        for m in list(stock.model.diffusion_model.modules()) + list(lean.model.diffusion_model.modules()):
+            if getattr(m, "quant_format", None) == fmt:
+                m._full_precision_mm = False
+        from comfy_modelopt.comfyui import lean as lean_runtime
+        for m in lean.model.diffusion_model.modules():
+            if getattr(m, "quant_format", None) == fmt:
+                m._modelopt_lean = False
+        orig = lean_runtime._native_formats
+        lean_runtime._native_formats = lambda d: orig(d) | {"float8_e4m3fn"}
+        try:
+            lean2, _ = quantize(env, format=fmt, runtime="stock")
+            for m in lean2.model.diffusion_model.modules():
+                if getattr(m, "quant_format", None) == fmt:
+                    m._full_precision_mm = False
+            assert lean_mod(lean2) == 71
+        finally:
+            lean_runtime._native_formats = orig
+        with torch.inference_mode():
+            a = stock.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)
+            b = lean2.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)
+        # on a CPU ComfyUI dequantizes the weight inside cast_bias_weight, so its W8A8 is a float
+        # matmul of the fp8-rounded operands while the lean layer runs _scaled_mm: same operands,
+        # other summation order (bit-exactness is checked on the GPU by benchmarks/speed.py)
+        assert torch.allclose(a, b, rtol=1e-3, atol=1e-3) and not torch.equal(a, torch.zeros_like(a))
+
+
+def test_cuda_graphs_fall_back_off_gpu(env):
+    import comfy.sample
+    clone, runner = env["nodes"].enable_cuda_graphs(env["model"])
+    with torch.inference_mode():
+        cond = env["clip"].encode_from_tokens_scheduled(env["clip"].tokenize("a cat"))
+        latent = torch.zeros(1, 4, 8, 8)
+        noise = comfy.sample.prepare_noise(latent, 1)
+        a = comfy.sample.sample(clone, noise, 2, 4.0, "euler", "simple", cond, cond, latent, seed=1)
+        b = comfy.sample.sample(env["model"], noise, 2, 4.0, "euler", "simple", cond, cond, latent, seed=1)
+    assert torch.equal(a, b)
+    assert runner.eager_calls == 2 and runner.captures == 0 and "not on a CUDA device" in runner.warned

@@ -1,8 +1,9 @@
-"""Real ComfyUI model classes for the contract tests and the key-set fixtures.
+"""ComfyUI's own model classes at real (or small) configurations, with deterministic random
+weights: the models of the contract tests, the benchmarks and the key-set fixtures.
 
-Needs COMFYUI_PATH (a real ComfyUI tree, v0.29+).  Each family is described by the config
-ComfyUI's own detection produces for it (``detect_unet_config``); ``build`` turns it into the
-model ComfyUI would construct, with deterministic random weights.
+Each family is described by the config ComfyUI's detection produces for it
+(``detect_unet_config``); ``build`` turns it into the model ComfyUI would construct.  Outside a
+ComfyUI process, ``setup_comfy`` puts the tree named by COMFYUI_PATH on the import path.
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
 
 
 def setup_comfy():
+    """Import ComfyUI (CPU mode without a GPU); from a plain process COMFYUI_PATH names the tree."""
+    if "comfy" in sys.modules:
+        return
     if not COMFYUI_PATH:
         raise RuntimeError("COMFYUI_PATH is not set")
     if COMFYUI_PATH not in sys.path:
@@ -98,9 +102,10 @@ def model_config(family: str, size: str = "small"):
 
 
 def build(family: str, size: str = "small", device: str = "cpu", seed: int = 0,
-          dtype=torch.bfloat16):
-    """(ComfyUI BaseModel, diffusion-model state dict with deterministic weights)."""
-    from comfy_modelopt.synthetic import tensor_for
+          dtype=torch.bfloat16, weights_device: str = "cpu"):
+    """(ComfyUI BaseModel, diffusion-model state dict with deterministic weights on
+    ``weights_device``)."""
+    from ..synthetic import tensor_for
     mc = model_config(family, size)
     mc.set_inference_dtype(dtype, None)
     if device == "meta":
@@ -108,13 +113,14 @@ def build(family: str, size: str = "small", device: str = "cpu", seed: int = 0,
             model = mc.get_model({}, "", device="meta")
         sd = model.diffusion_model.state_dict()
         return model, {k: v for k, v in sd.items()}
-    model = mc.get_model({}, "", device=device)
+    with torch.device("meta"):
+        model = mc.get_model({}, "", device="meta")
     sd = {}
     for k, v in model.diffusion_model.state_dict().items():
         if v.is_floating_point():
-            sd[k] = tensor_for(k, tuple(v.shape), seed, dtype)
+            sd[k] = tensor_for(k, tuple(v.shape), seed, dtype, device=weights_device)
         else:
-            sd[k] = v.clone()
+            sd[k] = torch.zeros(v.shape, dtype=v.dtype, device=weights_device)
     return model, sd
 
 
@@ -123,7 +129,7 @@ def clip_l_state_dict(seed: int = 0, dtype=torch.bfloat16) -> dict:
     the text_encoders/clip_l.safetensors files users download."""
     setup_comfy()
     import comfy.sd1_clip
-    from comfy_modelopt.synthetic import tensor_for
+    from ..synthetic import tensor_for
     with torch.device("meta"):
         model = comfy.sd1_clip.SDClipModel(device="meta", dtype=dtype)
     sd = {}

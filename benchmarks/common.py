@@ -1,0 +1,180 @@
+"""Shared pieces of the benchmark scripts: environment record, timing, models built with
+ComfyUI's own classes, quantized with comfy-modelopt and loaded the stock way."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from comfy_modelopt.comfyui import architectures  # noqa: E402
+
+architectures.setup_comfy()
+
+import comfy.model_management  # noqa: E402
+import comfy.sd  # noqa: E402
+
+from comfy_modelopt.pipeline import DictSink, DictSource, quantize_source  # noqa: E402
+from comfy_modelopt.recipe import Recipe  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+def env_info() -> dict:
+    import comfy_kitchen
+    info = {"date": time.strftime("%Y-%m-%d %H:%M"), "python": platform.python_version(),
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "comfy_kitchen": getattr(comfy_kitchen, "__version__", "?"),
+            "kitchen_backends": [k for k, v in comfy_kitchen.list_backends().items() if v["available"]
+                                 and not v["disabled"]],
+            "comfyui": _comfy_version(), "cpus": os.cpu_count()}
+    if CUDA:
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["sm"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+        try:
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            info["driver"] = "?"
+    return info
+
+
+def _comfy_version() -> str:
+    ns = {}
+    path = os.path.join(architectures.COMFYUI_PATH or os.path.dirname(comfy.__path__[0]), "comfyui_version.py")
+    try:
+        exec(open(path).read(), ns)
+    except OSError:
+        return "?"
+    return ns.get("__version__", "?")
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, warmup: int = 3, iters: int = 10) -> tuple[float, list]:
+    """Median milliseconds per call (CUDA events on a GPU, wall clock on a CPU)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        if CUDA:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), times
+
+
+def kernel_ms(fn, iters: int = 2) -> float | None:
+    """GPU kernel time per call from the profiler (None on a CPU)."""
+    if not CUDA:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        sync()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / 1e3 / iters
+
+
+def peak_vram_gib(fn) -> float | None:
+    if not CUDA:
+        return None
+    sync()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    sync()
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def load_stock(sd: dict, metadata: dict | None = None):
+    """The stock ComfyUI MODEL for a state dict, fully on the GPU."""
+    patcher = comfy.sd.load_diffusion_model_state_dict(dict(sd), metadata=dict(metadata or {}), disable_dynamic=True)
+    comfy.model_management.load_models_gpu([patcher], force_full_load=True)
+    return patcher
+
+
+def quantize_sd(sd: dict, recipe: Recipe, stats=None) -> tuple[dict, dict, object]:
+    sink = DictSink(DEVICE)
+    report = quantize_source(DictSource.from_state_dict(sd), sink, recipe, stats)
+    return sink.tensors, sink.metadata, report
+
+
+def naive_w8a8(q_sd: dict, metadata: dict) -> tuple[dict, dict]:
+    """fp8 as naive converters write it: W8A8 without input_scale (ComfyUI then uses 1.0)."""
+    q_sd = dict(q_sd)
+    layers = json.loads(metadata["_quantization_metadata"])["layers"]
+    for name, conf in layers.items():
+        conf.pop("full_precision_matrix_mult", None)
+        q_sd[name + ".comfy_quant"] = torch.frombuffer(bytearray(json.dumps(conf).encode()), dtype=torch.uint8)
+    meta = dict(metadata, _quantization_metadata=json.dumps({"format_version": "1.0", "layers": layers}))
+    return q_sd, meta
+
+
+def model_bytes(patcher) -> int:
+    total = 0
+    for t in patcher.model.diffusion_model.state_dict().values():
+        total += t.numel() * t.element_size() if not hasattr(t, "_qdata") else _qt_bytes(t)
+    return total
+
+
+def _qt_bytes(qt) -> int:
+    return sum(v.numel() * v.element_size() for v in qt.state_dict("").values())
+
+
+def free(*patchers):
+    for p in patchers:
+        if p is not None:
+            comfy.model_management.unload_model_clones(p) if hasattr(comfy.model_management, "unload_model_clones") else None
+    comfy.model_management.unload_all_models()
+    comfy.model_management.soft_empty_cache(True)
+    if CUDA:
+        torch.cuda.empty_cache()
+
+
+def inputs(family: str, batch: int, res: int, txt: int, dtype) -> tuple:
+    """(x, sigma, kwargs) for one apply_model call of a real-resolution model."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, device=DEVICE, dtype=dtype)  # noqa: E731
+    lat = res // 8
+    sigma = torch.full((batch,), 0.7, device=DEVICE)
+    if family == "flux":
+        return r(batch, 16, lat, lat), sigma, {"c_crossattn": r(batch, txt, 4096), "y": r(batch, 768),
+                                              "guidance": torch.full((batch,), 3.5, device=DEVICE)}
+    if family == "flux_small":
+        return r(batch, 16, lat, lat), sigma, {"c_crossattn": r(batch, txt, 256), "y": r(batch, 256),
+                                              "guidance": torch.full((batch,), 3.5, device=DEVICE)}
+    if family == "sdxl":
+        return r(batch, 4, lat, lat), sigma, {"c_crossattn": r(batch, 77, 2048), "y": r(batch, 2816)}
+    if family == "sd15":
+        return r(batch, 4, lat, lat), sigma, {"c_crossattn": r(batch, 77, 768)}
+    raise ValueError(family)
+
+
+def write_json(path: str, doc: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    os.replace(tmp, path)

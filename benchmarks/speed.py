@@ -1,0 +1,278 @@
+"""Sampling speed and VRAM per diffusion-model forward, side by side in one run.
+
+    python benchmarks/speed.py --out DIR                  # H200: Flux-dev 1024^2 b1 (512 text tokens),
+                                                          #       SDXL 1024^2 b2; full-size, random weights
+    python benchmarks/speed.py --out DIR --reduced        # small models on the CPU (not a measurement)
+
+Every model is built with ComfyUI's own classes (random weights), quantized by comfy-modelopt and
+loaded the stock way (``comfy.sd.load_diffusion_model_state_dict``).  For each variant it times
+``apply_model`` (median of 10 after warm-up, CUDA events) under three runtimes - stock ComfyUI
+layers, our lean layers, lean layers + CUDA-graph replay - records the profiler's GPU kernel time,
+peak VRAM and weight bytes, checks that lean equals stock bit for bit (graph replay equals eager),
+and reports everything as ratios to the 16-bit model's stock eager time.  Also: raw GEMM ceilings.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from common import CUDA, DEVICE, torch  # noqa: E402
+
+from comfy_modelopt.calibrate import CalibrationOptions, calibrate  # noqa: E402
+from comfy_modelopt.comfyui import architectures  # noqa: E402
+from comfy_modelopt.comfyui.lean import CudaGraphs, make_lean  # noqa: E402
+from comfy_modelopt.recipe import Recipe  # noqa: E402
+
+FULL = {
+    "flux": dict(family="flux", size="full", batch=1, res=1024, txt=512, dtype=torch.bfloat16,
+                 formats=["fp8-naive", "float8_e4m3fn", "int8_tensorwise", "int8_convrot", "nvfp4", "mxfp8",
+                          "convrot_w4a4"]),
+    "sdxl": dict(family="sdxl", size="full", batch=2, res=1024, txt=77, dtype=torch.float16,
+                 formats=["fp8-naive", "float8_e4m3fn", "int8_tensorwise", "nvfp4"]),
+}
+REDUCED = {
+    "flux": dict(family="flux", size="small", batch=1, res=64, txt=16, dtype=torch.bfloat16,
+                 formats=["fp8-naive", "float8_e4m3fn", "int8_tensorwise", "nvfp4"], inputs="flux_small"),
+    "sd15": dict(family="sd15", size="small", batch=2, res=64, txt=77, dtype=torch.float16,
+                 formats=["float8_e4m3fn", "int8_tensorwise"]),
+}
+
+
+def recipe_for(variant: str) -> Recipe:
+    if variant == "int8_convrot":
+        return Recipe("int8_tensorwise", weight_scale="absmax", convrot=True, sensitivity=False)
+    if variant == "fp8-naive":
+        return Recipe("float8_e4m3fn", weight_scale="absmax", sensitivity=False)
+    return Recipe(variant, weight_scale="absmax", input_scale="max", sensitivity=False)
+
+
+def measure(label, fn, ref, rows, base_ms, extra=None):
+    out = fn().float()
+    ms, _ = common.time_ms(fn)
+    row = {"variant": label, "ms": round(ms, 2), "vs_16bit_stock": round(base_ms / ms, 3) if base_ms else 1.0,
+           "kernel_ms": _round(common.kernel_ms(fn)), "peak_vram_gib": _round(common.peak_vram_gib(fn)),
+           "rel_err_vs_16bit": _round(float((out - ref).norm() / ref.norm()) if ref is not None else 0.0, 5)}
+    row.update(extra or {})
+    rows.append(row)
+    print(f"  {label:44s} {ms:8.2f} ms  x{row['vs_16bit_stock']:.3f}  kernels {row['kernel_ms']} ms  "
+          f"VRAM {row['peak_vram_gib']} GiB  err {row['rel_err_vs_16bit']}", flush=True)
+    return out
+
+
+def _round(v, n=2):
+    return None if v is None else round(v, n)
+
+
+def graph_fn(patcher, x, sigma, kw):
+    runner = CudaGraphs(patcher)
+    topts = dict(patcher.model_options.get("transformer_options", {}))
+    args = {"input": x, "timestep": sigma, "c": dict(kw, transformer_options=topts)}
+    return (lambda: runner(patcher.model.apply_model, args)), runner
+
+
+def int8_attention_rows(patcher, label, x, sigma, kw, ref, rows, base_ms):
+    """The same model with kitchen's INT8 attention (opt-in runtime), under CUDA graphs."""
+    from comfy_modelopt.comfyui.lean import enable_int8_attention, int8_attention_available
+    if not CUDA or not int8_attention_available(DEVICE):
+        return
+    clone = enable_int8_attention(patcher)
+    fn, runner = graph_fn(clone, x, sigma, kw)
+    measure(f"{label} + INT8 attention + CUDA graphs", fn, ref, rows, base_ms)
+    rows[-1]["graph"] = {"captures": runner.captures, "replays": runner.replays, "eager": runner.eager_calls}
+
+
+def run_model(name: str, spec: dict, results: dict, deadline: float, out_path: str):
+    print(f"\n== {name}: {spec['family']} {spec['size']}, batch {spec['batch']}, {spec['res']}px", flush=True)
+    t0 = time.perf_counter()
+    _, sd = architectures.build(spec["family"], spec["size"], seed=0, dtype=spec["dtype"], weights_device=DEVICE)
+    x, sigma, kw = common.inputs(spec.get("inputs", spec["family"]), spec["batch"], spec["res"], spec["txt"],
+                                 spec["dtype"])
+    base = common.load_stock(sd)
+    print(f"  built and loaded in {time.perf_counter() - t0:.0f}s", flush=True)
+    rows = results.setdefault(name, {"spec": {k: str(v) for k, v in spec.items()}, "rows": []})["rows"]
+    with torch.inference_mode():
+        eager = lambda: base.model.apply_model(x, sigma, **kw)  # noqa: E731
+        ref = eager().float()
+        base_ms, _ = common.time_ms(eager)
+        measure("16-bit stock eager", eager, ref, rows, base_ms, {"weight_bytes": common.model_bytes(base)})
+        if CUDA:
+            fn, runner = graph_fn(base, x, sigma, kw)
+            out = measure("16-bit + CUDA graphs", fn, ref, rows, base_ms)
+            rows[-1]["bit_exact_vs_eager"] = bool(torch.equal(out, ref))
+            rows[-1]["graph"] = {"captures": runner.captures, "replays": runner.replays, "eager": runner.eager_calls}
+            if INT8_ATTENTION:
+                int8_attention_rows(base, "16-bit", x, sigma, kw, ref, rows, base_ms)
+        # statistics for static fp8 input scales: a few real evaluations at several noise levels
+        sigmas = [1.0, 0.7, 0.4, 0.1]
+        stats = calibrate(base.model.diffusion_model,
+                          lambda m: [base.model.apply_model(x, torch.full_like(sigma, s), **kw) for s in sigmas],
+                          CalibrationOptions(reservoir_bytes=0))
+    common.write_json(out_path, results)
+    for variant in spec["formats"]:
+        if time.time() > deadline:
+            print(f"  (time budget reached: skipping {variant})", flush=True)
+            results[name]["skipped"] = results[name].get("skipped", []) + [variant]
+            continue
+        try:
+            run_variant(variant, sd, x, sigma, kw, ref, base_ms, stats, rows)
+        except Exception as e:  # record and go on: one broken variant must not lose the run
+            import traceback
+            traceback.print_exc()
+            results[name].setdefault("errors", {})[variant] = f"{type(e).__name__}: {e}"
+            common.free()
+        common.write_json(out_path, results)
+    common.free(base)
+    del sd, base
+
+
+def run_variant(variant, sd, x, sigma, kw, ref, base_ms, stats, rows):
+        t1 = time.perf_counter()
+        recipe = recipe_for(variant)
+        use_stats = stats if variant not in ("fp8-naive",) and recipe.format.startswith("float8") else None
+        with torch.inference_mode():
+            q_sd, meta, report = common.quantize_sd(sd, recipe, use_stats)
+        if variant == "fp8-naive":
+            q_sd, meta = common.naive_w8a8(q_sd, meta)
+        qt = time.perf_counter() - t1
+        q = common.load_stock(q_sd, meta)
+        del q_sd
+        extra = {"weight_bytes": common.model_bytes(q), "quantize_s": round(qt, 1)}
+        with torch.inference_mode():
+            stock_fn = lambda: q.model.apply_model(x, sigma, **kw)  # noqa: E731
+            stock_out = measure(f"{variant} stock eager", stock_fn, ref, rows, base_ms, extra)
+            n = make_lean(q)
+            lean_out = measure(f"{variant} lean eager", stock_fn, ref, rows, base_ms, {"lean_layers": n})
+            rows[-1]["bit_exact_vs_stock"] = bool(torch.equal(lean_out, stock_out))
+            if CUDA:
+                fn, runner = graph_fn(q, x, sigma, kw)
+                g_out = measure(f"{variant} lean + CUDA graphs", fn, ref, rows, base_ms)
+                rows[-1]["bit_exact_vs_stock"] = bool(torch.equal(g_out, stock_out))
+                rows[-1]["graph"] = {"captures": runner.captures, "replays": runner.replays, "eager": runner.eager_calls}
+                if PROFILE:
+                    rows[-1]["top_kernels"] = top_kernels(fn)
+                if variant == "float8_e4m3fn":
+                    for m in q.model.diffusion_model.modules():
+                        if getattr(m, "_modelopt_lean", False):
+                            m._modelopt_lean = False
+                    make_lean(q, fast_accum=True)
+                    fn, runner = graph_fn(q, x, sigma, kw)
+                    measure(f"{variant} lean fast-accum + CUDA graphs", fn, ref, rows, base_ms)
+                    if INT8_ATTENTION:
+                        int8_attention_rows(q, f"{variant} lean fast-accum", x, sigma, kw, ref, rows, base_ms)
+        common.free(q)
+        del q
+
+
+PROFILE = False
+INT8_ATTENTION = False
+
+
+def top_kernels(fn, n: int = 12) -> list:
+    """Where the GPU time goes: kernel time per call grouped by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    common.sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        common.sync()
+    rows = sorted(((e.key[:90], e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
+                   if e.self_device_time_total > 0), key=lambda r: -r[1])[:n]
+    for name, ms, count in rows:
+        print(f"      {ms:8.2f} ms  x{count:4d}  {name}", flush=True)
+    return [{"kernel": k, "ms": round(ms, 3), "calls": c} for k, ms, c in rows]
+
+
+def gemm_ceiling(results: dict, reduced: bool):
+    m, k, n = (4608, 3072, 12288) if not reduced else (256, 256, 512)
+    dt = torch.bfloat16 if CUDA else torch.float32
+    a = torch.randn(m, k, device=DEVICE, dtype=dt)
+    b = torch.randn(n, k, device=DEVICE, dtype=dt)
+    rows = []
+    bf, _ = common.time_ms(lambda: a @ b.t(), warmup=5, iters=20)
+    rows.append({"op": f"16-bit matmul {m}x{k}x{n}", "ms": round(bf, 3), "vs_16bit": 1.0})
+    if CUDA:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        one = torch.ones((), device=DEVICE)
+        for fast in (False, True):
+            t, _ = common.time_ms(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=dt,
+                                                           use_fast_accum=fast), warmup=5, iters=20)
+            rows.append({"op": f"fp8 _scaled_mm fast_accum={fast}", "ms": round(t, 3), "vs_16bit": round(bf / t, 3)})
+        ai, bi = torch.randint(-127, 127, (m, k), device=DEVICE, dtype=torch.int8), \
+            torch.randint(-127, 127, (n, k), device=DEVICE, dtype=torch.int8)
+        t, _ = common.time_ms(lambda: torch._int_mm(ai, bi.t()), warmup=5, iters=20)
+        rows.append({"op": "int8 _int_mm", "ms": round(t, 3), "vs_16bit": round(bf / t, 3)})
+        rows += attention_backends()
+    results["gemm"] = rows
+    for r in rows:
+        print(f"  {r['op']:40s} {r['ms']} ms  x{r['vs_16bit']} {r.get('error', '')}", flush=True)
+
+
+def attention_backends() -> list:
+    """SDPA kernels at Flux-dev 1024^2 (24 heads x 4608 tokens x 128): what the 16-bit part costs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v = (torch.randn(1, 24, 4608, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    rows, base = [], None
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                t, _ = common.time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+                                      warmup=5, iters=20)
+        except RuntimeError as e:
+            rows.append({"op": f"sdpa {name}", "ms": None, "vs_16bit": None, "error": str(e)[:80]})
+            continue
+        base = base or t
+        rows.append({"op": f"sdpa {name} 1x24x4608x128", "ms": round(t, 3), "vs_16bit": round(base / t, 3)})
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="folder for speed.json")
+    ap.add_argument("--reduced", action="store_true", help="small models (CPU smoke run; not a measurement)")
+    ap.add_argument("--models", nargs="*", default=None)
+    ap.add_argument("--budget-s", type=float, default=540, help="stop starting new variants after this")
+    ap.add_argument("--formats", nargs="*", default=None, help="only these variants")
+    ap.add_argument("--profile", action="store_true", help="print the top GPU kernels of graph variants")
+    ap.add_argument("--int8-attention", action="store_true", help="also time kitchen's INT8 attention runtime")
+    a = ap.parse_args(argv)
+    global PROFILE, INT8_ATTENTION
+    PROFILE, INT8_ATTENTION = a.profile, a.int8_attention
+    os.makedirs(a.out, exist_ok=True)
+    deadline = time.time() + a.budget_s
+    specs = REDUCED if a.reduced else FULL
+    out_path = os.path.join(a.out, "speed.json")
+    results = {"env": common.env_info(), "reduced": a.reduced}
+    print(results["env"], flush=True)
+    print("\n== GEMM ceiling", flush=True)
+    gemm_ceiling(results, a.reduced)
+    for name in a.models or list(specs):
+        spec = dict(specs[name])
+        if a.formats:
+            spec["formats"] = [f for f in spec["formats"] if f in a.formats]
+        run_model(name, spec, results, deadline, out_path)
+    common.write_json(out_path, results)
+    print_table(results)
+    return results
+
+
+def print_table(results: dict):
+    for name, block in results.items():
+        if not isinstance(block, dict) or "rows" not in block:
+            continue
+        print(f"\n### {name}\n\n| variant | ms/forward | vs 16-bit stock eager | GPU kernel ms | peak VRAM GiB | "
+              f"weights GiB | output rel. err vs 16-bit | bit-exact |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in block["rows"]:
+            wb = r.get("weight_bytes")
+            exact = r.get("bit_exact_vs_stock", r.get("bit_exact_vs_eager", ""))
+            print(f"| {r['variant']} | {r['ms']} | {r['vs_16bit_stock']}x | {r['kernel_ms']} | {r['peak_vram_gib']} | "
+                  f"{'' if wb is None else round(wb / 2**30, 2)} | {r['rel_err_vs_16bit']} | {exact} |")
+
+
+if __name__ == "__main__":
+    main()
