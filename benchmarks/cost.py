@@ -96,17 +96,14 @@ def run(name, spec, prompts, steps, results, out_path):
     rows[-1]["forward_calls"] = stats.forward_calls
     rows[-1]["stats_mib"] = round(stats.nbytes() / 2**20, 1)
     common.free(model)
-    del model
     for label, recipe in (("quantize float8_e4m3fn W8A8", Recipe("float8_e4m3fn")),
                           ("quantize nvfp4 + AWQ", Recipe("nvfp4", smoothing="awq"))):
         with torch.inference_mode():
-            q_sd, meta, report = phase(label, lambda: common.quantize_sd(sd, recipe, stats), rows)
+            report = phase(label, lambda: common.quantize_sd(sd, recipe, stats)[2], rows)
         rows[-1]["mean_weight_err"] = round(report.mean_rel_err(), 5)
         rows[-1]["smoothed_layers"] = sum(1 for l in report.quantized if "folded" in l.notes)
-        del q_sd
         common.free()
         common.write_json(out_path, results)
-    del sd
 
 
 def main(argv=None):

@@ -146,9 +146,7 @@ def run(name: str, reduced: bool, results: dict, out_path: str):
             print(f"  {fmt:16s} {kind:6s} output err {row['mean_rel_err']:.5f}  by sigma {per_sigma}  "
                   f"(weights {row['weight_rel_err']:.4f}, {folded} layers smoothed, {qs:.0f}s)", flush=True)
             common.free(q)
-            del q
             common.write_json(out_path, results)
-        del sd
 
 
 def main(argv=None):

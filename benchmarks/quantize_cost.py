@@ -29,7 +29,7 @@ def run_one(src: str, out: str, fmt: str, extra: list[str]) -> dict:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
-    stdout, stderr = proc.stdout.read(), proc.stderr.read()
+    stderr = proc.stderr.read()
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         raise RuntimeError(f"{fmt}: exit {code}\n{stderr}")

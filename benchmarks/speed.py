@@ -126,45 +126,43 @@ def run_model(name: str, spec: dict, results: dict, deadline: float, out_path: s
             common.free()
         common.write_json(out_path, results)
     common.free(base)
-    del sd, base
 
 
 def run_variant(variant, sd, x, sigma, kw, ref, base_ms, stats, rows):
-        t1 = time.perf_counter()
-        recipe = recipe_for(variant)
-        use_stats = stats if variant not in ("fp8-naive",) and recipe.format.startswith("float8") else None
-        with torch.inference_mode():
-            q_sd, meta, report = common.quantize_sd(sd, recipe, use_stats)
-        if variant == "fp8-naive":
-            q_sd, meta = common.naive_w8a8(q_sd, meta)
-        qt = time.perf_counter() - t1
-        q = common.load_stock(q_sd, meta)
-        del q_sd
-        extra = {"weight_bytes": common.model_bytes(q), "quantize_s": round(qt, 1)}
-        with torch.inference_mode():
-            stock_fn = lambda: q.model.apply_model(x, sigma, **kw)  # noqa: E731
-            stock_out = measure(f"{variant} stock eager", stock_fn, ref, rows, base_ms, extra)
-            n = make_lean(q)
-            lean_out = measure(f"{variant} lean eager", stock_fn, ref, rows, base_ms, {"lean_layers": n})
-            rows[-1]["bit_exact_vs_stock"] = bool(torch.equal(lean_out, stock_out))
-            if CUDA:
+    t1 = time.perf_counter()
+    recipe = recipe_for(variant)
+    use_stats = stats if variant not in ("fp8-naive",) and recipe.format.startswith("float8") else None
+    with torch.inference_mode():
+        q_sd, meta, report = common.quantize_sd(sd, recipe, use_stats)
+    if variant == "fp8-naive":
+        q_sd, meta = common.naive_w8a8(q_sd, meta)
+    qt = time.perf_counter() - t1
+    q = common.load_stock(q_sd, meta)
+    del q_sd
+    extra = {"weight_bytes": common.model_bytes(q), "quantize_s": round(qt, 1)}
+    with torch.inference_mode():
+        stock_fn = lambda: q.model.apply_model(x, sigma, **kw)  # noqa: E731
+        stock_out = measure(f"{variant} stock eager", stock_fn, ref, rows, base_ms, extra)
+        n = make_lean(q)
+        lean_out = measure(f"{variant} lean eager", stock_fn, ref, rows, base_ms, {"lean_layers": n})
+        rows[-1]["bit_exact_vs_stock"] = bool(torch.equal(lean_out, stock_out))
+        if CUDA:
+            fn, runner = graph_fn(q, x, sigma, kw)
+            g_out = measure(f"{variant} lean + CUDA graphs", fn, ref, rows, base_ms)
+            rows[-1]["bit_exact_vs_stock"] = bool(torch.equal(g_out, stock_out))
+            rows[-1]["graph"] = {"captures": runner.captures, "replays": runner.replays, "eager": runner.eager_calls}
+            if PROFILE:
+                rows[-1]["top_kernels"] = top_kernels(fn)
+            if variant == "float8_e4m3fn":
+                for m in q.model.diffusion_model.modules():
+                    if getattr(m, "_modelopt_lean", False):
+                        m._modelopt_lean = False
+                make_lean(q, fast_accum=True)
                 fn, runner = graph_fn(q, x, sigma, kw)
-                g_out = measure(f"{variant} lean + CUDA graphs", fn, ref, rows, base_ms)
-                rows[-1]["bit_exact_vs_stock"] = bool(torch.equal(g_out, stock_out))
-                rows[-1]["graph"] = {"captures": runner.captures, "replays": runner.replays, "eager": runner.eager_calls}
-                if PROFILE:
-                    rows[-1]["top_kernels"] = top_kernels(fn)
-                if variant == "float8_e4m3fn":
-                    for m in q.model.diffusion_model.modules():
-                        if getattr(m, "_modelopt_lean", False):
-                            m._modelopt_lean = False
-                    make_lean(q, fast_accum=True)
-                    fn, runner = graph_fn(q, x, sigma, kw)
-                    measure(f"{variant} lean fast-accum + CUDA graphs", fn, ref, rows, base_ms)
-                    if INT8_ATTENTION:
-                        int8_attention_rows(q, f"{variant} lean fast-accum", x, sigma, kw, ref, rows, base_ms)
-        common.free(q)
-        del q
+                measure(f"{variant} lean fast-accum + CUDA graphs", fn, ref, rows, base_ms)
+                if INT8_ATTENTION:
+                    int8_attention_rows(q, f"{variant} lean fast-accum", x, sigma, kw, ref, rows, base_ms)
+    common.free(q)
 
 
 PROFILE = False

@@ -320,3 +320,15 @@ def _fsync_dir(folder: str) -> None:
 
 def tensor_entry(t: torch.Tensor) -> tuple[str, tuple]:
     return ST_DTYPES[t.dtype], tuple(t.shape)
+
+
+def write_file(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
+               overwrite: bool = False, on_tensor=None) -> str:
+    """Atomically write ``tensors`` (same bytes as ``safetensors.torch.save``).  ``on_tensor(i)``
+    runs after each tensor (progress, interruption)."""
+    with StreamWriter(path, {k: tensor_entry(v) for k, v in tensors.items()}, metadata, overwrite) as w:
+        for i, (k, v) in enumerate(tensors.items()):
+            w.write(k, v)
+            if on_tensor is not None:
+                on_tensor(i)
+        return w.close()

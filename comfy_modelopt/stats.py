@@ -251,7 +251,7 @@ class ActivationStats:
     # ------------------------------------------------------------------ file
     def save(self, path: str, overwrite: bool = False) -> str:
         """Write the statistics as a safetensors file (atomic)."""
-        from .safetensors_io import StreamWriter, tensor_entry
+        from .safetensors_io import write_file
         tensors = {}
         per_layer = {}
         for name, s in self.layers.items():
@@ -269,11 +269,7 @@ class ActivationStats:
         meta = {"comfy_modelopt.stats": json.dumps({
             "format_version": FORMAT_VERSION, "forward_calls": self.forward_calls, "info": self.info,
             "fingerprint": self.fingerprint, "layers": per_layer}, sort_keys=True)}
-        with StreamWriter(path, {k: tensor_entry(v) for k, v in tensors.items()}, meta,
-                          overwrite=overwrite) as w:
-            for k, v in tensors.items():
-                w.write(k, v)
-            return w.close()
+        return write_file(path, tensors, meta, overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str) -> "ActivationStats":

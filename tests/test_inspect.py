@@ -7,14 +7,11 @@ from comfy_modelopt import cli
 from comfy_modelopt.checkpoint import inspect_file
 from comfy_modelopt.pipeline import quantize_file
 from comfy_modelopt.recipe import Recipe
-from comfy_modelopt.safetensors_io import SafetensorsFile, StreamWriter, tensor_entry
+from comfy_modelopt.safetensors_io import SafetensorsFile, write_file
 
 
 def write(path, tensors, metadata=None):
-    with StreamWriter(str(path), {k: tensor_entry(v) for k, v in tensors.items()}, metadata) as w:
-        for k, v in tensors.items():
-            w.write(k, v)
-        return w.close()
+    return write_file(str(path), tensors, metadata)
 
 
 def load(path):

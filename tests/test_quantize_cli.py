@@ -10,7 +10,7 @@ from comfy_modelopt.checkpoint import inspect_file
 from comfy_modelopt.formats import FORMATS, get_format
 from comfy_modelopt.pipeline import quantize_file
 from comfy_modelopt.recipe import Recipe
-from comfy_modelopt.safetensors_io import SafetensorsFile, StreamWriter, tensor_entry
+from comfy_modelopt.safetensors_io import SafetensorsFile, write_file
 from comfy_modelopt.synthetic import flux_layout, tensor_for
 
 from conftest import TINY_FLUX
@@ -87,10 +87,7 @@ def test_full_checkpoint_passes_vae_and_text_encoder_through(tmp_path):
     tensors = {"model.diffusion_model." + k: tensor_for(k, v) for k, v in layout.items()}
     tensors.update({k: tensor_for(k, v) for k, v in extra.items()})
     src = tmp_path / "full.safetensors"
-    with StreamWriter(str(src), {k: tensor_entry(v) for k, v in tensors.items()}) as w:
-        for k, v in tensors.items():
-            w.write(k, v)
-        w.close()
+    write_file(str(src), tensors)
     out = tmp_path / "full-fp8.safetensors"
     assert run("quantize", src, "-o", out, "--format", "int8_tensorwise", "-q") == 0
     got, meta = read_all(out)
@@ -132,10 +129,7 @@ def test_nan_weight_refused_with_layer_name(tmp_path, capsys):
     tensors = {k: tensor_for(k, v) for k, v in layout.items()}
     tensors["double_blocks.0.img_mlp.0.weight"][3, 7] = float("nan")
     src = tmp_path / "nan.safetensors"
-    with StreamWriter(str(src), {k: tensor_entry(v) for k, v in tensors.items()}) as w:
-        for k, v in tensors.items():
-            w.write(k, v)
-        w.close()
+    write_file(str(src), tensors)
     out = tmp_path / "o.safetensors"
     assert run("quantize", src, "-o", out, "-q") == 2
     err = capsys.readouterr().err
@@ -175,10 +169,7 @@ def test_unknown_family_warns_and_lists_kept(tmp_path):
     tensors = {"blocks.0.attn.qkv.weight": torch.randn(384, 128), "blocks.0.attn.out.weight": torch.randn(128, 128),
                "patch_embed.weight": torch.randn(128, 64), "final_proj.weight": torch.randn(64, 128)}
     src = tmp_path / "odd.safetensors"
-    with StreamWriter(str(src), {k: tensor_entry(v) for k, v in tensors.items()}) as w:
-        for k, v in tensors.items():
-            w.write(k, v)
-        w.close()
+    write_file(str(src), tensors)
     rep = quantize_file(str(src), str(tmp_path / "o.safetensors"), Recipe("int8_tensorwise"))
     assert rep.family == "unknown"
     assert any("patch_embed" in n and "final_proj" in n for n in rep.notes)

@@ -22,7 +22,7 @@ from ..formats import FORMATS
 from ..pipeline import DictSink, quantize_source
 from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS
 from ..recipe import Recipe
-from ..safetensors_io import StreamWriter, tensor_entry
+from ..safetensors_io import write_file
 from ..stats import ActivationStats
 from .lean import enable_cuda_graphs, enable_int8_attention, make_lean
 from .model import NodeError, PatcherSource, artifact_of, build_quantized_model, compute_device, log
@@ -296,14 +296,12 @@ class ModelOptSaveQuantized(io.ComfyNode):
         if os.path.exists(path) and not overwrite:
             raise NodeError(f"{path} exists; choose another filename or enable overwrite")
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        entries = {k: tensor_entry(v) for k, v in art.state_dict.items()}
-        with StreamWriter(path, entries, art.metadata, overwrite=overwrite) as w:
-            pbar = comfy.utils.ProgressBar(len(entries))
-            for i, (k, v) in enumerate(art.state_dict.items()):
-                comfy.model_management.throw_exception_if_processing_interrupted()
-                w.write(k, v)
-                pbar.update_absolute(i + 1)
-            w.close()
+        pbar = comfy.utils.ProgressBar(len(art.state_dict))
+
+        def each(i):
+            pbar.update_absolute(i + 1)
+            comfy.model_management.throw_exception_if_processing_interrupted()
+        write_file(path, art.state_dict, art.metadata, overwrite=overwrite, on_tensor=each)
         size = os.path.getsize(path)
         text = f"saved {path} ({size / 2**20:.1f} MiB)"
         log(text)

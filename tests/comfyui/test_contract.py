@@ -30,7 +30,7 @@ from comfy_modelopt import cli  # noqa: E402
 from comfy_modelopt.formats import FORMATS  # noqa: E402
 from comfy_modelopt.plan import make_plan  # noqa: E402
 from comfy_modelopt.recipe import Recipe  # noqa: E402
-from comfy_modelopt.safetensors_io import SafetensorsFile, StreamWriter, tensor_entry  # noqa: E402
+from comfy_modelopt.safetensors_io import SafetensorsFile, write_file  # noqa: E402
 
 FAMILIES = ["sd15", "sdxl", "sd3", "flux", "wan", "qwen_image"]
 VARIANTS = [(f, []) for f in sorted(FORMATS)] + [("int8_tensorwise", ["--convrot"])]
@@ -62,10 +62,7 @@ def forward(patcher, family: str) -> torch.Tensor:
 
 
 def save(path: str, sd: dict) -> None:
-    with StreamWriter(path, {k: tensor_entry(v) for k, v in sd.items()}, overwrite=True) as w:
-        for k, v in sd.items():
-            w.write(k, v)
-        w.close()
+    write_file(path, sd, overwrite=True)
 
 
 @pytest.fixture(scope="module")

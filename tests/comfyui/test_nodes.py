@@ -22,7 +22,7 @@ import comfy.sd  # noqa: E402
 import folder_paths  # noqa: E402
 from comfy.quant_ops import QuantizedTensor  # noqa: E402
 
-from comfy_modelopt.safetensors_io import SafetensorsFile, StreamWriter, tensor_entry  # noqa: E402
+from comfy_modelopt.safetensors_io import SafetensorsFile, write_file  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,10 +40,7 @@ def load_pack():
 
 
 def save(path, sd):
-    with StreamWriter(path, {k: tensor_entry(v) for k, v in sd.items()}, overwrite=True) as w:
-        for k, v in sd.items():
-            w.write(k, v)
-        return w.close()
+    return write_file(str(path), sd, overwrite=True)
 
 
 @pytest.fixture(scope="module")
@@ -100,15 +97,18 @@ def test_quantized_model_is_stock_and_input_untouched(env, fmt):
     assert f"format: {fmt}" in report
 
 
-def test_quantized_model_samples(env):
+def sample(env, model, steps, seed):
     import comfy.sample
-    qmodel, _ = quantize(env)
     with torch.inference_mode():
         cond = env["clip"].encode_from_tokens_scheduled(env["clip"].tokenize("a cat"))
         latent = torch.zeros(1, 4, 8, 8)
-        noise = comfy.sample.prepare_noise(latent, 3)
-        out_q = comfy.sample.sample(qmodel, noise, 3, 4.0, "euler", "simple", cond, cond, latent, seed=3)
-        out_f = comfy.sample.sample(env["model"], noise, 3, 4.0, "euler", "simple", cond, cond, latent, seed=3)
+        noise = comfy.sample.prepare_noise(latent, seed)
+        return comfy.sample.sample(model, noise, steps, 4.0, "euler", "simple", cond, cond, latent, seed=seed)
+
+
+def test_quantized_model_samples(env):
+    qmodel, _ = quantize(env)
+    out_q, out_f = sample(env, qmodel, 3, 3), sample(env, env["model"], 3, 3)
     assert torch.isfinite(out_q).all()
     assert float((out_q - out_f).norm() / out_f.norm()) < 0.05
 
@@ -210,13 +210,7 @@ def test_lean_runtime_equals_stock(env, fmt):
 
 
 def test_cuda_graphs_fall_back_off_gpu(env):
-    import comfy.sample
     clone, runner = env["nodes"].enable_cuda_graphs(env["model"])
-    with torch.inference_mode():
-        cond = env["clip"].encode_from_tokens_scheduled(env["clip"].tokenize("a cat"))
-        latent = torch.zeros(1, 4, 8, 8)
-        noise = comfy.sample.prepare_noise(latent, 1)
-        a = comfy.sample.sample(clone, noise, 2, 4.0, "euler", "simple", cond, cond, latent, seed=1)
-        b = comfy.sample.sample(env["model"], noise, 2, 4.0, "euler", "simple", cond, cond, latent, seed=1)
+    a, b = sample(env, clone, 2, 1), sample(env, env["model"], 2, 1)
     assert torch.equal(a, b)
     assert runner.eager_calls == 2 and runner.captures == 0 and "not on a CUDA device" in runner.warned

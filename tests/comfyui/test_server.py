@@ -27,7 +27,7 @@ if not models.COMFYUI_PATH:
                 allow_module_level=True)
 
 from comfy_modelopt.checkpoint import inspect_file  # noqa: E402
-from comfy_modelopt.safetensors_io import SafetensorsFile, StreamWriter, tensor_entry  # noqa: E402
+from comfy_modelopt.safetensors_io import SafetensorsFile, write_file  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKFLOWS = os.path.join(ROOT, "workflows")
@@ -35,10 +35,7 @@ SMALL = {"width": 64, "height": 64, "steps": 3, "num_prompts": 2}
 
 
 def save(path, sd):
-    with StreamWriter(str(path), {k: tensor_entry(v) for k, v in sd.items()}, overwrite=True) as w:
-        for k, v in sd.items():
-            w.write(k, v)
-        w.close()
+    return write_file(str(path), sd, overwrite=True)
 
 
 def free_port() -> int:

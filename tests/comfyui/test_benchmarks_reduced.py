@@ -1,0 +1,26 @@
+"""The GPU benchmark scripts run in their reduced (CPU) modes against a real ComfyUI tree."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from comfy_modelopt.comfyui import architectures as models
+
+if not models.COMFYUI_PATH:
+    pytest.skip("COMFYUI_PATH is not set: benchmark smoke runs SKIPPED", allow_module_level=True)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("script,args,out", [
+    ("speed.py", ["--reduced", "--models", "flux", "--formats", "float8_e4m3fn", "nvfp4"], "speed.json"),
+    ("quality.py", ["--reduced", "--models", "flux"], "quality.json"),
+    ("cost.py", ["--reduced", "--models", "flux", "--prompts", "2", "--steps", "2"], "cost.json"),
+    ("hook_overhead.py", ["--reduced"], "hook_overhead.json"),
+])
+def test_reduced(tmp_path, script, args, out):
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--out", str(tmp_path), *args],
+                   check=True, capture_output=True, text=True, timeout=1800)
+    assert json.load(open(tmp_path / out))["env"]["torch"]

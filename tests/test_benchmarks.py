@@ -1,0 +1,27 @@
+"""The CPU benchmarks run in their reduced modes, so they cannot rot (numbers are not checked)."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(script, *args):
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args], check=True,
+                   capture_output=True, text=True, timeout=900)
+
+
+def test_algorithms_quick(tmp_path):
+    run("algorithms.py", "--quick", "--out", str(tmp_path))
+    rows = json.load(open(tmp_path / "algorithms.json"))["rows"]
+    algos = {r["algorithm"].split(" (")[0] for r in rows}
+    assert {"absmax", "mse clip", "smoothquant", "awq", "awq + low-rank r=32"} <= algos
+    assert {r["format"] for r in rows} == {"float8_e4m3fn", "int8_tensorwise", "mxfp8", "nvfp4", "convrot_w4a4"}
+
+
+def test_quantize_cost_reduced(tmp_path):
+    run("quantize_cost.py", "--reduced", "--workdir", str(tmp_path), "--formats", "float8_e4m3fn", "nvfp4")
+    doc = json.load(open(tmp_path / "quantize_cost.json"))
+    assert [r["format"] for r in doc["rows"]] == ["float8_e4m3fn", "nvfp4"]
+    assert all(r["peak_rss_gib"] > 0 for r in doc["rows"])
