@@ -2,6 +2,7 @@
 statistics hooks on every Linear input (same inputs, same GPU, one run).
 
     python benchmarks/hook_overhead.py --out DIR [--reduced]
+    python benchmarks/hook_overhead.py --out DIR --ops   # what one statistics update costs, per step
 """
 from __future__ import annotations
 
@@ -21,13 +22,50 @@ FULL = {"flux": ("flux", "full", 1, 1024, 512, torch.bfloat16, "flux"),
 REDUCED = {"flux": ("flux", "small", 1, 64, 16, torch.bfloat16, "flux_small")}
 
 
+OP_SHAPES = {"flux qkv input": (4608, 3072, torch.bfloat16), "flux mlp.2 input": (4608, 12288, torch.bfloat16),
+             "sdxl attn input": (8192, 640, torch.float16)}
+
+
+def ops(results: dict) -> None:
+    """Milliseconds per step of LayerStats.update on activations of real shapes."""
+    from comfy_modelopt import stats as S
+    for label, (m, k, dtype) in OP_SHAPES.items():
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        x = torch.randn(m, k, generator=g, device=DEVICE, dtype=dtype)
+        ls = S.LayerStats(k, S.rows_for_budget(k, CalibrationOptions().reservoir_bytes))
+        ls.update(x)
+        a = x.abs()
+        idx = S._hist_index(x)
+        steps = {
+            "update (all)": lambda: ls.update(x),
+            "abs": lambda: x.abs(),
+            "histogram index": lambda: S._hist_index(x),
+            "histogram counts": lambda: S._bincount(idx),
+            "amax": lambda: a.amax(),
+            "channel amax": lambda: a.amax(dim=0),
+            "channel sum (fp64)": lambda: a.sum(dim=0, dtype=torch.float64),
+            "reservoir sample": lambda: ls._sample(x),
+        }
+        row = {"activation": label, "shape": [m, k], "dtype": str(dtype)}
+        with torch.inference_mode():
+            for name, fn in steps.items():
+                row[name] = round(common.time_ms(fn, warmup=2, iters=10)[0], 3)
+        results["rows"].append(row)
+        print(row, flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument("--reduced", action="store_true")
+    ap.add_argument("--ops", action="store_true", help="time the steps of one statistics update")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     results = {"env": common.env_info(), "rows": []}
+    if a.ops:
+        ops(results)
+        common.write_json(os.path.join(a.out, "hook_ops.json"), results)
+        return
     for name, (family, size, batch, res, txt, dtype, inp) in (REDUCED if a.reduced else FULL).items():
         _, sd = architectures.build(family, size, dtype=dtype, weights_device=DEVICE)
         model = common.load_stock(sd)
