@@ -13,7 +13,7 @@ from .report import QuantReport
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile
 
 QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale",
-                  "comfy_quant")
+                  "comfy_quant", "lowrank_up", "lowrank_down", "smooth_scale")
 OLD_PACK_SUFFIXES = ("weight_q", "block_scale", "tensor_scale", "svd_u", "svd_s", "svd_v", "use_svd")
 OLD_PACK_META = ("_model_config", "unet_config", "model_type", "latent_format_cls", "precision")
 
@@ -108,6 +108,9 @@ def _inspect(f: SafetensorsFile) -> InspectResult:
     _tally(f, layer_formats, res)
     if kind == "comfy_modelopt":
         res.ours = _our_metadata(f.metadata)
+        if res.ours.get("loader"):
+            res.notes.append("has layers only comfy-modelopt's loader runs (low-rank branch): load it with "
+                             "'Load Quantized Model'; stock ComfyUI refuses it")
     if kind == "old_modelopt_pack":
         res.notes.append("its nvfp4/int4 payloads were stored unpacked or saturated by that pack; "
                          "the weights cannot be trusted")
@@ -179,11 +182,13 @@ def _tally(f: SafetensorsFile, layer_formats: dict, res: InspectResult) -> None:
 
 def _logical_numel(fmt: str, shape: tuple) -> int:
     n = math.prod(shape)
-    return n * 2 if fmt.startswith(("nvfp4", "convrot_w4a4")) else n
+    return n * 2 if ("nvfp4" in fmt or "convrot_w4a4" in fmt) else n
 
 
 def _our_metadata(meta: dict) -> dict:
     out = {"version": meta.get(META_PREFIX + "version")}
+    if META_PREFIX + "loader" in meta:
+        out["loader"] = meta[META_PREFIX + "loader"]
     for key in ("recipe", "source", "calibration"):
         if META_PREFIX + key in meta:
             out[key] = json.loads(meta[META_PREFIX + key])

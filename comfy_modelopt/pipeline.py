@@ -188,6 +188,8 @@ def output_metadata(plan: Plan, report: QuantReport, source_meta: dict, source_i
     meta[META_PREFIX + "version"] = __version__
     meta[META_PREFIX + "recipe"] = plan.recipe.to_json()
     meta[META_PREFIX + "family"] = plan.family.name
+    if plan.recipe.own_loader:
+        meta[META_PREFIX + "loader"] = "comfy-modelopt"  # stock ComfyUI cannot run these layers
     meta[META_PREFIX + "source"] = json.dumps(source_info, sort_keys=True)
     if stats_summary is not None:
         meta[META_PREFIX + "calibration"] = stats_summary
@@ -214,7 +216,8 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
     if recipe.smoothing != "none":
         if stats is None:
             raise ValueError(f"smoothing={recipe.smoothing} needs activation statistics (--stats)")
-        folds = plan_folds(plan, source, stats, recipe, progress)
+        if not recipe.own_loader:  # own-loader files carry smoothing per layer instead
+            folds = plan_folds(plan, source, stats, recipe, progress)
     summary = stats.summary_json() if stats is not None else None
     info = dict(source_info or {})
     per_layer = 120 + (220 if stats is not None else 0)
@@ -237,7 +240,7 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
             layer_stats = stats.layer(layer.rel) if stats is not None and stats.has(layer.rel) else None
             tensors, rep = quantize_layer(w, layer, recipe, layer_stats, smooth=folds.consumer.get(layer.name))
             del w
-            if recipe.smoothing != "none":
+            if recipe.smoothing != "none" and not recipe.own_loader:
                 fold_note = folds.notes.get(layer.name, "smoothing skipped: no exact fold into a stock "
                                                         "ComfyUI file for this layer")
                 rep.notes = ", ".join(x for x in (fold_note, rep.notes) if x)

@@ -16,6 +16,15 @@ from .recipe import Recipe
 from .safetensors_io import FLOAT_DTYPES, ST_DTYPES
 
 SUFFIX_KEYS = {"": ".weight", "_scale": ".weight_scale", "_scale_2": ".weight_scale_2"}
+# Formats only comfy-modelopt's loader runs.  Their names are not ComfyUI QUANT_ALGOS keys, so
+# stock ComfyUI refuses such a file instead of silently dropping the extra tensors.
+LOWRANK_PREFIX = "modelopt_lowrank_"
+
+
+def own_format(conf: dict) -> str | None:
+    """The stock base format of a layer only our loader runs, else None."""
+    fmt = conf.get("format", "")
+    return fmt[len(LOWRANK_PREFIX):] if fmt.startswith(LOWRANK_PREFIX) else None
 QUANT_MARKERS = (".comfy_quant", ".scale_weight", ".weight_q")
 
 
@@ -156,4 +165,11 @@ def _lay_out(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict) -> None:
         layer.tensors[layer.name + SUFFIX_KEYS[suffix]] = (ST_DTYPES[dtype], shape)
     if layer.static_input:
         layer.tensors[layer.name + ".input_scale"] = ("F32", ())
+    if recipe.lowrank:
+        rank = min(recipe.lowrank, layer.n, layer.k)
+        layer.conf = dict(layer.conf, format=LOWRANK_PREFIX + fmt.name, rank=rank)
+        layer.tensors[layer.name + ".lowrank_down"] = ("BF16", (rank, layer.k))
+        layer.tensors[layer.name + ".lowrank_up"] = ("BF16", (layer.n, rank))
+        if recipe.smoothing != "none":
+            layer.tensors[layer.name + ".smooth_scale"] = ("F32", (layer.k,))
     layer.tensors[layer.name + ".comfy_quant"] = ("U8", (len(comfy_quant_bytes(layer.conf)),))

@@ -13,8 +13,9 @@ from .plan import SUFFIX_KEYS, LayerPlan, comfy_quant_bytes
 from .recipe import Recipe
 from .report import LayerReport
 from .safetensors_io import ITEMSIZE
+from .lowrank import lowrank_split
 from .scales import choose_input_scale, choose_weight_clip, input_fmax
-from .smoothing import output_error
+from .smoothing import output_error, search_smoothing
 
 SENSITIVITY_ROWS = 64
 
@@ -43,10 +44,25 @@ def quantize_layer(w: torch.Tensor, layer: LayerPlan, recipe: Recipe, layer_stat
     x = layer_stats.sample().to(w.device) if (layer_stats is not None and layer_stats.has_sample()) else None
     notes = []
     w_ref, x_ref = w, x
+    pre_scale = None
+    if recipe.lowrank and recipe.smoothing != "none" and x is not None:
+        # own-loader files carry smoothing per layer (smooth_scale multiplies the input)
+        found = search_smoothing(w, x, layer_stats.channel_absmax.float().to(w.device),
+                                 layer_stats.channel_mean_abs().to(w.device), fmt, recipe.smoothing, **opts)
+        smooth = found.scales if found.scales is not None else torch.ones(layer.k, device=w.device)
+        pre_scale = 1.0 / smooth
+        notes.append(f"{recipe.smoothing} a={found.alpha:.1f} (smooth_scale)")
     if smooth is not None:
         smooth = smooth.to(w.device)
         w = w * smooth
         x = x / smooth if x is not None else None
+    branch = None
+    if recipe.lowrank:
+        parts = lowrank_split(w, min(recipe.lowrank, layer.n, layer.k))
+        # contiguous, as a reloaded file holds them: the same strides give bit-identical matmuls
+        branch = (parts.l1.to(torch.bfloat16).contiguous(), parts.l2.to(torch.bfloat16).contiguous())
+        w_full, w = w, parts.residual
+        notes.append(f"low-rank r={parts.l1.shape[1]}")
 
     input_scale = None
     if layer.static_input:
@@ -66,12 +82,23 @@ def quantize_layer(w: torch.Tensor, layer: LayerPlan, recipe: Recipe, layer_stat
         deq = qt.dequantize().to(torch.float32)
 
     tensors = {layer.name + SUFFIX_KEYS[s]: t for s, t in encoded.items()}
-    report = LayerReport(layer.name, fmt.name, _nbytes(layer.tensors), layer.n * layer.k * 2,
+    lowrank = None
+    if branch is not None:
+        up, down = branch
+        tensors[layer.name + ".lowrank_up"], tensors[layer.name + ".lowrank_down"] = up, down
+        if pre_scale is not None:
+            tensors[layer.name + ".smooth_scale"] = pre_scale.float().cpu()
+        lowrank = up.float() @ down.float()
+        deq, w = deq + lowrank, w_full
+    report = LayerReport(layer.name, layer.conf["format"], _nbytes(layer.tensors), layer.n * layer.k * 2,
                          reason=layer.reason, weight_only=layer.weight_only,
                          rel_err=_rel(deq - w, w), alpha=clip.mean_alpha)
     if x is not None:
         act = fmt.fake_act(x, input_scale if not layer.weight_only else None, **opts)
-        q_out = act @ fmt.search_space(deq, **opts).T
+        if lowrank is None:
+            q_out = act @ fmt.search_space(deq, **opts).T
+        else:  # the branch sees the (smoothed) 16-bit input; only the residual GEMM is quantized
+            q_out = act @ fmt.search_space(deq - lowrank, **opts).T + x @ lowrank.T
         report.out_err = _rel(q_out - x_ref @ w_ref.T, x_ref @ w_ref.T)
         if recipe.sensitivity:
             report.sensitivity = sensitivity(w_ref, x_ref[:SENSITIVITY_ROWS], layer_stats, recipe)

@@ -12,6 +12,7 @@ from .formats import FORMATS
 WEIGHT_SCALE_METHODS = ("absmax", "mse")
 INPUT_SCALE_METHODS = ("max", "percentile", "mse")
 SMOOTHING_METHODS = ("none", "smoothquant", "awq")
+LOWRANK_FORMATS = ("nvfp4", "convrot_w4a4")
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class Recipe:
     static_nvfp4_input: bool = False   # nvfp4: store a calibrated input_scale instead of dynamic amax
     smoothing: str = "none"            # none | smoothquant | awq (needs statistics)
     smooth_alpha: float = 0.5          # SmoothQuant migration strength
-    lowrank: int = 0                   # rank of the 16-bit low-rank branch (own loader only)
+    lowrank: int = 0                   # rank of the 16-bit low-rank branch (needs comfy-modelopt's loader)
     gptq: bool = False                 # error-compensated rounding (needs statistics)
     sensitivity: bool = True           # with statistics: per-layer output error of every format
     convrot: bool = False              # int8_tensorwise: Hadamard rotation (ConvRot)
@@ -46,6 +47,9 @@ class Recipe:
             raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
         if self.lowrank < 0:
             raise ValueError(f"lowrank must be >= 0, got {self.lowrank}")
+        if self.lowrank and self.format not in LOWRANK_FORMATS:
+            raise ValueError(f"the low-rank branch is for 4-bit formats ({', '.join(LOWRANK_FORMATS)}), "
+                             f"not {self.format}")
         object.__setattr__(self, "keep", tuple(self.keep))
 
     def format_options(self) -> dict:
@@ -55,6 +59,11 @@ class Recipe:
         if self.format == "convrot_w4a4":
             return {"convrot_groupsize": self.convrot_groupsize, "linear_dtype": self.linear_dtype}
         return {}
+
+    @property
+    def own_loader(self) -> bool:
+        """Files made with this recipe need comfy-modelopt's loader (stock ComfyUI refuses them)."""
+        return self.lowrank > 0
 
     def to_dict(self) -> dict:
         d = asdict(self)

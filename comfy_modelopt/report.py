@@ -49,13 +49,17 @@ class QuantReport:
     notes: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------ totals
+    def _is_quantized(self, layer: LayerReport) -> bool:
+        fmt = self.recipe.get("format")
+        return layer.format == fmt or layer.format.endswith("_" + fmt) and layer.format.startswith("modelopt_")
+
     @property
     def quantized(self) -> list[LayerReport]:
-        return [l for l in self.layers if l.format == self.recipe.get("format")]
+        return [l for l in self.layers if self._is_quantized(l)]
 
     @property
     def kept(self) -> list[LayerReport]:
-        return [l for l in self.layers if l.format != self.recipe.get("format")]
+        return [l for l in self.layers if not self._is_quantized(l)]
 
     def total_bytes(self) -> int:
         return self.passthrough_bytes + sum(l.bytes for l in self.layers)

@@ -200,3 +200,25 @@ def test_demo_runs(capsys):
     assert all(r["verified"] for r in rows)
     by = {r["format"]: r for r in rows}
     assert by["nvfp4"]["ratio_vs_bf16"] < 0.45 and by["float8_e4m3fn"]["ratio_vs_bf16"] < 0.65
+
+
+def test_lowrank_files_are_marked_for_our_loader(flux_file, tmp_path):
+    plain = quantize_file(flux_file, str(tmp_path / "p.safetensors"), Recipe("nvfp4"))
+    out = tmp_path / "lr.safetensors"
+    assert run("quantize", flux_file, "-o", out, "--format", "nvfp4", "--lowrank", "16", "-q") == 0
+    tensors, meta = read_all(out)
+    layers = json.loads(meta["_quantization_metadata"])["layers"]
+    assert meta["comfy_modelopt.loader"] == "comfy-modelopt"
+    for name, conf in layers.items():
+        # not a ComfyUI QUANT_ALGOS key: stock ComfyUI refuses the file instead of dropping the branch
+        assert conf["format"] == "modelopt_lowrank_nvfp4" and conf["rank"] == 16
+        n, k = tensors[name + ".lowrank_up"].shape[0], tensors[name + ".lowrank_down"].shape[1]
+        assert tensors[name + ".lowrank_up"].shape == (n, 16) and tensors[name + ".lowrank_down"].shape == (16, k)
+        assert tensors[name + ".lowrank_up"].dtype == torch.bfloat16
+    report = json.loads(meta["comfy_modelopt.report"])["layers"]
+    for l in plain.quantized:  # the branch takes the largest singular directions out of the 4-bit part
+        assert report[l.name]["rel_err"] < l.rel_err
+    info = inspect_file(str(out))
+    assert info.layers_by_format["modelopt_lowrank_nvfp4"] == 13 and "loader" in " ".join(info.notes)
+    with pytest.raises(ValueError, match="low-rank branch is for 4-bit formats"):
+        Recipe("float8_e4m3fn", lowrank=8)

@@ -97,7 +97,9 @@ def make_lean(patcher, fast_accum: bool = False) -> int:
         fmt = getattr(module, "quant_format", None)
         if fmt is None or getattr(module, "_modelopt_lean", False):
             continue
-        stock = module.forward
+        # own-loader layers wrap their base forward: make that one lean, keep the wrapper
+        attr = "_modelopt_base_forward" if hasattr(module, "_modelopt_base_forward") else "forward"
+        stock = getattr(module, attr)
         full_precision = module._full_precision_mm or fmt not in native
         if fmt in _FP8 and not full_precision and getattr(module, "input_scale", None) is not None:
             fast = lambda m, x, fa=fast_accum: _fp8_forward(m, x, fa)  # noqa: E731
@@ -112,7 +114,7 @@ def make_lean(patcher, fast_accum: bool = False) -> int:
             if _fast_path_ok(self, input):
                 return _fast(self, input)
             return _stock(input, *args, **kwargs)
-        module.forward = types.MethodType(forward, module)
+        setattr(module, attr, types.MethodType(forward, module))
         module._modelopt_lean = True
         count += 1
     return count

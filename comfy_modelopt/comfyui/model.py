@@ -19,6 +19,7 @@ import comfy.utils
 from comfy.model_patcher import get_key_weight
 
 from ..report import QuantReport
+from . import ownloader
 from ..safetensors_io import ST_DTYPES, TORCH_DTYPES
 
 PREFIX = "diffusion_model."
@@ -91,7 +92,10 @@ def build_quantized_model(state_dict: dict, metadata: dict, report: QuantReport,
     """A stock quantized MODEL from our state dict; refuses one ComfyUI would detect as another
     architecture."""
     # ComfyUI pops what it loads: hand it a shallow copy, keep ours (the tensors are shared)
-    patcher = comfy.sd.load_diffusion_model_state_dict(dict(state_dict), metadata=dict(metadata))
+    if ownloader.needs_own_loader(metadata, state_dict):
+        patcher = ownloader.load_state_dict(dict(state_dict), dict(metadata))
+    else:
+        patcher = comfy.sd.load_diffusion_model_state_dict(dict(state_dict), metadata=dict(metadata))
     if patcher is None:
         raise NodeError("ComfyUI could not detect a model in the quantized weights; keep the layers "
                         "its detection reads in 16-bit (keep patterns) and report this model family")

@@ -25,6 +25,7 @@ from ..recipe import Recipe
 from ..safetensors_io import write_file
 from ..stats import ActivationStats
 from .lean import enable_cuda_graphs, enable_int8_attention, make_lean
+from . import ownloader
 from .model import NodeError, PatcherSource, artifact_of, build_quantized_model, compute_device, log
 from .sampling import calibrate_by_sampling, empty_latent
 
@@ -220,6 +221,11 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                                  tooltip="Error-compensated rounding (fp8 and int8 without ConvRot; needs calibration)."),
                 io.Boolean.Input("convrot", default=False, advanced=True,
                                  tooltip="int8_tensorwise only: Hadamard-rotate weights and activations (outliers)."),
+                # optional: workflows saved before this input existed still validate
+                io.Int.Input("lowrank", default=0, min=0, max=1024, advanced=True, optional=True,
+                             tooltip="nvfp4/convrot_w4a4: keep a rank-r 16-bit branch (SVDQuant-style) and "
+                                     "quantize the residual. Files need this pack's loader (stock ComfyUI "
+                                     "refuses them); smoothing then applies to every layer."),
                 io.Boolean.Input("static_nvfp4_input", default=False, advanced=True,
                                  tooltip="nvfp4: store a calibrated input_scale instead of dynamic activation amax."),
                 io.String.Input("keep", multiline=True, default="",
@@ -232,15 +238,18 @@ class ModelOptQuantizeUNet(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, format, weight_scale, input_scale, smoothing, gptq, convrot, static_nvfp4_input,
-                keep, runtime="lean", calibration=None) -> io.NodeOutput:
+                keep, runtime="lean", lowrank=0, calibration=None) -> io.NodeOutput:
         if convrot and format != "int8_tensorwise":
             raise NodeError("convrot applies to int8_tensorwise only (convrot_w4a4 is always rotated)")
         if (smoothing != "none" or gptq) and calibration is None:
             raise NodeError(f"{'smoothing' if smoothing != 'none' else 'gptq'} needs calibration: connect "
                             "Calibrate Model (or Load Calibration) to the calibration input")
-        recipe = Recipe(format=format, weight_scale=weight_scale, input_scale=input_scale, smoothing=smoothing,
-                        gptq=gptq, convrot=convrot, static_nvfp4_input=static_nvfp4_input,
-                        keep=_pattern_lines(keep))
+        try:
+            recipe = Recipe(format=format, weight_scale=weight_scale, input_scale=input_scale, smoothing=smoothing,
+                            gptq=gptq, convrot=convrot, static_nvfp4_input=static_nvfp4_input,
+                            keep=_pattern_lines(keep), lowrank=lowrank)
+        except ValueError as e:
+            raise NodeError(str(e)) from None
         source = PatcherSource(model, compute_device())
         pbar = comfy.utils.ProgressBar(1, node_id=_node_id(cls))
 
@@ -338,7 +347,10 @@ class ModelOptUNetLoader(io.ComfyNode):
         info = inspect_file(path)
         if info.kind == "old_modelopt_pack":
             raise NodeError(f"{unet_name}: {info.description}")
-        patcher = comfy.sd.load_diffusion_model(path)
+        if info.ours.get("loader"):
+            patcher = ownloader.load_file(path)
+        else:
+            patcher = comfy.sd.load_diffusion_model(path)
         if patcher is None:
             raise NodeError(f"{unet_name}: ComfyUI could not detect the model in this file")
         patcher, note = apply_runtime(patcher, runtime)

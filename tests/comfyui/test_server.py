@@ -81,9 +81,13 @@ class Server:
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
-                prompt_id = json.loads(r.read())["prompt_id"]
+                answer = json.loads(r.read())
         except urllib.error.HTTPError as e:
             raise AssertionError(f"ComfyUI refused the workflow: {e.read().decode()[:2000]}") from None
+        # ComfyUI queues what validates and drops outputs whose nodes do not: fail on any of it
+        if answer.get("node_errors"):
+            raise AssertionError(f"ComfyUI dropped outputs: {json.dumps(answer['node_errors'])[:2000]}")
+        prompt_id = answer["prompt_id"]
         deadline = time.time() + timeout
         while time.time() < deadline:
             hist = self.get(f"/history/{prompt_id}")
