@@ -110,8 +110,14 @@ def peak_vram_gib(fn) -> float | None:
 
 
 def load_stock(sd: dict, metadata: dict | None = None):
-    """The stock ComfyUI MODEL for a state dict, fully on the GPU."""
-    patcher = comfy.sd.load_diffusion_model_state_dict(dict(sd), metadata=dict(metadata or {}), disable_dynamic=True)
+    """The ComfyUI MODEL for a state dict, fully on the GPU: ComfyUI's own loader, or ours
+    (which wraps it) for files with low-rank layers."""
+    from comfy_modelopt.comfyui import ownloader
+    if ownloader.needs_own_loader(metadata, sd):
+        patcher = ownloader.load_state_dict(dict(sd), dict(metadata or {}), disable_dynamic=True)
+    else:
+        patcher = comfy.sd.load_diffusion_model_state_dict(dict(sd), metadata=dict(metadata or {}),
+                                                           disable_dynamic=True)
     comfy.model_management.load_models_gpu([patcher], force_full_load=True)
     return patcher
 

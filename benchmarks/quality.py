@@ -49,6 +49,9 @@ def variants():
         ("int8_tensorwise", "ours", Recipe("int8_tensorwise", smoothing="smoothquant", sensitivity=False), None),
         ("nvfp4", "naive", Recipe("nvfp4", weight_scale="absmax", sensitivity=False), None),
         ("nvfp4", "ours", Recipe("nvfp4", smoothing="awq", sensitivity=False), None),
+        # own loader: AWQ kept as a per-layer input scale wherever it does not fold, plus a
+        # rank-32 16-bit branch (SVDQuant-style); stock ComfyUI cannot load this file
+        ("nvfp4", "ours+lowrank32", Recipe("nvfp4", smoothing="awq", lowrank=32, sensitivity=False), None),
     ]
 
 
@@ -97,7 +100,7 @@ def draws(family, batch, res, txt, dtype, seed):
     return x, kw
 
 
-def run(name: str, reduced: bool, results: dict, out_path: str):
+def run(name: str, reduced: bool, results: dict, out_path: str, only=None):
     for outliers in (False, True):
         sd, family, batch, res, txt, dtype = build(name, reduced)
         if outliers:
@@ -122,9 +125,11 @@ def run(name: str, reduced: bool, results: dict, out_path: str):
         common.free(base)
         rows = results.setdefault(key, {"largest_activation": amax, "rows": []})["rows"]
         for fmt, kind, recipe, post in variants():
+            if only and f"{fmt}:{kind}" not in only:
+                continue
             t0 = time.perf_counter()
             with torch.inference_mode():
-                q_sd, meta, report = common.quantize_sd(sd, recipe, stats if kind == "ours" else None)
+                q_sd, meta, report = common.quantize_sd(sd, recipe, stats if kind.startswith("ours") else None)
             if post == "naive_w8a8":
                 q_sd, meta = common.naive_w8a8(q_sd, meta)
             qs = time.perf_counter() - t0
@@ -137,7 +142,7 @@ def run(name: str, reduced: bool, results: dict, out_path: str):
                         out = q.model.apply_model(x, torch.full((batch,), s, device=DEVICE), **kw).float()
                         errs.append(float((out - ref).norm() / ref.norm()))
             per_sigma = [round(sum(errs[i::len(SIGMAS_EVAL)]) / len(evals), 5) for i in range(len(SIGMAS_EVAL))]
-            folded = sum(1 for l in report.quantized if "folded" in l.notes)
+            folded = sum(1 for l in report.quantized if "folded" in l.notes or "smooth_scale" in l.notes)
             row = {"format": fmt, "recipe": kind, "mean_rel_err": round(sum(errs) / len(errs), 5),
                    "rel_err_by_sigma": dict(zip(map(str, SIGMAS_EVAL), per_sigma)),
                    "weight_rel_err": round(report.mean_rel_err(), 5), "quantize_s": round(qs, 1),
@@ -154,14 +159,16 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--reduced", action="store_true")
     ap.add_argument("--models", nargs="*", default=["flux", "sdxl"])
+    ap.add_argument("--variants", nargs="*", default=None,
+                    help="only these FORMAT:RECIPE pairs, e.g. nvfp4:naive nvfp4:ours+lowrank32")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     out_path = os.path.join(a.out, "quality.json")
     results = {"env": common.env_info(), "reduced": a.reduced, "sigmas": SIGMAS_EVAL}
     for name in a.models:
-        run(name, a.reduced, results, out_path)
+        run(name, a.reduced, results, out_path, a.variants)
     common.write_json(out_path, results)
-    print("\n| model | format | naive | ours | ours / naive |\n|---|---|---|---|---|")
+    print("\n| model | format | naive | ours | ours / naive | ours+lowrank32 / naive |\n|---|---|---|---|---|---|")
     for key, block in results.items():
         if not isinstance(block, dict) or "rows" not in block:
             continue
@@ -169,7 +176,9 @@ def main(argv=None):
         for fmt in ("float8_e4m3fn", "int8_tensorwise", "nvfp4"):
             if (fmt, "naive") in by and (fmt, "ours") in by:
                 n, o = by[(fmt, "naive")], by[(fmt, "ours")]
-                print(f"| {key} | {fmt} | {n:.5f} | {o:.5f} | {o / n if n else 0:.3f} |")
+                lr = by.get((fmt, "ours+lowrank32"))
+                lr = f"{lr / n:.3f}" if lr is not None and n else "-"
+                print(f"| {key} | {fmt} | {n:.5f} | {o:.5f} | {o / n if n else 0:.3f} | {lr} |")
     return results
 
 

@@ -30,13 +30,14 @@ from comfy_modelopt.recipe import Recipe  # noqa: E402
 FULL = {
     "flux": dict(family="flux", size="full", batch=1, res=1024, txt=512, dtype=torch.bfloat16,
                  formats=["fp8-naive", "float8_e4m3fn", "int8_tensorwise", "int8_convrot", "nvfp4", "mxfp8",
-                          "convrot_w4a4"]),
+                          "convrot_w4a4", "nvfp4-lowrank32"]),
     "sdxl": dict(family="sdxl", size="full", batch=2, res=1024, txt=77, dtype=torch.float16,
                  formats=["fp8-naive", "float8_e4m3fn", "int8_tensorwise", "nvfp4"]),
 }
 REDUCED = {
     "flux": dict(family="flux", size="small", batch=1, res=64, txt=16, dtype=torch.bfloat16,
-                 formats=["fp8-naive", "float8_e4m3fn", "int8_tensorwise", "nvfp4"], inputs="flux_small"),
+                 formats=["fp8-naive", "float8_e4m3fn", "int8_tensorwise", "nvfp4", "nvfp4-lowrank32"],
+                 inputs="flux_small"),
     "sd15": dict(family="sd15", size="small", batch=2, res=64, txt=77, dtype=torch.float16,
                  formats=["float8_e4m3fn", "int8_tensorwise"]),
 }
@@ -47,6 +48,8 @@ def recipe_for(variant: str) -> Recipe:
         return Recipe("int8_tensorwise", weight_scale="absmax", convrot=True, sensitivity=False)
     if variant == "fp8-naive":
         return Recipe("float8_e4m3fn", weight_scale="absmax", sensitivity=False)
+    if variant == "nvfp4-lowrank32":  # own loader: rank-32 16-bit branch beside the nvfp4 GEMM
+        return Recipe("nvfp4", weight_scale="absmax", lowrank=32, sensitivity=False)
     return Recipe(variant, weight_scale="absmax", input_scale="max", sensitivity=False)
 
 
