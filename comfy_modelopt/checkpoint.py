@@ -20,6 +20,9 @@ OLD_PACK_META = ("_model_config", "unet_config", "model_type", "latent_format_cl
 KINDS = {
     "comfy_modelopt": "comfy-modelopt checkpoint (ComfyUI-native quantized; loads with stock "
                       "'Load Diffusion Model')",
+    "comfy_modelopt_own": "comfy-modelopt checkpoint with layers only comfy-modelopt's loader runs "
+                          "(low-rank branch): load it with 'Load Quantized Model'; stock ComfyUI "
+                          "refuses it",
     "comfyui_native": "ComfyUI-native quantized checkpoint (.comfy_quant / _quantization_metadata; "
                       "loads with stock 'Load Diffusion Model')",
     "scaled_fp8": "legacy scaled-fp8 checkpoint (scaled_fp8 marker, .scale_weight); ComfyUI "
@@ -109,8 +112,7 @@ def _inspect(f: SafetensorsFile) -> InspectResult:
     if kind == "comfy_modelopt":
         res.ours = _our_metadata(f.metadata)
         if res.ours.get("loader"):
-            res.notes.append("has layers only comfy-modelopt's loader runs (low-rank branch): load it with "
-                             "'Load Quantized Model'; stock ComfyUI refuses it")
+            res.kind = "comfy_modelopt_own"
     if kind == "old_modelopt_pack":
         res.notes.append("its nvfp4/int4 payloads were stored unpacked or saturated by that pack; "
                          "the weights cannot be trusted")

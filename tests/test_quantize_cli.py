@@ -219,6 +219,7 @@ def test_lowrank_files_are_marked_for_our_loader(flux_file, tmp_path):
     for l in plain.quantized:  # the branch takes the largest singular directions out of the 4-bit part
         assert report[l.name]["rel_err"] < l.rel_err
     info = inspect_file(str(out))
-    assert info.layers_by_format["modelopt_lowrank_nvfp4"] == 13 and "loader" in " ".join(info.notes)
+    assert info.layers_by_format["modelopt_lowrank_nvfp4"] == 13 and info.kind == "comfy_modelopt_own"
+    assert "Load Quantized Model" in info.description and "stock ComfyUI refuses" in info.description
     with pytest.raises(ValueError, match="low-rank branch is for 4-bit formats"):
         Recipe("float8_e4m3fn", lowrank=8)
