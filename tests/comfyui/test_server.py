@@ -158,6 +158,9 @@ def test_nodes_registered(server):
 @pytest.mark.parametrize("family,fmt,calibrate,load,max_err", [
     ("sd15", "float8_e4m3fn", "sd15_calibrate_quantize_fp8.json", "sd15_load_quantized_sample.json", 0.05),
     ("sd3", "nvfp4", "sd3_calibrate_quantize_nvfp4.json", "sd3_load_quantized_sample.json", 0.25),
+    # low-rank branch + AWQ smoothing: only comfy-modelopt's loader runs the file
+    ("sd15", "modelopt_lowrank_nvfp4", "sd15_calibrate_quantize_nvfp4_lowrank.json", "sd15_load_lowrank_sample.json",
+     0.25),
 ])
 def test_workflows(server, family, fmt, calibrate, load, max_err):
     server.run(shrink(load_workflow(calibrate)))
@@ -165,7 +168,8 @@ def test_workflows(server, family, fmt, calibrate, load, max_err):
     out_name = wf["10"]["inputs"]["filename"]
     saved = server.models_dir / "diffusion_models" / f"{out_name}.safetensors"
     info = inspect_file(str(saved))
-    assert info.kind == "comfy_modelopt" and info.layers_by_format.get(fmt, 0) > 0
+    own = fmt.startswith("modelopt_")
+    assert info.kind == ("comfy_modelopt_own" if own else "comfy_modelopt") and info.layers_by_format.get(fmt, 0) > 0
     assert info.ours["calibration"]["prompts"] == SMALL["num_prompts"]
     calib = server.models_dir / "modelopt_calibration" / f"{out_name}-calibration.safetensors"
     assert calib.exists()
@@ -178,7 +182,7 @@ def test_workflows(server, family, fmt, calibrate, load, max_err):
 
     server.run(shrink(load_workflow(load)))
     reloaded = latest_latent(server, "reloaded")
-    # the stock loader's model is the quantized MODEL the nodes returned, bit for bit
+    # the loader's model (stock, or ours for own-loader files) is the MODEL the nodes returned, bit for bit
     assert torch.equal(reloaded, quantized)
     err = float((quantized - reference).norm() / reference.norm())
     assert err < max_err, f"{family}/{fmt}: latent differs from bf16 by {err:.4f}"
