@@ -41,7 +41,6 @@ def ops(results: dict) -> None:
             "abs": lambda: x.abs(),
             "histogram index": lambda: S._hist_index(x),
             "histogram counts": lambda: S._bincount(idx),
-            "amax": lambda: a.amax(),
             "channel amax": lambda: a.amax(dim=0),
             "channel sum (fp64)": lambda: a.sum(dim=0, dtype=torch.float64),
             "reservoir sample": lambda: ls._sample(x),

@@ -27,6 +27,7 @@ import torch
 
 HIST_MANTISSA_BITS = 5                       # 32 bins per octave
 HIST_BINS = 1 << (8 + HIST_MANTISSA_BITS)    # bf16 exponent x top mantissa bits (incl. inf/nan)
+INF_NAN_BIN = HIST_BINS - (1 << HIST_MANTISSA_BITS)  # bf16 exponent 255 and up: inf and nan
 FORMAT_VERSION = 2  # 2: bf16-bit-pattern histogram
 
 
@@ -92,24 +93,20 @@ class LayerStats:
         self.calls += 1
         if x.shape[0] == 0:
             return
-        if self.amax is None:
+        if self.hist is None:
             dev = x.device
-            self.amax = torch.zeros((), device=dev)
             self.channel_absmax = torch.zeros(self.k, device=dev)
             self.channel_abssum = torch.zeros(self.k, dtype=torch.float64, device=dev)
             self.hist = torch.zeros(HIST_BINS, dtype=torch.int64, device=dev)
-            self._nonfinite = torch.zeros((), dtype=torch.int64, device=dev)
+        # few kernels per call (on a GPU each costs a launch on every Linear of every forward):
+        # the inf/nan bins stay in the histogram and the global amax comes from the per-channel
+        # one, both settled in finish()
         a = x.abs()
         bins = _hist_index(x)
-        counts = _bincount(bins)
-        inf_nan = (HIST_BINS - (1 << HIST_MANTISSA_BITS))  # bf16 exponent 255: inf and nan
-        self._nonfinite += counts[inf_nan:].sum()
-        counts[inf_nan:] = 0
+        self.hist += _bincount(bins)
         if self.sanitize:  # keep the other statistics finite too (costs one more pass)
-            a = torch.where(bins >= inf_nan, torch.zeros_like(a), a)
-        self.hist += counts
-        self.amax = torch.maximum(self.amax, a.amax().float())
-        self.channel_absmax = torch.maximum(self.channel_absmax, a.amax(dim=0).float())
+            a = torch.where(bins >= INF_NAN_BIN, torch.zeros_like(a), a)
+        self.channel_absmax = torch.maximum(self.channel_absmax, a.amax(dim=0))
         self.channel_abssum += a.sum(dim=0, dtype=torch.float64)
         self._sample(x)
         self.rows += x.shape[0]
@@ -137,9 +134,11 @@ class LayerStats:
         self.reservoir.index_copy_(0, index[0], x.index_select(0, index[1]).to(torch.bfloat16))
 
     def finish(self) -> None:
-        if self.amax is not None:
-            self.nonfinite += int(self._nonfinite)
-            self._nonfinite.zero_()
+        """Settle what update() defers: non-finite counts out of the histogram, the amax."""
+        if self.hist is not None:
+            self.nonfinite += int(self.hist[INF_NAN_BIN:].sum())
+            self.hist[INF_NAN_BIN:] = 0
+            self.amax = self.channel_absmax.max()
 
     # ------------------------------------------------------------------ queries
     def has_sample(self) -> bool:
