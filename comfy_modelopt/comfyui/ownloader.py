@@ -9,6 +9,11 @@ each such layer its extra computation:
     y = base(x * smooth_scale) + (x * smooth_scale) @ lowrank_down^T @ lowrank_up^T
 
 where ``base`` is the stock (or lean) quantized layer holding the 4-bit residual.
+
+LoRA and other weight patches: ComfyUI adds a patch's delta to the stored weight, which for a
+smoothed layer lives in the smoothed basis (``W / smooth_scale`` per input column).  The patcher
+this loader returns maps every delta on such a layer into that basis (``delta / smooth_scale``),
+so ``y`` changes by exactly ``x @ delta^T`` as for a 16-bit model (up to re-quantization).
 """
 from __future__ import annotations
 
@@ -72,6 +77,12 @@ def load_state_dict(sd: dict, metadata: dict | None = None, **load_options):
     if patcher is None:
         return None
     attach(patcher, extras)
+    smoothed = {"diffusion_model." + name + ".weight": ex["smooth_scale"].float()
+                for name, ex in extras.items() if ex.get("smooth_scale") is not None}
+    if smoothed:
+        # a subclass, not an instance attribute: ModelPatcher.clone() keeps self.__class__
+        patcher.__class__ = _smoothing_aware(type(patcher))
+        patcher.model._modelopt_smoothed_weights = smoothed
     return patcher
 
 
@@ -94,6 +105,35 @@ def attach(patcher, extras: dict) -> int:
         module._modelopt_base_forward = module.forward
         module.forward = types.MethodType(_branch_forward, module)
     return len(extras)
+
+
+_PATCHER_CLASSES: dict = {}
+
+
+def _smoothing_aware(cls):
+    """``cls`` with add_patches mapping deltas on smoothed layers into their stored basis."""
+    if getattr(cls, "_modelopt_smoothing_aware", False):
+        return cls
+    if cls not in _PATCHER_CLASSES:
+        def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+            smoothed = getattr(self.model, "_modelopt_smoothed_weights", {})
+            mapped = {}
+            for k, v in patches.items():
+                key, offset, fn = (k, None, None) if isinstance(k, str) else (k[0], k[1], k[2] if len(k) > 2 else None)
+                if key in smoothed and offset is None:
+                    k = (key, None, _into_smoothed_basis(smoothed[key], fn))
+                mapped[k] = v
+            return cls.add_patches(self, mapped, strength_patch, strength_model)
+        _PATCHER_CLASSES[cls] = type(cls.__name__, (cls,), {"add_patches": add_patches,
+                                                            "_modelopt_smoothing_aware": True})
+    return _PATCHER_CLASSES[cls]
+
+
+def _into_smoothed_basis(smooth_scale: torch.Tensor, inner=None):
+    def fn(delta):
+        delta = inner(delta) if inner is not None else delta
+        return delta / smooth_scale.to(delta.device, delta.dtype)
+    return fn
 
 
 def _branch_forward(self, x, *args, **kwargs):

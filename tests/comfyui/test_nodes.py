@@ -247,3 +247,24 @@ def test_lowrank_own_loader(env):
     mean_out = lambda m: statistics.fmean(  # noqa: E731
         l.out_err for l in nodes.artifact_of(m).report.quantized)
     assert mean_out(qmodel) < 0.95 * mean_out(plain), (mean_out(qmodel), mean_out(plain))
+
+    # a LoRA-style patch (delta in the original basis) changes a smoothed layer by x @ delta^T
+    name = "input_blocks.1.1.transformer_blocks.0.attn1.to_q"
+    layer = reloaded.model.diffusion_model.get_submodule(name)
+    assert layer.smooth_scale is not None and not torch.allclose(layer.smooth_scale, torch.ones(1))
+    w = env["model"].model.diffusion_model.get_submodule(name).weight.float()
+    delta = torch.randn(w.shape, generator=torch.Generator().manual_seed(1)) * float(w.abs().max())
+    patched = reloaded.clone()
+    assert type(patched) is type(reloaded)  # the smoothing-aware patcher survives clone()
+    patched.add_patches({"diffusion_model." + name + ".weight": ("diff", (delta,))}, strength_patch=1.0)
+    w0 = layer.weight.dequantize().float().clone()
+    with torch.inference_mode():
+        comfy.model_management.load_models_gpu([patched], force_full_load=True)
+    applied = layer.weight.dequantize().float() - w0
+    # per input column j, how much of delta[:, j] the stored weight took: 1 / smooth_scale[j] is
+    # right (the stored weight is in the smoothed basis), 1 is what a plain patch would do;
+    # re-quantization noise averages out over the rows
+    took = (applied * delta).sum(0) / (delta * delta).sum(0)
+    ss = layer.smooth_scale.float()
+    ours, plain_patch = float((took * ss - 1).abs().mean()), float((took - 1).abs().mean())
+    assert ours < 0.05 and ours < 0.25 * plain_patch, (ours, plain_patch)
