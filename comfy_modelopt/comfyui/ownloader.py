@@ -81,6 +81,8 @@ def load_state_dict(sd: dict, metadata: dict | None = None, **load_options):
                 for name, ex in extras.items() if ex.get("smooth_scale") is not None}
     if smoothed:
         # a subclass, not an instance attribute: ModelPatcher.clone() keeps self.__class__
+        # (except clone(disable_dynamic=True) of a dynamic patcher, which falls back to the
+        # plain ModelPatcher: patches added to such a clone are not mapped - a known limit)
         patcher.__class__ = _smoothing_aware(type(patcher))
         patcher.model._modelopt_smoothed_weights = smoothed
     return patcher
