@@ -20,7 +20,6 @@ from comfy_modelopt.comfyui import architectures  # noqa: E402
 architectures.setup_comfy()
 
 import comfy.model_management  # noqa: E402
-import comfy.sd  # noqa: E402
 
 from comfy_modelopt.pipeline import DictSink, DictSource, quantize_source  # noqa: E402
 from comfy_modelopt.recipe import Recipe  # noqa: E402
@@ -113,11 +112,7 @@ def load_stock(sd: dict, metadata: dict | None = None):
     """The ComfyUI MODEL for a state dict, fully on the GPU: ComfyUI's own loader, or ours
     (which wraps it) for files with low-rank layers."""
     from comfy_modelopt.comfyui import ownloader
-    if ownloader.needs_own_loader(metadata, sd):
-        patcher = ownloader.load_state_dict(dict(sd), dict(metadata or {}), disable_dynamic=True)
-    else:
-        patcher = comfy.sd.load_diffusion_model_state_dict(dict(sd), metadata=dict(metadata or {}),
-                                                           disable_dynamic=True)
+    patcher = ownloader.load_state_dict(dict(sd), dict(metadata or {}), disable_dynamic=True)
     comfy.model_management.load_models_gpu([patcher], force_full_load=True)
     return patcher
 

@@ -16,16 +16,24 @@ from .recipe import Recipe
 from .safetensors_io import FLOAT_DTYPES, ST_DTYPES
 
 SUFFIX_KEYS = {"": ".weight", "_scale": ".weight_scale", "_scale_2": ".weight_scale_2"}
+QUANT_MARKERS = (".comfy_quant", ".scale_weight", ".weight_q")
 # Formats only comfy-modelopt's loader runs.  Their names are not ComfyUI QUANT_ALGOS keys, so
 # stock ComfyUI refuses such a file instead of silently dropping the extra tensors.
 LOWRANK_PREFIX = "modelopt_lowrank_"
 
 
-def own_format(conf: dict) -> str | None:
-    """The stock base format of a layer only our loader runs, else None."""
-    fmt = conf.get("format", "")
+def own_base(fmt: str) -> str | None:
+    """The stock base format of a format only our loader runs, else None."""
     return fmt[len(LOWRANK_PREFIX):] if fmt.startswith(LOWRANK_PREFIX) else None
-QUANT_MARKERS = (".comfy_quant", ".scale_weight", ".weight_q")
+
+
+def stock_conf(conf: dict) -> dict | None:
+    """The stock ComfyUI layer config of an own-loader layer (what _lay_out wrote, undone), else
+    None."""
+    base = own_base(conf.get("format", ""))
+    if base is None:
+        return None
+    return dict({k: v for k, v in conf.items() if k != "rank"}, format=base)
 
 
 class PlanError(ValueError):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from .plan import own_base
+
 
 @dataclass
 class LayerReport:
@@ -51,7 +53,7 @@ class QuantReport:
     # ------------------------------------------------------------------ totals
     def _is_quantized(self, layer: LayerReport) -> bool:
         fmt = self.recipe.get("format")
-        return layer.format == fmt or layer.format.endswith("_" + fmt) and layer.format.startswith("modelopt_")
+        return layer.format == fmt or own_base(layer.format) == fmt
 
     @property
     def quantized(self) -> list[LayerReport]:

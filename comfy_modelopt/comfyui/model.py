@@ -14,7 +14,6 @@ import torch
 
 import comfy.lora
 import comfy.model_management
-import comfy.sd
 import comfy.utils
 from comfy.model_patcher import get_key_weight
 
@@ -92,10 +91,7 @@ def build_quantized_model(state_dict: dict, metadata: dict, report: QuantReport,
     """A stock quantized MODEL from our state dict; refuses one ComfyUI would detect as another
     architecture."""
     # ComfyUI pops what it loads: hand it a shallow copy, keep ours (the tensors are shared)
-    if ownloader.needs_own_loader(metadata, state_dict):
-        patcher = ownloader.load_state_dict(dict(state_dict), dict(metadata))
-    else:
-        patcher = comfy.sd.load_diffusion_model_state_dict(dict(state_dict), metadata=dict(metadata))
+    patcher = ownloader.load_state_dict(dict(state_dict), dict(metadata))
     if patcher is None:
         raise NodeError("ComfyUI could not detect a model in the quantized weights; keep the layers "
                         "its detection reads in 16-bit (keep patterns) and report this model family")

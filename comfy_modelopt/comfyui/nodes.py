@@ -11,7 +11,6 @@ from typing_extensions import override
 
 import comfy.model_management
 import comfy.samplers
-import comfy.sd
 import comfy.utils
 import folder_paths
 from comfy_api.latest import ComfyExtension, io
@@ -347,10 +346,7 @@ class ModelOptUNetLoader(io.ComfyNode):
         info = inspect_file(path)
         if info.kind == "old_modelopt_pack":
             raise NodeError(f"{unet_name}: {info.description}")
-        if info.ours.get("loader"):
-            patcher = ownloader.load_file(path)
-        else:
-            patcher = comfy.sd.load_diffusion_model(path)
+        patcher = ownloader.load_file(path)
         if patcher is None:
             raise NodeError(f"{unet_name}: ComfyUI could not detect the model in this file")
         patcher, note = apply_runtime(patcher, runtime)

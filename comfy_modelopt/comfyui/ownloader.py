@@ -26,7 +26,7 @@ import comfy.model_management
 import comfy.sd
 import comfy.utils
 
-from ..plan import LOWRANK_PREFIX, comfy_quant_bytes, own_format
+from ..plan import LOWRANK_PREFIX, comfy_quant_bytes, stock_conf
 
 EXTRA_SUFFIXES = (".lowrank_up", ".lowrank_down", ".smooth_scale")
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
@@ -43,22 +43,17 @@ def split_state_dict(sd: dict, metadata: dict | None) -> tuple[dict, dict, dict]
     sd = dict(sd)
     extras = {}
     for key in [k for k in sd if k.endswith(".comfy_quant")]:
-        conf = json.loads(bytes(sd[key].tolist()).decode("utf-8"))
-        base = own_format(conf)
-        if base is None:
+        stock = stock_conf(json.loads(bytes(sd[key].tolist()).decode("utf-8")))
+        if stock is None:
             continue
         layer = key[: -len(".comfy_quant")]
-        stock = {k: v for k, v in conf.items() if k not in ("format", "rank")}
-        stock["format"] = base
         sd[key] = torch.frombuffer(bytearray(comfy_quant_bytes(stock)), dtype=torch.uint8)
         extras[_relative(layer)] = {s[1:]: sd.pop(layer + s) for s in EXTRA_SUFFIXES if layer + s in sd}
     meta = dict(metadata or {})
     if "_quantization_metadata" in meta:
         q = json.loads(meta["_quantization_metadata"])
         for name, conf in q.get("layers", {}).items():
-            base = own_format(conf)
-            if base is not None:
-                q["layers"][name] = dict({k: v for k, v in conf.items() if k != "rank"}, format=base)
+            q["layers"][name] = stock_conf(conf) or conf
         meta["_quantization_metadata"] = json.dumps(q)
     return sd, meta, extras
 
@@ -71,7 +66,11 @@ def _relative(name: str) -> str:
 
 
 def load_state_dict(sd: dict, metadata: dict | None = None, **load_options):
-    """A MODEL from a state dict that may hold own-loader layers (options go to ComfyUI's loader)."""
+    """A MODEL from a diffusion-model state dict: ComfyUI's own loader, which our layers then
+    join when the file has any (options go to ComfyUI's loader).  Returns None when ComfyUI
+    cannot detect the model."""
+    if not needs_own_loader(metadata, sd):
+        return comfy.sd.load_diffusion_model_state_dict(sd, metadata=metadata, **load_options)
     stock_sd, meta, extras = split_state_dict(sd, metadata)
     patcher = comfy.sd.load_diffusion_model_state_dict(stock_sd, metadata=meta, **load_options)
     if patcher is None:
