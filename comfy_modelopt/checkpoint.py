@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from .families import detect_family, diffusion_prefix
 from .pipeline import META_PREFIX
+from .plan import own_base
 from .report import QuantReport
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile
 
@@ -184,7 +185,7 @@ def _tally(f: SafetensorsFile, layer_formats: dict, res: InspectResult) -> None:
 
 def _logical_numel(fmt: str, shape: tuple) -> int:
     n = math.prod(shape)
-    return n * 2 if ("nvfp4" in fmt or "convrot_w4a4" in fmt) else n
+    return n * 2 if (own_base(fmt) or fmt).startswith(("nvfp4", "convrot_w4a4")) else n
 
 
 def _our_metadata(meta: dict) -> dict:
