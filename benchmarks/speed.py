@@ -70,11 +70,31 @@ def _round(v, n=2):
     return None if v is None else round(v, n)
 
 
-def graph_fn(patcher, x, sigma, kw):
-    runner = CudaGraphs(patcher)
+def graph_fn(patcher, x, sigma, kw, compile_blocks=False):
+    runner = CudaGraphs(patcher, compile_blocks=compile_blocks)
     topts = dict(patcher.model_options.get("transformer_options", {}))
     args = {"input": x, "timestep": sigma, "c": dict(kw, transformer_options=topts)}
     return (lambda: runner(patcher.model.apply_model, args)), runner
+
+
+def compiled_rows(patcher, label, x, sigma, kw, ref, rows, base_ms, exact_ref=None):
+    """The same model under CUDA graphs captured over Inductor-compiled blocks (validated)."""
+    if not COMPILE:
+        return None
+    t0 = time.perf_counter()
+    fn, runner = graph_fn(patcher, x, sigma, kw, compile_blocks=True)
+    fn()  # capture: eager reference, compile, validate, graph
+    compile_s = time.perf_counter() - t0
+    out = measure(f"{label} + compiled blocks + CUDA graphs", fn, ref, rows, base_ms)
+    cb = runner.compiled
+    rows[-1].update({"compile_s": round(compile_s, 1), "compiled": cb.enabled, "compile_reason": cb.reason,
+                     "compiled_vs_eager_rel_l2": cb.checks,
+                     "graph": {"captures": runner.captures, "replays": runner.replays, "eager": runner.eager_calls}})
+    if exact_ref is not None:
+        rows[-1]["rel_l2_vs_eager"] = _round(float((out - exact_ref).norm() / exact_ref.norm()), 6)
+    if PROFILE:
+        rows[-1]["top_kernels"] = top_kernels(fn)
+    return out
 
 
 def int8_attention_rows(patcher, label, x, sigma, kw, ref, rows, base_ms):
@@ -109,6 +129,7 @@ def run_model(name: str, spec: dict, results: dict, deadline: float, out_path: s
             rows[-1]["graph"] = {"captures": runner.captures, "replays": runner.replays, "eager": runner.eager_calls}
             if INT8_ATTENTION:
                 int8_attention_rows(base, "16-bit", x, sigma, kw, ref, rows, base_ms)
+            compiled_rows(base, "16-bit", x, sigma, kw, ref, rows, base_ms, exact_ref=ref)
         # statistics for static fp8 input scales: a few real evaluations at several noise levels
         sigmas = [1.0, 0.7, 0.4, 0.1]
         stats = calibrate(base.model.diffusion_model,
@@ -156,6 +177,8 @@ def run_variant(variant, sd, x, sigma, kw, ref, base_ms, stats, rows):
             rows[-1]["graph"] = {"captures": runner.captures, "replays": runner.replays, "eager": runner.eager_calls}
             if PROFILE:
                 rows[-1]["top_kernels"] = top_kernels(fn)
+            if variant in COMPILE_VARIANTS:
+                compiled_rows(q, f"{variant} lean", x, sigma, kw, ref, rows, base_ms, exact_ref=stock_out)
             if variant == "float8_e4m3fn":
                 for m in q.model.diffusion_model.modules():
                     if getattr(m, "_modelopt_lean", False):
@@ -163,6 +186,7 @@ def run_variant(variant, sd, x, sigma, kw, ref, base_ms, stats, rows):
                 make_lean(q, fast_accum=True)
                 fn, runner = graph_fn(q, x, sigma, kw)
                 measure(f"{variant} lean fast-accum + CUDA graphs", fn, ref, rows, base_ms)
+                compiled_rows(q, f"{variant} lean fast-accum", x, sigma, kw, ref, rows, base_ms, exact_ref=stock_out)
                 if INT8_ATTENTION:
                     int8_attention_rows(q, f"{variant} lean fast-accum", x, sigma, kw, ref, rows, base_ms)
     common.free(q)
@@ -170,6 +194,8 @@ def run_variant(variant, sd, x, sigma, kw, ref, base_ms, stats, rows):
 
 PROFILE = False
 INT8_ATTENTION = False
+COMPILE = False
+COMPILE_VARIANTS = ("float8_e4m3fn", "int8_tensorwise", "nvfp4")
 
 
 def top_kernels(fn, n: int = 12) -> list:
@@ -240,17 +266,21 @@ def main(argv=None):
     ap.add_argument("--formats", nargs="*", default=None, help="only these variants")
     ap.add_argument("--profile", action="store_true", help="print the top GPU kernels of graph variants")
     ap.add_argument("--int8-attention", action="store_true", help="also time kitchen's INT8 attention runtime")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time CUDA graphs over Inductor-compiled blocks (validated against eager)")
+    ap.add_argument("--skip-ceilings", action="store_true", help="skip the GEMM/attention microbenchmarks")
     a = ap.parse_args(argv)
-    global PROFILE, INT8_ATTENTION
-    PROFILE, INT8_ATTENTION = a.profile, a.int8_attention
+    global PROFILE, INT8_ATTENTION, COMPILE
+    PROFILE, INT8_ATTENTION, COMPILE = a.profile, a.int8_attention, a.compile
     os.makedirs(a.out, exist_ok=True)
     deadline = time.time() + a.budget_s
     specs = REDUCED if a.reduced else FULL
     out_path = os.path.join(a.out, "speed.json")
     results = {"env": common.env_info(), "reduced": a.reduced}
     print(results["env"], flush=True)
-    print("\n== GEMM ceiling", flush=True)
-    gemm_ceiling(results, a.reduced)
+    if not a.skip_ceilings:
+        print("\n== GEMM ceiling", flush=True)
+        gemm_ceiling(results, a.reduced)
     for name in a.models or list(specs):
         spec = dict(specs[name])
         if a.formats:

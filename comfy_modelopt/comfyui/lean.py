@@ -15,6 +15,14 @@ Whenever a layer is offloaded, patched by a LoRA at run time (weight functions),
 16-bit weight, the stock forward runs instead.  ``CudaGraphs`` (installed as a model-function
 wrapper on a clone, so it works for 16-bit models too) captures each distinct input signature
 once and replays it; anything it cannot capture runs eagerly with the reason logged.
+
+With ``compile_blocks`` the graphs are captured over the repeated transformer blocks compiled
+by TorchInductor (``CompiledBlocks``): the 16-bit, memory-bound work between the GEMMs - norms,
+modulation, gated residuals, RoPE, concatenations, the activation function - is fused into fewer
+kernels, while every weight-holding layer stays opaque to the compiler (the quantized layers'
+tensor subclasses are not traceable, and a GEMM gains nothing from tracing).  Inductor output is
+never trusted: the first evaluation of every input signature is run both ways and compared, and a
+difference above ``tol`` (relative L2) turns compilation off for the model, logged.
 """
 from __future__ import annotations
 
@@ -129,8 +137,9 @@ class CudaGraphs:
     elsewhere is captured again).  Runs eagerly, logging why, when the model is partially
     loaded, when transformer options carry patches, or when capture fails."""
 
-    def __init__(self, patcher, max_graphs: int = 8):
+    def __init__(self, patcher, max_graphs: int = 8, compile_blocks: bool = False):
         self.patcher, self.max_graphs = patcher, max_graphs
+        self.compiled = CompiledBlocks(patcher.model.diffusion_model) if compile_blocks else None
         self.graphs: dict = {}
         self.pool = None
         self.warned: set = set()
@@ -164,6 +173,14 @@ class CudaGraphs:
                 raise TypeError(type(v).__name__)
         walk({"input": args["input"], "timestep": args["timestep"], "c": args["c"]})
         return tuple(flat)
+
+    def _compute_dtype(self):
+        model = self.patcher.model
+        try:
+            dtype = model.get_dtype_inference()
+        except Exception:  # pragma: no cover - older ComfyUI
+            return None
+        return dtype if dtype in (torch.float16, torch.bfloat16, torch.float32) else None
 
     def _weights_key(self):
         model = self.patcher.model
@@ -223,17 +240,162 @@ class CudaGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up outside the capture (lazy inits, autotuning)
-            apply_model(static_x, static_t, **static_c)
+            ref = apply_model(static_x, static_t, **static_c)
+            use_compiled = self.compiled is not None and self.compiled.validate(
+                lambda: apply_model(static_x, static_t, **static_c), ref,
+                lambda: apply_model(rounding_noise(static_x, self._compute_dtype()), static_t, **static_c))
         torch.cuda.current_stream().wait_stream(stream)
+        del ref
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = apply_model(static_x, static_t, **static_c)
+        with self.compiled.installed() if use_compiled else _nothing():
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = apply_model(static_x, static_t, **static_c)
         self.captures += 1
         graph.replay()
         static_c.pop("transformer_options")
         return {"graph": graph, "static": _tensors(static_x, static_t, static_c), "out": out, "weights": weights}
+
+
+def _rel_l2(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def rounding_noise(x, dtype=None):
+    """``x`` with relative noise of half the epsilon of ``dtype`` (the model's compute dtype;
+    default ``x``'s own): one more rounding to that dtype, reproducibly."""
+    g = torch.Generator(device=x.device).manual_seed(0)
+    noise = torch.randn(x.shape, generator=g, device=x.device, dtype=torch.float32)
+    eps = torch.finfo(dtype or x.dtype).eps
+    return (x.float() * (1 + noise * (eps / 2))).to(x.dtype)
+
+
+def _block_regions(model) -> list:
+    out = []
+
+    def add(m):
+        if isinstance(m, torch.nn.Sequential):  # iterated by the model itself: its layers
+            out.extend(m.children())
+        else:
+            out.append(m)
+    for child in model.children():
+        if isinstance(child, torch.nn.ModuleList):
+            for m in child:
+                add(m)
+        elif isinstance(child, torch.nn.Sequential) and any(isinstance(c, torch.nn.Sequential) or
+                                                             len(list(c.children())) for c in child.children()):
+            add(child)  # e.g. a UNet's middle block
+    return out
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ====================================================================== compiled blocks
+_WEIGHT_LAYERS = (torch.nn.Linear, torch.nn.modules.conv._ConvNd)
+
+class CompiledBlocks:
+    """TorchInductor-compiled forwards of a model's blocks, installed on demand.
+
+    Regions are the elements of every ``nn.ModuleList`` directly under the diffusion model
+    (Flux's double/single blocks, DiT blocks); where an element (or a direct child) is an
+    ``nn.Sequential`` that the model iterates itself - a UNet's ``TimestepEmbedSequential`` - its
+    layers (ResBlock, SpatialTransformer, ...) are.  Compiling block by block keeps compile time to
+    one trace per block class and shape, where a whole-model trace would unroll the loop.  The
+    compiled function replaces the block's ``forward`` (instance attribute) only while installed,
+    so the module objects, their types and the model's own iteration stay as they are.
+    Weight-holding layers (Linear, Conv) are made opaque with ``torch.compiler.disable``: the lean
+    kernels and the stock fallback run as they are (a quantized weight is a tensor subclass the
+    compiler cannot trace, and a GEMM gains nothing from tracing)."""
+
+    def __init__(self, diffusion_model, tol: float = 0.02, max_tol: float = 0.25):
+        self.model, self.tol, self.max_tol = diffusion_model, tol, max_tol
+        self.enabled, self.reason = True, None
+        self.checks: list = []  # one dict per validated input signature
+        self.regions = [m for m in _block_regions(diffusion_model) if not isinstance(m, _WEIGHT_LAYERS)]
+        self.opaque = [m for m in diffusion_model.modules() if isinstance(m, _WEIGHT_LAYERS)]
+        self._wrappers: dict = {}
+        if not self.regions:
+            self.enabled, self.reason = False, "no blocks (nn.ModuleList) to compile"
+            return
+        # Dynamo keeps one entry per block class, shape and guard set; a UNet has many variants
+        cfg = torch._dynamo.config
+        limit = max(8, len(self.regions) + 8)
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, name) and getattr(cfg, name) < limit:
+                setattr(cfg, name, limit)
+        self.compiled = [torch.compile(m.forward, dynamic=False) for m in self.regions]
+
+    def installed(self):
+        blocks = self
+
+        class _Swap:
+            def __enter__(self):
+                self.mods = blocks.regions + blocks.opaque
+                self.saved = [m.__dict__.get("forward") for m in self.mods]
+                for m, c in zip(blocks.regions, blocks.compiled):
+                    m.forward = c
+                for m, f in zip(blocks.opaque, self.saved[len(blocks.regions):]):
+                    m.forward = blocks._opaque_forward(m, f)
+                return self
+
+            def __exit__(self, *exc):
+                for m, f in zip(self.mods, self.saved):
+                    if f is None:
+                        del m.forward
+                    else:
+                        m.forward = f
+                return False
+        return _Swap()
+
+    def _opaque_forward(self, m, own):
+        """The module's (lean or stock) forward hidden from Dynamo; the same wrapper object each
+        time, so the compiled code's guards keep matching."""
+        cached = self._wrappers.get(id(m))
+        if cached is None or cached[0] is not own:
+            cached = (own, torch.compiler.disable(m.forward))
+            self._wrappers[id(m)] = cached
+        return cached[1]
+
+    def validate(self, run, ref, perturbed=None) -> bool:
+        """Run the compiled blocks once (compiling them) and compare with the eager ``ref``.
+
+        Fused kernels round differently (fp32 inside a fused norm, ...), and through a deep
+        network - more so one with quantized activations, where a rounding flip moves a value by
+        a whole quantization step - that grows well beyond one rounding.  So the allowed
+        difference is measured, not guessed: ``perturbed()`` runs the eager model on the input
+        rounded once more (relative noise of half the dtype's epsilon), and the compiled output
+        may differ from ``ref`` by at most 3x that (at least ``tol``, never more than
+        ``max_tol``).  A miscompilation shows up as a far larger difference."""
+        if not self.enabled:
+            return False
+        try:
+            with self.installed():
+                out = run()
+        except Exception as e:  # an untraceable block, a compiler error: stay eager
+            return self._disable(f"compile failed: {type(e).__name__}: {str(e)[:200]}")
+        err = _rel_l2(out, ref)
+        noise = _rel_l2(perturbed(), ref) if perturbed is not None else 0.0
+        limit = min(self.max_tol, max(self.tol, 3.0 * noise))
+        self.checks.append({"rel_l2": err, "eager_rounding_noise": noise, "limit": limit})
+        if not err <= limit:  # also catches NaN
+            return self._disable(f"compiled output differs from eager by {err:.4f} (relative L2; allowed "
+                                 f"{limit:.4f} = 3x eager's own rounding noise {noise:.4f}, at least {self.tol})")
+        logging.info(f"[comfy-modelopt] compiled blocks: {len(self.regions)} regions, relative L2 vs eager "
+                     f"{err:.2e} (eager rounding noise {noise:.2e})")
+        return True
+
+    def _disable(self, reason: str) -> bool:
+        self.enabled, self.reason = False, reason
+        logging.warning(f"[comfy-modelopt] compiled blocks turned off: {reason}")
+        return False
 
 
 def _nonempty(v) -> bool:
@@ -317,12 +479,13 @@ def enable_int8_attention(patcher):
     return clone
 
 
-def enable_cuda_graphs(patcher):
-    """A clone of ``patcher`` whose model evaluations are captured and replayed."""
+def enable_cuda_graphs(patcher, compile_blocks: bool = False):
+    """A clone of ``patcher`` whose model evaluations are captured and replayed (over
+    Inductor-compiled blocks with ``compile_blocks``, validated against eager)."""
     clone = patcher.clone()
     existing = clone.model_options.get("model_function_wrapper")
     if existing is not None:
         raise ValueError("this MODEL already has a model function wrapper; CUDA graphs would bypass it")
-    runner = CudaGraphs(clone)
+    runner = CudaGraphs(clone, compile_blocks=compile_blocks)
     clone.set_model_unet_function_wrapper(runner)
     return clone, runner

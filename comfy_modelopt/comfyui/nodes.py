@@ -30,11 +30,15 @@ from .sampling import calibrate_by_sampling, empty_latent
 
 CALIBRATION = io.Custom("MODELOPT_CALIBRATION")
 CATEGORY = "modelopt"
-RUNTIMES = ["lean", "lean + cuda graphs", "lean + cuda graphs + int8 attention", "stock"]
+RUNTIMES = ["lean", "lean + cuda graphs", "lean + compiled blocks + cuda graphs",
+            "lean + cuda graphs + int8 attention", "stock"]
 RUNTIME_TOOLTIP = ("lean: the same kernels as stock ComfyUI without its per-layer Python dispatch "
-                   "(bit-exact for fp8/int8); + cuda graphs: replay whole model evaluations (fastest; "
-                   "falls back to eager when offloading or patched); + int8 attention: kitchen's "
-                   "SageAttention-style INT8 attention (faster still, changes attention numerics); "
+                   "(bit-exact for fp8/int8); + cuda graphs: replay whole model evaluations (falls "
+                   "back to eager when offloading or patched); + compiled blocks: the graphs run "
+                   "TorchInductor-fused norms/modulation/activations between the GEMMs (fastest; "
+                   "needs Triton; compiles on the first step, checked against eager, turned off "
+                   "with a logged reason if it differs); + int8 attention: kitchen's "
+                   "SageAttention-style INT8 attention (changes attention numerics); "
                    "stock: ComfyUI's own layers.")
 CALIBRATION_FOLDER = "modelopt_calibration"
 OLD_UNET_FOLDER = "modelopt_unet"
@@ -68,8 +72,9 @@ def apply_runtime(patcher, runtime: str) -> tuple:
         except ValueError as e:
             note += f" (INT8 attention not enabled: {e})"
     if "cuda graphs" in runtime:
-        patcher, _ = enable_cuda_graphs(patcher)
-        note += " + CUDA graph replay"
+        compiled = "compiled blocks" in runtime
+        patcher, _ = enable_cuda_graphs(patcher, compile_blocks=compiled)
+        note += " + CUDA graph replay" + (" over compiled blocks" if compiled else "")
     return patcher, note
 
 
@@ -363,14 +368,19 @@ class ModelOptCudaGraphs(io.ComfyNode):
             description="Captures each model evaluation once per input shape and replays it: removes "
                         "the per-layer Python overhead of any MODEL, 16-bit or quantized. Falls back to "
                         "normal execution (logged) when the model is offloaded or patched.",
-            inputs=[io.Model.Input("model")],
+            inputs=[io.Model.Input("model"),
+                    io.Boolean.Input("compile_blocks", default=False, optional=True,
+                                     tooltip="capture over TorchInductor-compiled blocks (fused norms, "
+                                             "modulation, activations; needs Triton). Compiles on the "
+                                             "first step; the result is checked against eager and the "
+                                             "option turns itself off, logged, if they differ.")],
             outputs=[io.Model.Output(display_name="model")],
         )
 
     @classmethod
-    def execute(cls, model) -> io.NodeOutput:
+    def execute(cls, model, compile_blocks=False) -> io.NodeOutput:
         try:
-            clone, _ = enable_cuda_graphs(model)
+            clone, _ = enable_cuda_graphs(model, compile_blocks=compile_blocks)
         except ValueError as e:
             raise NodeError(str(e)) from None
         return io.NodeOutput(clone)

@@ -217,6 +217,32 @@ def test_cuda_graphs_fall_back_off_gpu(env):
     assert runner.eager_calls == 2 and runner.captures == 0 and "not on a CUDA device" in runner.warned
 
 
+def test_compiled_blocks_validated_against_eager(env):
+    """Inductor-compiled blocks: same output as eager within eager's own rounding noise, model
+    restored afterwards; a compiled output that differs turns compilation off with the reason."""
+    lean = sys.modules["comfy_modelopt_nodepack.comfy_modelopt.comfyui.lean"]
+    model, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
+    dm = model.model.diffusion_model
+    before = {id(m): m.__dict__.get("forward") for m in dm.modules()}
+    cb = lean.CompiledBlocks(dm)
+    assert len(cb.regions) >= 6 and not any(isinstance(m, torch.nn.Linear) for m in cb.regions)
+    g = torch.Generator().manual_seed(0)
+    x, c = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 8, 768, generator=g)
+    with torch.inference_mode():
+        run = lambda: model.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)  # noqa: E731
+        ref = run()
+        ok = cb.validate(run, ref, lambda: model.model.apply_model(lean.rounding_noise(x, torch.bfloat16),
+                                                                   torch.tensor([0.5]), c_crossattn=c))
+        assert ok, cb.reason
+        check = cb.checks[-1]
+        assert 0 < check["eager_rounding_noise"] and check["rel_l2"] <= check["limit"] <= cb.max_tol
+        assert {id(m): m.__dict__.get("forward") for m in dm.modules()} == before  # nothing left installed
+        assert torch.equal(run(), ref)
+        bad = lean.CompiledBlocks(dm)
+        assert not bad.validate(run, ref * 1.5) and not bad.enabled
+        assert "differs from eager by 0.333" in bad.reason
+
+
 def test_lowrank_own_loader(env):
     """Low-rank branch + 4-bit residual: our loader runs it, stock ComfyUI refuses the file."""
     nodes = env["nodes"]
