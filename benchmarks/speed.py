@@ -195,7 +195,7 @@ def run_variant(variant, sd, x, sigma, kw, ref, base_ms, stats, rows):
 PROFILE = False
 INT8_ATTENTION = False
 COMPILE = False
-COMPILE_VARIANTS = ("float8_e4m3fn", "int8_tensorwise", "nvfp4")
+COMPILE_VARIANTS = ("float8_e4m3fn", "int8_tensorwise", "nvfp4", "nvfp4-lowrank32")
 
 
 def top_kernels(fn, n: int = 12) -> list:
