@@ -200,6 +200,25 @@ def test_lowrank_error_falls_with_rank():
         assert values[-1] < 0.5 * values[0]
 
 
+@pytest.mark.parametrize("shape,rank", [((384, 1024), 16), ((1024, 640), 32), ((96, 200), 8)])
+def test_lowrank_split_reaches_the_svd_optimum(shape, rank):
+    """Large layers take randomized subspace iteration: its residual must match the exact SVD's
+    (Eckart-Young) optimum, on a trained-like decaying spectrum with outlier columns."""
+    from comfy_modelopt.lowrank import lowrank_split
+    g = torch.Generator().manual_seed(1)
+    n, k = shape
+    w = (torch.randn(n, 96, generator=g) * torch.logspace(0, -2, 96)) @ torch.randn(96, k, generator=g)
+    w = w + 0.02 * torch.randn(n, k, generator=g)
+    w[:, :3] *= 20
+    parts = lowrank_split(w, rank)
+    assert parts.l1.shape == (n, rank) and parts.l2.shape == (rank, k)
+    assert torch.allclose(parts.l1 @ parts.l2 + parts.residual, w, atol=1e-5)
+    s = torch.linalg.svd(w.double())[1]
+    optimum = float(s[rank:].norm())
+    assert float(parts.residual.double().norm()) <= optimum * (1 + 1e-3)
+    assert torch.equal(lowrank_split(w, rank).l2, parts.l2)  # deterministic
+
+
 @pytest.mark.parametrize("name", ["float8_e4m3fn", "int8_tensorwise"])
 def test_gptq_lowers_output_error_and_kitchen_reencodes_exactly(name):
     fmt = get_format(name)
