@@ -1,0 +1,108 @@
+"""Whole sampling runs through ComfyUI's sampler with each runtime of a quantized model.
+
+``python benchmarks/sampling_check.py --out DIR [--model sdxl|flux] [--steps N]`` builds the
+full-size model (random weights, ComfyUI's own classes), quantizes it to fp8 W8A8 with static
+input scales, and samples the same noise/conditioning (KSampler path: ``comfy.sample.sample``,
+euler, CFG, so the model sees changing timesteps and a cond+uncond batch) with the runtimes the
+nodes offer: stock, lean, lean + CUDA graphs, lean + compiled blocks + CUDA graphs.  Prints the
+wall time per run, the final latents' relative L2 difference against the stock run, and how
+often the graphs were captured / replayed / bypassed.  ``--reduced`` runs a small model on a CPU
+(graphs then fall back to eager: a smoke run, not a measurement).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from comfy_modelopt.comfyui import architectures  # noqa: E402
+
+architectures.setup_comfy()
+import comfy.sample  # noqa: E402
+
+import common  # noqa: E402
+from comfy_modelopt.calibrate import CalibrationOptions, calibrate  # noqa: E402
+from comfy_modelopt.comfyui.lean import enable_cuda_graphs, make_lean  # noqa: E402
+from comfy_modelopt.recipe import Recipe  # noqa: E402
+
+SPECS = {"sdxl": dict(family="sdxl", size="full", res=1024, dtype=torch.float16),
+         "flux": dict(family="flux", size="full", res=1024, dtype=torch.bfloat16, txt=512),
+         "sd15-small": dict(family="sd15", size="small", res=64, dtype=torch.float32)}
+
+
+def conds(family: str, txt: int, dtype):
+    x, _, kw = common.inputs(family, 1, 64, txt, dtype)
+    extra = {"pooled_output": kw["y"]} if "y" in kw else {}
+    if family == "flux":
+        extra["guidance"] = 3.5
+    pos = [[kw["c_crossattn"], dict(extra)]]
+    neg = [[torch.zeros_like(kw["c_crossattn"]), dict(extra)]]
+    return pos, neg
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="sdxl", choices=list(SPECS))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--reduced", action="store_true", help="small SD1.5-shaped model (CPU smoke run)")
+    a = ap.parse_args(argv)
+    spec = SPECS["sd15-small" if a.reduced else a.model]
+    os.makedirs(a.out, exist_ok=True)
+    _, sd = architectures.build(spec["family"], spec["size"], seed=0, dtype=spec["dtype"], weights_device=common.DEVICE)
+    base = common.load_stock(sd)
+    x, sigma, kw = common.inputs(spec["family"], 1, spec["res"], spec.get("txt", 77), spec["dtype"])
+    with torch.inference_mode():
+        stats = calibrate(base.model.diffusion_model,
+                          lambda m: [base.model.apply_model(x, torch.full_like(sigma, s), **kw) for s in (1.0, 0.5, 0.1)],
+                          CalibrationOptions(reservoir_bytes=0))
+        q_sd, meta, _ = common.quantize_sd(sd, Recipe("float8_e4m3fn", weight_scale="absmax", input_scale="max",
+                                                      sensitivity=False), stats)
+    common.free(base)
+    del sd
+    fam = "flux" if spec["family"] == "flux" else spec["family"]
+    pos, neg = conds(fam, spec.get("txt", 77), spec["dtype"])
+    latent_c = 16 if fam == "flux" else 4
+    latent = torch.zeros(1, latent_c, spec["res"] // 8, spec["res"] // 8)
+    noise = comfy.sample.prepare_noise(latent, 0)
+    results = {"env": common.env_info(), "model": a.model if not a.reduced else "sd15-small", "steps": a.steps,
+               "rows": []}
+    ref = None
+    for runtime in ("stock", "lean", "lean + cuda graphs", "lean + compiled blocks + cuda graphs"):
+        q = common.load_stock(q_sd, meta)
+        runner = None
+        if runtime != "stock":
+            make_lean(q)
+        if "cuda graphs" in runtime:
+            q, runner = enable_cuda_graphs(q, compile_blocks="compiled" in runtime)
+        with torch.inference_mode():
+            common.sync()
+            t0 = time.perf_counter()
+            out = comfy.sample.sample(q, noise, a.steps, 4.0, "euler", "simple", pos, neg, latent, seed=0,
+                                      disable_pbar=True).float()
+            common.sync()
+            secs = time.perf_counter() - t0
+        ref = out if ref is None else ref
+        row = {"runtime": runtime, "seconds": round(secs, 2),
+               "rel_l2_vs_stock": float((out - ref).norm() / ref.norm()), "finite": bool(torch.isfinite(out).all())}
+        if runner is not None:
+            row["graph"] = {"captures": runner.captures, "replays": runner.replays, "eager": runner.eager_calls,
+                            "eager_reasons": sorted(runner.warned)}
+            if runner.compiled is not None:
+                row["compiled"] = {"enabled": runner.compiled.enabled, "reason": runner.compiled.reason,
+                                   "checks": runner.compiled.checks}
+        results["rows"].append(row)
+        print(f"  {runtime:40s} {secs:7.2f} s  rel L2 vs stock {row['rel_l2_vs_stock']:.2e}  "
+              f"{row.get('graph', '')} {row.get('compiled', '')}", flush=True)
+        common.free(q)
+        common.write_json(os.path.join(a.out, "sampling.json"), results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
