@@ -135,9 +135,16 @@ def naive_w8a8(q_sd: dict, metadata: dict) -> tuple[dict, dict]:
 
 
 def model_bytes(patcher) -> int:
+    """Resident weight bytes: the state dict, plus the own loader's per-layer buffers (low-rank
+    branch, smoothing), which ComfyUI's quantized layers leave out of their state dict."""
+    dm = patcher.model.diffusion_model
+    sd = dm.state_dict()
     total = 0
-    for t in patcher.model.diffusion_model.state_dict().values():
+    for t in sd.values():
         total += t.numel() * t.element_size() if not hasattr(t, "_qdata") else _qt_bytes(t)
+    for name, b in dm.named_buffers():
+        if name not in sd and name.rsplit(".", 1)[-1] in ("lowrank_up", "lowrank_down", "smooth_scale"):
+            total += b.numel() * b.element_size()
     return total
 
 
