@@ -32,6 +32,7 @@ import types
 import torch
 
 import comfy.model_management
+from comfy.patcher_extension import CallbacksMP
 
 try:
     from comfy.quant_ops import QuantizedTensor
@@ -143,7 +144,23 @@ class CudaGraphs:
         self.graphs: dict = {}
         self.pool = None
         self.warned: set = set()
-        self.eager_calls = self.replays = self.captures = 0
+        self.eager_calls = self.replays = self.captures = self.releases = 0
+        self.warmed: set = set()  # signatures whose lazy inits/compilation already ran
+        self.validated: set = set()  # signatures whose compiled blocks matched eager
+
+    def release(self, *_args) -> None:
+        """Drop every captured graph and the memory pool they share.
+
+        Called by ComfyUI after each sampling run (``cleanup``) and when the model is detached
+        from the GPU: a graph pool's free blocks look reusable to ComfyUI's free-memory estimate
+        but only the graphs can use them, so keeping them between runs would make ComfyUI
+        overestimate free VRAM while it loads the VAE or another model.  The next run captures
+        again (about one eager forward per input signature; warm-up, compilation and
+        validation are not repeated)."""
+        if self.graphs or self.pool is not None:
+            self.graphs.clear()
+            self.pool = None
+            self.releases += 1
 
     # --------------------------------------------------------------- helpers
     def _eager(self, apply_model, args, reason: str):
@@ -220,7 +237,7 @@ class CudaGraphs:
             if len(self.graphs) >= self.max_graphs:
                 return self._eager(apply_model, args, f"more than {self.max_graphs} input signatures")
             try:
-                entry = self._capture(apply_model, args, c, topts, weights)
+                entry = self._capture(apply_model, args, c, topts, weights, sig)
             except Exception as e:  # capture can fail on host syncs or unsupported ops
                 self.graphs.pop(sig, None)
                 return self._eager(apply_model, args, f"capture failed: {type(e).__name__}: {str(e)[:120]}")
@@ -232,20 +249,25 @@ class CudaGraphs:
         self.replays += 1
         return entry["out"].clone()
 
-    def _capture(self, apply_model, args, c, topts, weights):
+    def _capture(self, apply_model, args, c, topts, weights, sig):
         static_x = args["input"].clone()
         static_t = args["timestep"].clone()
         static_c = _clone_tree(c)
         static_c["transformer_options"] = topts
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the capture (lazy inits, autotuning)
-            ref = apply_model(static_x, static_t, **static_c)
-            use_compiled = self.compiled is not None and self.compiled.validate(
-                lambda: apply_model(static_x, static_t, **static_c), ref,
-                lambda: apply_model(rounding_noise(static_x, self._compute_dtype()), static_t, **static_c))
-        torch.cuda.current_stream().wait_stream(stream)
-        del ref
+        use_compiled = self.compiled is not None and self.compiled.enabled and sig in self.validated
+        if sig not in self.warmed:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up outside the capture (lazy inits, autotuning)
+                ref = apply_model(static_x, static_t, **static_c)
+                use_compiled = self.compiled is not None and self.compiled.validate(
+                    lambda: apply_model(static_x, static_t, **static_c), ref,
+                    lambda: apply_model(rounding_noise(static_x, self._compute_dtype()), static_t, **static_c))
+            torch.cuda.current_stream().wait_stream(stream)
+            del ref
+            self.warmed.add(sig)
+            if use_compiled:
+                self.validated.add(sig)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -488,4 +510,6 @@ def enable_cuda_graphs(patcher, compile_blocks: bool = False):
         raise ValueError("this MODEL already has a model function wrapper; CUDA graphs would bypass it")
     runner = CudaGraphs(clone, compile_blocks=compile_blocks)
     clone.set_model_unet_function_wrapper(runner)
+    clone.add_callback_with_key(CallbacksMP.ON_CLEANUP, "comfy_modelopt_cuda_graphs", runner.release)
+    clone.add_callback_with_key(CallbacksMP.ON_DETACH, "comfy_modelopt_cuda_graphs", runner.release)
     return clone, runner

@@ -217,6 +217,18 @@ def test_cuda_graphs_fall_back_off_gpu(env):
     assert runner.eager_calls == 2 and runner.captures == 0 and "not on a CUDA device" in runner.warned
 
 
+def test_cuda_graphs_released_after_each_run_and_on_detach(env):
+    """The graphs' memory pool goes back after every sampling run (ComfyUI calls cleanup()) and
+    when the model leaves the GPU, so ComfyUI's free-memory estimate stays true."""
+    clone, runner = env["nodes"].enable_cuda_graphs(env["model"])
+    runner.graphs["fake signature"], runner.pool = {"graph": None}, object()
+    sample(env, clone, 1, 0)  # ComfyUI's sampler ends with model_patcher.cleanup()
+    assert runner.graphs == {} and runner.pool is None and runner.releases == 1
+    runner.graphs["fake signature"], runner.pool = {"graph": None}, object()
+    clone.clone().detach()  # clones share the runner and its callbacks
+    assert runner.graphs == {} and runner.releases == 2
+
+
 def test_compiled_blocks_validated_against_eager(env):
     """Inductor-compiled blocks: same output as eager within eager's own rounding noise, model
     restored afterwards; a compiled output that differs turns compilation off with the reason."""
