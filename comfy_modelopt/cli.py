@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--lowrank", type=int, default=0, metavar="R",
                    help="nvfp4/convrot_w4a4: rank-R 16-bit branch + quantized residual (file needs "
                         "comfy-modelopt's loader; stock ComfyUI refuses it)")
+    q.add_argument("--conv", default="none", choices=["none", "fp8"],
+                   help="fp8: also store UNet convolutions (kernels > 1x1) as fp8 per output channel, "
+                        "dequantized at run time (file needs comfy-modelopt's loader)")
     q.add_argument("--static-nvfp4-input", action="store_true",
                    help="nvfp4: store a calibrated input_scale instead of dynamic activation amax")
     q.add_argument("--convrot", action="store_true", help="int8_tensorwise: Hadamard rotation (ConvRot)")
@@ -85,7 +88,7 @@ def _recipe(a):
                   percentile=a.percentile, smoothing=a.smoothing, smooth_alpha=a.smooth_alpha,
                   gptq=a.gptq, static_nvfp4_input=a.static_nvfp4_input, convrot=a.convrot,
                   convrot_groupsize=a.convrot_groupsize, linear_dtype=a.linear_dtype,
-                  keep=tuple(a.keep), lowrank=a.lowrank)
+                  keep=tuple(a.keep), lowrank=a.lowrank, conv=a.conv)
 
 
 def cmd_quantize(a) -> int:

@@ -20,7 +20,7 @@ from . import __version__
 from .folding import fold_groups, producer_rows
 from .formats import get_format
 from .plan import Plan, make_plan
-from .quantize import kept_report, quantize_layer
+from .quantize import kept_report, quantize_conv, quantize_layer
 from .recipe import Recipe
 from .report import QuantReport
 from .safetensors_io import FLOAT_DTYPES, ITEMSIZE, TORCH_DTYPES, SafetensorsFile, StreamWriter
@@ -221,7 +221,7 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
     summary = stats.summary_json() if stats is not None else None
     info = dict(source_info or {})
     per_layer = 120 + (220 if stats is not None else 0)
-    width = len(json.dumps(report.header_json())) + per_layer * len(plan.layers) + 1024
+    width = len(json.dumps(report.header_json())) + per_layer * len(plan.layers) + 300 * len(plan.convs) + 1024
     sink.open(plan.entries(), output_metadata(plan, report, source.metadata, info, summary, width))
     try:
         for key, (dtype, _shape) in plan.passthrough.items():
@@ -247,6 +247,15 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
             for k, t in tensors.items():
                 sink.write(k, t)
             report.layers[by_name[layer.name]] = rep
+        for conv in plan.convs:
+            if check_interrupt:
+                check_interrupt()
+            if progress:
+                progress(len(plan.layers), len(plan.layers), conv.name)
+            tensors, rep = quantize_conv(source.read(conv.name + ".weight"), conv)
+            for k, t in tensors.items():
+                sink.write(k, t)
+            report.layers.append(rep)
         if progress:
             progress(len(plan.layers), len(plan.layers), "")
         report.seconds = time.perf_counter() - t0

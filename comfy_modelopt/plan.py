@@ -20,11 +20,25 @@ QUANT_MARKERS = (".comfy_quant", ".scale_weight", ".weight_q")
 # Formats only comfy-modelopt's loader runs.  Their names are not ComfyUI QUANT_ALGOS keys, so
 # stock ComfyUI refuses such a file instead of silently dropping the extra tensors.
 LOWRANK_PREFIX = "modelopt_lowrank_"
+# fp8 Conv2d weights (ComfyUI 0.29 quantizes only Linear layers): [O, I*kh*kw] float8_e4m3fn with
+# one float32 scale per output channel.  Stored 2-D on purpose: stock ComfyUI's load_state_dict
+# then fails on the shape ("size mismatch for <layer>.weight") instead of copying raw fp8 values
+# into a 16-bit convolution; our loader restores the 4-D shape from the layer config.
+CONV_FORMAT = "modelopt_conv_fp8"
+# convolutions ComfyUI's model detection reads (in/out channels, conv vs linear proj_in) or that
+# carry the first/last step of the network: never quantized
+CONV_KEEP = ("input_blocks.0.0", "out.2", "*.proj_in", "*.proj_out", "conv_in", "conv_out")
 
 
 def own_base(fmt: str) -> str | None:
-    """The stock base format of a format only our loader runs, else None."""
+    """The stock base format of a format only our loader runs, else None (also for the fp8
+    convolution format, which has no stock counterpart: see ``is_own``)."""
     return fmt[len(LOWRANK_PREFIX):] if fmt.startswith(LOWRANK_PREFIX) else None
+
+
+def is_own(fmt: str) -> bool:
+    """A format only comfy-modelopt's loader runs."""
+    return own_base(fmt) is not None or fmt == CONV_FORMAT
 
 
 def stock_conf(conf: dict) -> dict | None:
@@ -66,6 +80,7 @@ class Plan:
     prefix: str
     layers: list[LayerPlan]
     passthrough: dict            # key -> (dtype, shape) copied unchanged
+    convs: list = field(default_factory=list)  # ConvPlan: fp8 convolutions (own loader)
 
     @property
     def quantized(self) -> list[LayerPlan]:
@@ -77,13 +92,49 @@ class Plan:
 
     def entries(self) -> dict:
         out = dict(self.passthrough)
-        for layer in self.layers:
+        for layer in self.layers + self.convs:
             out.update(layer.tensors)
         return out
 
     def quantization_metadata(self) -> str:
-        layers = {l.name: l.conf for l in self.quantized}
+        layers = {l.name: l.conf for l in self.quantized + self.convs}
         return json.dumps({"format_version": "1.0", "layers": layers})
+
+
+@dataclass
+class ConvPlan:
+    name: str
+    rel: str
+    shape: tuple                 # [O, I, kh, kw] as in the source
+    src_dtype: str
+    conf: dict = field(default_factory=dict)
+    tensors: dict = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return self.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.shape[1] * self.shape[2] * self.shape[3]
+
+
+def conv_conf(shape) -> dict:
+    return {"format": CONV_FORMAT, "shape": [int(d) for d in shape]}
+
+
+def _conv_plan(key: str, rel: str, dtype: str, shape: tuple, recipe: Recipe, family: Family) -> ConvPlan | None:
+    """An fp8 plan for a Conv2d weight, or None to keep it (too small a kernel, kept by rule)."""
+    if recipe.conv == "none" or len(shape) != 4 or shape[2] * shape[3] < 2 or dtype not in FLOAT_DTYPES:
+        return None
+    name = rel[:-7]
+    if any(fnmatch.fnmatchcase(name, p) for p in CONV_KEEP + recipe.keep) or family.keep_reason(name):
+        return None
+    conv = ConvPlan(key[:-7], name, tuple(shape), dtype, conv_conf(shape))
+    o = shape[0]
+    conv.tensors = {key: ("F8_E4M3", (o, conv.k)), conv.name + ".weight_scale": ("F32", (o,)),
+                    conv.name + ".comfy_quant": ("U8", (len(comfy_quant_bytes(conv.conf)),))}
+    return conv
 
 
 def comfy_quant_bytes(conf: dict) -> bytes:
@@ -109,9 +160,14 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
     fmt = get_format(recipe.format)
     opts = recipe.format_options()
 
-    layers, passthrough = [], {}
+    layers, passthrough, convs = [], {}, []
     for key, (dtype, shape) in source.items():
         rel = key[len(prefix):] if key.startswith(prefix) else None
+        if rel is not None and rel.endswith(".weight") and len(shape) == 4:
+            conv = _conv_plan(key, rel, dtype, tuple(shape), recipe, family)
+            if conv is not None:
+                convs.append(conv)
+                continue
         if rel is None or not rel.endswith(".weight") or len(shape) != 2:
             passthrough[key] = (dtype, tuple(shape))
             continue
@@ -127,7 +183,10 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
         layers.append(layer)
     if not layers:
         raise PlanError("no Linear weights found in the diffusion model")
-    return Plan(recipe, family, prefix, layers, passthrough)
+    if recipe.conv != "none" and not convs:
+        raise PlanError(f"conv={recipe.conv}: this {family.name} model has no convolution to quantize "
+                        f"(kernels larger than 1x1, outside {', '.join(CONV_KEEP)})")
+    return Plan(recipe, family, prefix, layers, passthrough, convs)
 
 
 def _decide(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict, family: Family, stats) -> None:

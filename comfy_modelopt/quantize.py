@@ -164,6 +164,32 @@ def _nbytes(entries: dict) -> int:
     return total
 
 
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+# A channel's absmax is stored at 224, not 448: ComfyUI applies a LoRA to a plain fp8 weight by
+# adding the (mapped) delta and rounding back to fp8, which saturates at 448, so the headroom
+# lets a delta as large as the channel's own largest weight through unclipped.  e4m3's relative
+# precision is the same one binade lower (measured: identical weight error on UNet-like weights).
+CONV_STORED_MAX = FP8_MAX / 2
+
+
+def quantize_conv(w: torch.Tensor, conv) -> tuple[dict, LayerReport]:
+    """A Conv2d weight [O, I, kh, kw] as float8_e4m3fn [O, I*kh*kw] with one float32 scale per
+    output channel (absmax / 224): weight-only, dequantized in the own loader's forward.
+    Per-channel, not per-tensor: a UNet's output channels differ in norm by 10x and more."""
+    o = w.shape[0]
+    w2 = w.reshape(o, -1).float()
+    scale = (w2.abs().amax(dim=1) / CONV_STORED_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (w2 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    deq = q.float() * scale[:, None]
+    tensors = {conv.name + ".weight": q, conv.name + ".weight_scale": scale,
+               conv.name + ".comfy_quant": torch.frombuffer(bytearray(comfy_quant_bytes(conv.conf)),
+                                                            dtype=torch.uint8)}
+    report = LayerReport(conv.name, conv.conf["format"], q.numel() + scale.numel() * 4, w2.numel() * 2,
+                         weight_only=True, rel_err=_rel(deq - w2, w2),
+                         notes=f"conv {'x'.join(str(d) for d in w.shape[2:])}, fp8 per output channel")
+    return tensors, report
+
+
 def kept_report(layer: LayerPlan) -> LayerReport:
     return LayerReport(layer.name, layer.src_dtype.lower(), _nbytes(layer.tensors),
                        layer.n * layer.k * 2, reason=layer.reason)

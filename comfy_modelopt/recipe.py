@@ -25,6 +25,7 @@ class Recipe:
     smoothing: str = "none"            # none | smoothquant | awq (needs statistics)
     smooth_alpha: float = 0.5          # SmoothQuant migration strength
     lowrank: int = 0                   # rank of the 16-bit low-rank branch (needs comfy-modelopt's loader)
+    conv: str = "none"                 # none | fp8: Conv2d weights fp8 per out-channel (needs our loader)
     gptq: bool = False                 # error-compensated rounding (needs statistics)
     sensitivity: bool = True           # with statistics: per-layer output error of every format
     convrot: bool = False              # int8_tensorwise: Hadamard rotation (ConvRot)
@@ -50,6 +51,7 @@ class Recipe:
         if self.lowrank and self.format not in LOWRANK_FORMATS:
             raise ValueError(f"the low-rank branch is for 4-bit formats ({', '.join(LOWRANK_FORMATS)}), "
                              f"not {self.format}")
+        _check("conv", self.conv, ("none", "fp8"))
         object.__setattr__(self, "keep", tuple(self.keep))
 
     def format_options(self) -> dict:
@@ -63,7 +65,7 @@ class Recipe:
     @property
     def own_loader(self) -> bool:
         """Files made with this recipe need comfy-modelopt's loader (stock ComfyUI refuses them)."""
-        return self.lowrank > 0
+        return self.lowrank > 0 or self.conv != "none"
 
     def to_dict(self) -> dict:
         d = asdict(self)

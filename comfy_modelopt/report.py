@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .plan import own_base
+from .plan import CONV_FORMAT, own_base
 
 
 @dataclass
@@ -61,7 +61,11 @@ class QuantReport:
 
     @property
     def kept(self) -> list[LayerReport]:
-        return [l for l in self.layers if not self._is_quantized(l)]
+        return [l for l in self.layers if not self._is_quantized(l) and l.format != CONV_FORMAT]
+
+    @property
+    def convs(self) -> list[LayerReport]:
+        return [l for l in self.layers if l.format == CONV_FORMAT]
 
     def total_bytes(self) -> int:
         return self.passthrough_bytes + sum(l.bytes for l in self.layers)
@@ -109,6 +113,11 @@ class QuantReport:
             f"weight error (relative, quantized layers): mean {self.mean_rel_err():.4f}, "
             f"max {self.max_rel_err():.4f}",
         ]
+        convs = self.convs
+        if convs:
+            lines.append(f"convolutions: {len(convs)} fp8 (per output channel, own loader), weight error "
+                         f"mean {sum(l.rel_err for l in convs) / len(convs):.4f}, "
+                         f"{sum(l.bytes_16bit - l.bytes for l in convs) / 2**20:.1f} MiB saved")
         wo = [l for l in q if l.weight_only]
         if wo:
             lines.append(f"weight-only: {len(wo)} layers ({wo[0].reason})")

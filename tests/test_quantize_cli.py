@@ -223,3 +223,52 @@ def test_lowrank_files_are_marked_for_our_loader(flux_file, tmp_path):
     assert "Load Quantized Model" in info.description and "stock ComfyUI refuses" in info.description
     with pytest.raises(ValueError, match="low-rank branch is for 4-bit formats"):
         Recipe("float8_e4m3fn", lowrank=8)
+
+
+UNET_CONVS = {"input_blocks.0.0.weight": (64, 4, 3, 3), "input_blocks.0.0.bias": (64,),
+              "input_blocks.1.0.in_layers.2.weight": (64, 64, 3, 3),
+              "input_blocks.1.0.out_layers.3.weight": (128, 64, 3, 3),
+              "input_blocks.1.0.skip_connection.weight": (128, 64, 1, 1),
+              "input_blocks.1.1.proj_in.weight": (128, 128, 1, 1),
+              "input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight": (128, 128),
+              "input_blocks.1.1.transformer_blocks.0.ff.net.2.weight": (128, 512),
+              "input_blocks.2.0.op.weight": (128, 128, 3, 3),
+              "time_embed.0.weight": (256, 64), "out.2.weight": (4, 128, 3, 3)}
+
+
+def test_conv_fp8_per_output_channel_for_our_loader(flux_file, tmp_path, capsys):
+    src = tmp_path / "unet.safetensors"
+    from comfy_modelopt.synthetic import write_checkpoint
+    write_checkpoint(str(src), UNET_CONVS, seed=2)
+    source, _ = read_all(src)
+    out = tmp_path / "conv.safetensors"
+    assert run("quantize", src, "-o", out, "--format", "float8_e4m3fn", "--conv", "fp8", "-q") == 0
+    tensors, meta = read_all(out)
+    layers = json.loads(meta["_quantization_metadata"])["layers"]
+    convs = {n: c for n, c in layers.items() if c["format"] == "modelopt_conv_fp8"}
+    # 3x3 convolutions only: the first/last conv and 1x1 ones (proj_in: ComfyUI's detection reads it) stay
+    assert set(convs) == {"input_blocks.1.0.in_layers.2", "input_blocks.1.0.out_layers.3", "input_blocks.2.0.op"}
+    for name, conf in convs.items():
+        q, s, w = tensors[name + ".weight"], tensors[name + ".weight_scale"], source[name + ".weight"].float()
+        o, i, kh, kw = conf["shape"]
+        assert list(w.shape) == conf["shape"]
+        # 2-D on disk: stock ComfyUI's load_state_dict fails on the shape instead of misreading it
+        assert q.dtype == torch.float8_e4m3fn and q.shape == (o, i * kh * kw) and s.shape == (o,)
+        # absmax per output channel, stored at 224: headroom for LoRA deltas (fp8 saturates at 448)
+        assert torch.equal(q.float().abs().amax(dim=1), torch.full((o,), 224.0))
+        deq = (q.float() * s[:, None]).view(o, i, kh, kw)
+        assert float((deq - w).norm() / w.norm()) < 0.04
+    for kept in ("input_blocks.0.0", "out.2", "input_blocks.1.1.proj_in", "input_blocks.1.0.skip_connection"):
+        assert tensors[kept + ".weight"].dtype == torch.bfloat16 and tensors[kept + ".weight"].dim() == 4
+    assert layers["input_blocks.1.1.transformer_blocks.0.attn1.to_q"]["format"] == "float8_e4m3fn"
+    assert meta["comfy_modelopt.loader"] == "comfy-modelopt"
+    report = json.loads(meta["comfy_modelopt.report"])["layers"]
+    assert report["input_blocks.2.0.op"]["format"] == "modelopt_conv_fp8" and report["input_blocks.2.0.op"]["rel_err"] > 0
+    info = inspect_file(str(out))
+    assert info.kind == "comfy_modelopt_own" and info.layers_by_format["modelopt_conv_fp8"] == 3
+    assert "convolutions: 3 fp8" in info.ours["summary"]
+    # a model without convolutions says so instead of writing a file that needs our loader for nothing
+    capsys.readouterr()
+    assert run("quantize", flux_file, "-o", tmp_path / "f.safetensors", "--conv", "fp8", "-q") == 2
+    assert "no convolution to quantize" in capsys.readouterr().err
+    assert not (tmp_path / "f.safetensors").exists()

@@ -106,9 +106,20 @@ def make_lean(patcher, fast_accum: bool = False) -> int:
         fmt = getattr(module, "quant_format", None)
         if fmt is None or getattr(module, "_modelopt_lean", False):
             continue
-        # own-loader layers wrap their base forward: make that one lean, keep the wrapper
-        attr = "_modelopt_base_forward" if hasattr(module, "_modelopt_base_forward") else "forward"
-        stock = getattr(module, attr)
+        # own-loader layers wrap their base forward: make that one lean, keep the wrapper; a
+        # forward injected by someone else (ComfyUI's bypass LoRA hook keeps the layer's own one
+        # in ``original_forward``) stays on top, the lean one goes underneath it
+        owner, attr = module, "forward"
+        if hasattr(module, "_modelopt_base_forward"):
+            attr = "_modelopt_base_forward"
+        elif "forward" in module.__dict__ and getattr(module.forward, "__self__", module) is not module:
+            hook = module.forward.__self__
+            if getattr(hook, "original_forward", None) is None:
+                logging.warning(f"[comfy-modelopt] lean runtime: {type(module).__name__} has a foreign "
+                                "forward injected; left on the stock path")
+                continue
+            owner, attr = hook, "original_forward"
+        stock = getattr(owner, attr)
         full_precision = module._full_precision_mm or fmt not in native
         if fmt in _FP8 and not full_precision and getattr(module, "input_scale", None) is not None:
             fast = lambda m, x, fa=fast_accum: _fp8_forward(m, x, fa)  # noqa: E731
@@ -123,7 +134,7 @@ def make_lean(patcher, fast_accum: bool = False) -> int:
             if _fast_path_ok(self, input):
                 return _fast(self, input)
             return _stock(input, *args, **kwargs)
-        setattr(module, attr, types.MethodType(forward, module))
+        setattr(owner, attr, types.MethodType(forward, module))
         module._modelopt_lean = True
         count += 1
     return count

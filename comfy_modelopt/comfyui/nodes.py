@@ -230,6 +230,10 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                              tooltip="nvfp4/convrot_w4a4: keep a rank-r 16-bit branch (SVDQuant-style) and "
                                      "quantize the residual. Files need this pack's loader (stock ComfyUI "
                                      "refuses them); smoothing then applies to every layer."),
+                io.Combo.Input("conv", options=["none", "fp8"], default="none", advanced=True, optional=True,
+                               tooltip="fp8: also store UNet convolutions (3x3 and larger) as fp8 with one scale "
+                                       "per output channel, dequantized at run time (SDXL: about a fifth of the "
+                                       "weights). Files need this pack's loader (stock ComfyUI refuses them)."),
                 io.Boolean.Input("static_nvfp4_input", default=False, advanced=True,
                                  tooltip="nvfp4: store a calibrated input_scale instead of dynamic activation amax."),
                 io.String.Input("keep", multiline=True, default="",
@@ -242,7 +246,7 @@ class ModelOptQuantizeUNet(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, format, weight_scale, input_scale, smoothing, gptq, convrot, static_nvfp4_input,
-                keep, runtime="lean", lowrank=0, calibration=None) -> io.NodeOutput:
+                keep, runtime="lean", lowrank=0, conv="none", calibration=None) -> io.NodeOutput:
         if convrot and format != "int8_tensorwise":
             raise NodeError("convrot applies to int8_tensorwise only (convrot_w4a4 is always rotated)")
         if (smoothing != "none" or gptq) and calibration is None:
@@ -251,7 +255,7 @@ class ModelOptQuantizeUNet(io.ComfyNode):
         try:
             recipe = Recipe(format=format, weight_scale=weight_scale, input_scale=input_scale, smoothing=smoothing,
                             gptq=gptq, convrot=convrot, static_nvfp4_input=static_nvfp4_input,
-                            keep=_pattern_lines(keep), lowrank=lowrank)
+                            keep=_pattern_lines(keep), lowrank=lowrank, conv=conv)
         except ValueError as e:
             raise NodeError(str(e)) from None
         source = PatcherSource(model, compute_device())

@@ -10,10 +10,18 @@ each such layer its extra computation:
 
 where ``base`` is the stock (or lean) quantized layer holding the 4-bit residual.
 
+fp8 convolutions (``modelopt_conv_fp8``; ComfyUI 0.29 quantizes only Linear layers) are stored
+2-D ``[O, I*kh*kw]`` with one float32 scale per output channel, so stock ComfyUI fails on their
+shape instead of running raw fp8 values.  ComfyUI's loader gets a zero-memory 16-bit placeholder
+of the real shape; the layer then holds the fp8 weight (4-D view) and dequantizes it per call -
+from any device, so offloading keeps working, and with the lowvram weight functions applied in
+the stored basis like a regular patch.
+
 LoRA and other weight patches: ComfyUI adds a patch's delta to the stored weight, which for a
-smoothed layer lives in the smoothed basis (``W / smooth_scale`` per input column).  The patcher
-this loader returns maps every delta on such a layer into that basis (``delta / smooth_scale``),
-so ``y`` changes by exactly ``x @ delta^T`` as for a 16-bit model (up to re-quantization).
+smoothed layer lives in the smoothed basis (``W / smooth_scale`` per input column) and for an
+fp8 convolution in its scaled basis (``W / scale`` per output channel).  The patcher this loader
+returns maps every delta on such a layer into that basis, so the layer's output changes exactly
+as for a 16-bit model (up to re-quantization).
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ import comfy.model_management
 import comfy.sd
 import comfy.utils
 
-from ..plan import LOWRANK_PREFIX, comfy_quant_bytes, stock_conf
+from ..plan import CONV_FORMAT, LOWRANK_PREFIX, comfy_quant_bytes, stock_conf
 
 EXTRA_SUFFIXES = (".lowrank_up", ".lowrank_down", ".smooth_scale")
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
@@ -39,23 +47,53 @@ def needs_own_loader(metadata: dict | None, keys) -> bool:
 
 
 def split_state_dict(sd: dict, metadata: dict | None) -> tuple[dict, dict, dict]:
-    """(stock state dict, stock metadata, extras by layer name relative to the diffusion model)."""
+    """(stock state dict, stock metadata, extras by layer name relative to the diffusion model).
+
+    An fp8 convolution's extras are ``conv_weight`` (fp8, 4-D view), ``conv_scale`` [O];
+    ComfyUI's loader gets a zero-stride placeholder of the real shape in its place."""
     sd = dict(sd)
     extras = {}
+    placeholder = _placeholder_dtype(sd)
     for key in [k for k in sd if k.endswith(".comfy_quant")]:
-        stock = stock_conf(json.loads(bytes(sd[key].tolist()).decode("utf-8")))
+        conf = json.loads(bytes(sd[key].tolist()).decode("utf-8"))
+        layer = key[: -len(".comfy_quant")]
+        if conf.get("format") == CONV_FORMAT:
+            shape = tuple(conf["shape"])
+            del sd[key]
+            try:
+                q, scale = sd.pop(layer + ".weight"), sd.pop(layer + ".weight_scale")
+                q = q.view(shape)
+            except (KeyError, RuntimeError) as e:
+                raise ValueError(f"{layer}: broken {CONV_FORMAT} layer ({type(e).__name__}: {e})") from None
+            sd[layer + ".weight"] = torch.zeros((), dtype=placeholder).expand(shape)
+            extras[_relative(layer)] = {"conv_weight": q, "conv_scale": scale.float()}
+            continue
+        stock = stock_conf(conf)
         if stock is None:
             continue
-        layer = key[: -len(".comfy_quant")]
         sd[key] = torch.frombuffer(bytearray(comfy_quant_bytes(stock)), dtype=torch.uint8)
         extras[_relative(layer)] = {s[1:]: sd.pop(layer + s) for s in EXTRA_SUFFIXES if layer + s in sd}
     meta = dict(metadata or {})
     if "_quantization_metadata" in meta:
         q = json.loads(meta["_quantization_metadata"])
-        for name, conf in q.get("layers", {}).items():
-            q["layers"][name] = stock_conf(conf) or conf
+        layers = q.get("layers", {})
+        for name, conf in list(layers.items()):
+            if conf.get("format") == CONV_FORMAT:
+                del layers[name]
+            else:
+                layers[name] = stock_conf(conf) or conf
         meta["_quantization_metadata"] = json.dumps(q)
     return sd, meta, extras
+
+
+def _placeholder_dtype(sd: dict):
+    """The 16-bit dtype of the file's unquantized weights (ComfyUI infers the model dtype from
+    them, so a placeholder must not change the vote)."""
+    counts: dict = {}
+    for k, v in sd.items():
+        if k.endswith(".weight") and v.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            counts[v.dtype] = counts.get(v.dtype, 0) + 1
+    return max(counts, key=counts.get) if counts else torch.bfloat16
 
 
 def _relative(name: str) -> str:
@@ -76,14 +114,19 @@ def load_state_dict(sd: dict, metadata: dict | None = None, **load_options):
     if patcher is None:
         return None
     attach(patcher, extras)
-    smoothed = {"diffusion_model." + name + ".weight": ex["smooth_scale"].float()
-                for name, ex in extras.items() if ex.get("smooth_scale") is not None}
-    if smoothed:
+    # what a weight delta is divided by to land in the stored basis, shaped to broadcast
+    divisors = {}
+    for name, ex in extras.items():
+        if ex.get("smooth_scale") is not None:
+            divisors["diffusion_model." + name + ".weight"] = ex["smooth_scale"].float()  # per input column
+        if ex.get("conv_scale") is not None:
+            divisors["diffusion_model." + name + ".weight"] = ex["conv_scale"].float().view(-1, 1, 1, 1)
+    if divisors:
         # a subclass, not an instance attribute: ModelPatcher.clone() keeps self.__class__
         # (except clone(disable_dynamic=True) of a dynamic patcher, which falls back to the
         # plain ModelPatcher: patches added to such a clone are not mapped - a known limit)
-        patcher.__class__ = _smoothing_aware(type(patcher))
-        patcher.model._modelopt_smoothed_weights = smoothed
+        patcher.__class__ = _basis_aware(type(patcher))
+        patcher.model._modelopt_stored_basis = divisors
     return patcher
 
 
@@ -93,11 +136,22 @@ def load_file(path: str):
 
 
 def attach(patcher, extras: dict) -> int:
-    """Give every own-loader layer its low-rank branch and input smoothing."""
+    """Give every own-loader layer its low-rank branch and input smoothing, or its fp8 weight."""
     model = patcher.model.diffusion_model
     dtype = patcher.model.get_dtype() or torch.bfloat16
     for name, ex in extras.items():
         module = model.get_submodule(name)
+        if "conv_weight" in ex:
+            if not isinstance(module, torch.nn.Conv2d):
+                raise ValueError(f"{name}: {CONV_FORMAT} needs a Conv2d, the model has {type(module).__name__}")
+            if tuple(ex["conv_weight"].shape) != tuple(module.weight.shape):
+                raise ValueError(f"{name}: fp8 weight {tuple(ex['conv_weight'].shape)} does not fit the "
+                                 f"model's {tuple(module.weight.shape)}")
+            module.weight = torch.nn.Parameter(ex["conv_weight"], requires_grad=False)
+            module.register_buffer("weight_scale", ex["conv_scale"])
+            module.forward = types.MethodType(_conv_fp8_forward, module)
+            module._modelopt_conv_fp8 = True
+            continue
         for buf in ("lowrank_up", "lowrank_down", "smooth_scale"):
             t = ex.get(buf)
             if t is not None and buf != "smooth_scale":
@@ -111,30 +165,45 @@ def attach(patcher, extras: dict) -> int:
 _PATCHER_CLASSES: dict = {}
 
 
-def _smoothing_aware(cls):
-    """``cls`` with add_patches mapping deltas on smoothed layers into their stored basis."""
-    if getattr(cls, "_modelopt_smoothing_aware", False):
+def _basis_aware(cls):
+    """``cls`` with add_patches mapping deltas on layers stored in another basis (smoothed,
+    fp8 convolutions) into that basis."""
+    if getattr(cls, "_modelopt_basis_aware", False):
         return cls
     if cls not in _PATCHER_CLASSES:
         def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
-            smoothed = getattr(self.model, "_modelopt_smoothed_weights", {})
+            divisors = getattr(self.model, "_modelopt_stored_basis", {})
             mapped = {}
             for k, v in patches.items():
                 key, offset, fn = (k, None, None) if isinstance(k, str) else (k[0], k[1], k[2] if len(k) > 2 else None)
-                if key in smoothed and offset is None:
-                    k = (key, None, _into_smoothed_basis(smoothed[key], fn))
+                if key in divisors and offset is None:
+                    k = (key, None, _into_stored_basis(divisors[key], fn))
                 mapped[k] = v
             return cls.add_patches(self, mapped, strength_patch, strength_model)
         _PATCHER_CLASSES[cls] = type(cls.__name__, (cls,), {"add_patches": add_patches,
-                                                            "_modelopt_smoothing_aware": True})
+                                                            "_modelopt_basis_aware": True})
     return _PATCHER_CLASSES[cls]
 
 
-def _into_smoothed_basis(smooth_scale: torch.Tensor, inner=None):
+def _into_stored_basis(divisor: torch.Tensor, inner=None):
     def fn(delta):
         delta = inner(delta) if inner is not None else delta
-        return delta / smooth_scale.to(delta.device, delta.dtype)
+        return delta / divisor.to(delta.device, delta.dtype)
     return fn
+
+
+def _conv_fp8_forward(self, x, *args, **kwargs):
+    """Dequantize (fp32, per output channel) and convolve; weight functions (ComfyUI's lowvram
+    patches) act on the stored basis, where their deltas were mapped to."""
+    cast = comfy.model_management.cast_to_device
+    w = cast(self.weight, x.device, torch.float32)
+    for f in self.weight_function:
+        w = f(w)
+    w = (w * cast(self.weight_scale, x.device, torch.float32).view(-1, 1, 1, 1)).to(x.dtype)
+    b = None if self.bias is None else cast(self.bias, x.device, x.dtype)
+    for f in self.bias_function:
+        b = f(b)
+    return self._conv_forward(x, w, b)
 
 
 def _branch_forward(self, x, *args, **kwargs):

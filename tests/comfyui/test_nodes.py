@@ -306,3 +306,86 @@ def test_lowrank_own_loader(env):
     ss = layer.smooth_scale.float()
     ours, plain_patch = float((took * ss - 1).abs().mean()), float((took - 1).abs().mean())
     assert ours < 0.05 and ours < 0.25 * plain_patch, (ours, plain_patch)
+
+
+def test_conv_fp8_own_loader(env):
+    """fp8 convolutions: stock ComfyUI refuses the file, our loader runs it; LoRA on a conv lands
+    in the stored (scaled) basis."""
+    nodes = env["nodes"]
+    plain, _ = quantize(env, runtime="lean")
+    qmodel, report = quantize(env, conv="fp8", runtime="lean")
+    assert "convolutions:" in report and "fp8 (per output channel" in report
+    dm = qmodel.model.diffusion_model
+    convs = {n: m for n, m in dm.named_modules() if getattr(m, "_modelopt_conv_fp8", False)}
+    assert len(convs) >= 4
+    for m in convs.values():
+        assert m.weight.dtype == torch.float8_e4m3fn and m.weight.dim() == 4 and m.weight_scale.shape == (m.out_channels,)
+    assert dm.input_blocks[0][0].weight.dtype != torch.float8_e4m3fn  # first conv: detection reads it
+    with torch.inference_mode():
+        path = nodes.ModelOptSaveQuantized.execute(model=qmodel, filename="test/sd15-conv", overwrite=True).args[0]
+    with pytest.raises(RuntimeError, match="size mismatch"):  # never raw fp8 values in a 16-bit conv
+        comfy.sd.load_diffusion_model(path)
+    reloaded, text = nodes.ModelOptUNetLoader.execute(unet_name="test/sd15-conv.safetensors", runtime="lean").args
+    assert "comfy-modelopt's loader" in text
+    g = torch.Generator().manual_seed(0)
+    x, c = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 8, 768, generator=g)
+    with torch.inference_mode():
+        ref = env["model"].model.apply_model(x, torch.tensor([0.5]), c_crossattn=c).float()
+        a = qmodel.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c).float()
+        b = reloaded.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c).float()
+        p = plain.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c).float()
+    assert torch.equal(a, b)  # the file holds exactly what the in-memory model runs
+    err = lambda t: float((t - ref).norm() / ref.norm())  # noqa: E731
+    assert err(a) < 0.02 and err(a) != err(p), (err(a), err(p))
+    assert torch.isfinite(sample(env, reloaded, 2, 1)).all()
+    sd_bytes = lambda m: sum(t.numel() * t.element_size() for t in m.model.diffusion_model.state_dict().values()  # noqa: E731
+                             if not hasattr(t, "_qdata"))
+    assert sd_bytes(reloaded) < sd_bytes(plain)
+
+    # a LoRA-style delta (real units) on an fp8 conv: the effective weight moves by delta
+    name = next(iter(convs))
+    layer = reloaded.model.diffusion_model.get_submodule(name)
+    w0 = (layer.weight.float() * layer.weight_scale.view(-1, 1, 1, 1)).clone()
+    delta = torch.randn(w0.shape, generator=torch.Generator().manual_seed(1)) * float(w0.abs().max()) * 0.5
+    patched = reloaded.clone()
+    patched.add_patches({"diffusion_model." + name + ".weight": ("diff", (delta,))}, strength_patch=1.0)
+    with torch.inference_mode():
+        comfy.model_management.load_models_gpu([patched], force_full_load=True)
+    applied = layer.weight.float() * layer.weight_scale.view(-1, 1, 1, 1) - w0
+    assert layer.weight.dtype == torch.float8_e4m3fn
+    assert float((applied - delta).norm() / delta.norm()) < 0.1  # fp8 re-rounding of the sum
+    with torch.inference_mode():
+        y = patched.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c).float()
+    assert not torch.equal(y, b)
+
+
+def test_bypass_lora_with_lean_layers_in_either_order(env):
+    """ComfyUI's bypass LoRA wraps a layer's forward; the lean runtime must stay underneath it,
+    whether the LoRA was injected before or after the layers were made lean."""
+    nodes = env["nodes"]
+    dm = env["model"].model.diffusion_model
+    g = torch.Generator().manual_seed(3)
+    lora = {}
+    for name, m in dm.named_modules():
+        if name.endswith(("attn1.to_q", "attn1.to_v", "ff.net.2")):
+            n, k = m.weight.shape
+            lora[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(4, k, generator=g)
+            lora[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(n, 4, generator=g)
+    x, c = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 8, 768, generator=g)
+    run = lambda p: p.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c).float()  # noqa: E731
+    effects = {}
+    for order in ("stock", "lora-then-lean", "lean-then-lora"):
+        q, _ = quantize(env, runtime="lean" if order == "lean-then-lora" else "stock")
+        with torch.inference_mode():
+            plain = run(q)
+        lq, _ = comfy.sd.load_bypass_lora_for_models(q, None, lora, 1.0, 0)
+        comfy.model_management.load_models_gpu([lq], force_full_load=True)  # injects the bypass hooks
+        if order == "lora-then-lean":
+            assert nodes.make_lean(lq) == 71
+        with torch.inference_mode():
+            effects[order] = run(lq) - plain  # what the LoRA does to the output
+        comfy.model_management.unload_all_models()
+    ref = effects["stock"]
+    assert float(ref.norm()) > 1e-3 * float(plain.norm())
+    for order in ("lora-then-lean", "lean-then-lora"):  # dropping the LoRA would give 1.0
+        assert float((effects[order] - ref).norm() / ref.norm()) < 0.1, order
