@@ -41,10 +41,19 @@ FLUX_REDUCED_DEPTH = dict(architectures.FLUX_FULL, depth=4, depth_single_blocks=
 OUTLIER_CHANNELS = (7, 300, 1500, 2900)  # < 320 hits small test models too
 
 
+DIAGNOSTIC = ("static-mse", "static-max", "sq-max")  # only when named in --variants
+
+
 def variants():
     return [
         ("float8_e4m3fn", "naive", Recipe("float8_e4m3fn", weight_scale="absmax", sensitivity=False), "naive_w8a8"),
         ("float8_e4m3fn", "ours", Recipe("float8_e4m3fn", smoothing="smoothquant", sensitivity=False), None),
+        # to take "ours" apart (the SDXL fp8 regression): static input scales alone (MSE clip /
+        # calibrated max), and SmoothQuant with max-calibrated scales; run with --variants
+        ("float8_e4m3fn", "static-mse", Recipe("float8_e4m3fn", sensitivity=False), None),
+        ("float8_e4m3fn", "static-max", Recipe("float8_e4m3fn", input_scale="max", sensitivity=False), None),
+        ("float8_e4m3fn", "sq-max", Recipe("float8_e4m3fn", smoothing="smoothquant", input_scale="max",
+                                           sensitivity=False), None),
         ("int8_tensorwise", "naive", Recipe("int8_tensorwise", weight_scale="absmax", sensitivity=False), None),
         ("int8_tensorwise", "ours", Recipe("int8_tensorwise", smoothing="smoothquant", sensitivity=False), None),
         ("nvfp4", "naive", Recipe("nvfp4", weight_scale="absmax", sensitivity=False), None),
@@ -125,11 +134,11 @@ def run(name: str, reduced: bool, results: dict, out_path: str, only=None):
         common.free(base)
         rows = results.setdefault(key, {"largest_activation": amax, "rows": []})["rows"]
         for fmt, kind, recipe, post in variants():
-            if only and f"{fmt}:{kind}" not in only:
+            if (only and f"{fmt}:{kind}" not in only) or (not only and kind in DIAGNOSTIC):
                 continue
             t0 = time.perf_counter()
             with torch.inference_mode():
-                q_sd, meta, report = common.quantize_sd(sd, recipe, stats if kind.startswith("ours") else None)
+                q_sd, meta, report = common.quantize_sd(sd, recipe, stats if kind != "naive" else None)
             if post == "naive_w8a8":
                 q_sd, meta = common.naive_w8a8(q_sd, meta)
             qs = time.perf_counter() - t0
@@ -179,6 +188,10 @@ def main(argv=None):
                 lr = by.get((fmt, "ours+lowrank32"))
                 lr = f"{lr / n:.3f}" if lr is not None and n else "-"
                 print(f"| {key} | {fmt} | {n:.5f} | {o:.5f} | {o / n if n else 0:.3f} | {lr} |")
+            for kind in DIAGNOSTIC:
+                if (fmt, "naive") in by and (fmt, kind) in by:
+                    print(f"| {key} | {fmt} {kind} / naive | | {by[(fmt, kind)]:.5f} | "
+                          f"{by[(fmt, kind)] / by[(fmt, 'naive')]:.3f} | |")
     return results
 
 

@@ -32,14 +32,14 @@ FULL = {
                  formats=["fp8-naive", "float8_e4m3fn", "int8_tensorwise", "int8_convrot", "nvfp4", "mxfp8",
                           "convrot_w4a4", "nvfp4-lowrank32"]),
     "sdxl": dict(family="sdxl", size="full", batch=2, res=1024, txt=77, dtype=torch.float16,
-                 formats=["fp8-naive", "float8_e4m3fn", "int8_tensorwise", "nvfp4"]),
+                 formats=["fp8-naive", "float8_e4m3fn", "int8_tensorwise", "nvfp4", "float8_e4m3fn-conv"]),
 }
 REDUCED = {
     "flux": dict(family="flux", size="small", batch=1, res=64, txt=16, dtype=torch.bfloat16,
                  formats=["fp8-naive", "float8_e4m3fn", "int8_tensorwise", "nvfp4", "nvfp4-lowrank32"],
                  inputs="flux_small"),
     "sd15": dict(family="sd15", size="small", batch=2, res=64, txt=77, dtype=torch.float16,
-                 formats=["float8_e4m3fn", "int8_tensorwise"]),
+                 formats=["float8_e4m3fn", "int8_tensorwise", "float8_e4m3fn-conv"]),
 }
 
 
@@ -50,6 +50,8 @@ def recipe_for(variant: str) -> Recipe:
         return Recipe("float8_e4m3fn", weight_scale="absmax", sensitivity=False)
     if variant == "nvfp4-lowrank32":  # own loader: rank-32 16-bit branch beside the nvfp4 GEMM
         return Recipe("nvfp4", weight_scale="absmax", lowrank=32, sensitivity=False)
+    if variant == "float8_e4m3fn-conv":  # own loader: fp8 W8A8 Linear + fp8 convolutions (UNets)
+        return Recipe("float8_e4m3fn", weight_scale="absmax", input_scale="max", conv="fp8", sensitivity=False)
     return Recipe(variant, weight_scale="absmax", input_scale="max", sensitivity=False)
 
 
@@ -195,7 +197,7 @@ def run_variant(variant, sd, x, sigma, kw, ref, base_ms, stats, rows):
 PROFILE = False
 INT8_ATTENTION = False
 COMPILE = False
-COMPILE_VARIANTS = ("float8_e4m3fn", "int8_tensorwise", "nvfp4", "nvfp4-lowrank32")
+COMPILE_VARIANTS = ("float8_e4m3fn", "int8_tensorwise", "nvfp4", "nvfp4-lowrank32", "float8_e4m3fn-conv")
 
 
 def top_kernels(fn, n: int = 12) -> list:
