@@ -161,6 +161,8 @@ def test_nodes_registered(server):
     # low-rank branch + AWQ smoothing: only comfy-modelopt's loader runs the file
     ("sd15", "modelopt_lowrank_nvfp4", "sd15_calibrate_quantize_nvfp4_lowrank.json", "sd15_load_lowrank_sample.json",
      0.25),
+    # fp8 Linear + fp8 convolutions (own loader), fastest runtime (graphs fall back to eager on a CPU)
+    ("sd15", "modelopt_conv_fp8", "sd15_calibrate_quantize_fp8_conv.json", "sd15_load_conv_sample.json", 0.05),
 ])
 def test_workflows(server, family, fmt, calibrate, load, max_err):
     server.run(shrink(load_workflow(calibrate)))
