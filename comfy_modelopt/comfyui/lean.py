@@ -409,6 +409,8 @@ class CompiledBlocks:
         ``max_tol``).  A miscompilation shows up as a far larger difference."""
         if not self.enabled:
             return False
+        logging.info(f"[comfy-modelopt] compiling {len(self.regions)} blocks for a new input shape "
+                     "(once per shape; Flux-size models take ~30 s) and checking them against eager")
         try:
             with self.installed():
                 out = run()
