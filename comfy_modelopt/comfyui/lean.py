@@ -166,7 +166,7 @@ class CudaGraphs:
         from the GPU: a graph pool's free blocks look reusable to ComfyUI's free-memory estimate
         but only the graphs can use them, so keeping them between runs would make ComfyUI
         overestimate free VRAM while it loads the VAE or another model.  The next run captures
-        again (about one eager forward per input signature; warm-up, compilation and
+        again (about one forward per input signature, two with compiled blocks; compilation and
         validation are not repeated)."""
         if self.graphs or self.pool is not None:
             self.graphs.clear()
@@ -279,6 +279,14 @@ class CudaGraphs:
             self.warmed.add(sig)
             if use_compiled:
                 self.validated.add(sig)
+        elif use_compiled:
+            # a new run's transformer_options may fail a compiled guard: any recompilation (and
+            # Inductor's autotuning) must happen here, never inside the capture
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), self.compiled.installed():
+                apply_model(static_x, static_t, **static_c)
+            torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
