@@ -90,8 +90,9 @@ def _config_signature(model) -> dict:
 def build_quantized_model(state_dict: dict, metadata: dict, report: QuantReport, source_patcher=None):
     """A stock quantized MODEL from our state dict; refuses one ComfyUI would detect as another
     architecture."""
-    # ComfyUI pops what it loads: hand it a shallow copy, keep ours (the tensors are shared)
-    patcher = ownloader.load_state_dict(dict(state_dict), dict(metadata))
+    # rebuildable: ComfyUI can make non-dynamic / per-GPU copies through our loader (the state
+    # dict is kept for Save Quantized Model anyway)
+    patcher = ownloader.load_state_dict(state_dict, dict(metadata), rebuildable=True)
     if patcher is None:
         raise NodeError("ComfyUI could not detect a model in the quantized weights; keep the layers "
                         "its detection reads in 16-bit (keep patterns) and report this model family")

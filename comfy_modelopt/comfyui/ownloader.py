@@ -103,10 +103,27 @@ def _relative(name: str) -> str:
     return name
 
 
-def load_state_dict(sd: dict, metadata: dict | None = None, **load_options):
+def load_state_dict(sd: dict, metadata: dict | None = None, rebuildable: bool = False, **load_options):
     """A MODEL from a diffusion-model state dict: ComfyUI's own loader, which our layers then
-    join when the file has any (options go to ComfyUI's loader).  Returns None when ComfyUI
-    cannot detect the model."""
+    join when the file has any (options go to ComfyUI's loader; ``sd`` itself is not changed).
+    Returns None when ComfyUI cannot detect the model.
+
+    ``rebuildable``: register this call as the patcher's ``cached_patcher_init`` - ComfyUI
+    rebuilds a model through it when it needs a non-dynamic copy (hooks in the conditioning on
+    a dynamic-VRAM model) or one per GPU (multi-GPU); without it ComfyUI refuses those, and
+    through its own loader it would rebuild our layers without their extras.  Keeps ``sd``
+    alive as long as the patcher."""
+    patcher = _load(dict(sd), metadata, **load_options)
+    if patcher is not None and rebuildable:
+        patcher.cached_patcher_init = (_rebuild_from_state_dict, (sd, metadata))
+    return patcher
+
+
+def _rebuild_from_state_dict(sd, metadata, **load_options):
+    return load_state_dict(sd, metadata, rebuildable=True, **load_options)
+
+
+def _load(sd: dict, metadata: dict | None, **load_options):
     if not needs_own_loader(metadata, sd):
         return comfy.sd.load_diffusion_model_state_dict(sd, metadata=metadata, **load_options)
     stock_sd, meta, extras = split_state_dict(sd, metadata)
@@ -121,18 +138,22 @@ def load_state_dict(sd: dict, metadata: dict | None = None, **load_options):
             divisors["diffusion_model." + name + ".weight"] = ex["smooth_scale"].float()  # per input column
         if ex.get("conv_scale") is not None:
             divisors["diffusion_model." + name + ".weight"] = ex["conv_scale"].float().view(-1, 1, 1, 1)
+    patcher.model._modelopt_stored_basis = divisors
     if divisors:
-        # a subclass, not an instance attribute: ModelPatcher.clone() keeps self.__class__
-        # (except clone(disable_dynamic=True) of a dynamic patcher, which falls back to the
-        # plain ModelPatcher: patches added to such a clone are not mapped - a known limit)
+        # a subclass, not an instance attribute: ModelPatcher.clone() keeps self.__class__, and
+        # where ComfyUI picks another class (a non-dynamic copy of a dynamic patcher) our
+        # clone() puts the mapping back on top of it
         patcher.__class__ = _basis_aware(type(patcher))
-        patcher.model._modelopt_stored_basis = divisors
     return patcher
 
 
-def load_file(path: str):
+def load_file(path: str, **load_options):
+    """A MODEL from a file; ComfyUI rebuilds copies by reading the file again."""
     sd, metadata = comfy.utils.load_torch_file(path, safe_load=True, return_metadata=True)
-    return load_state_dict(sd, metadata)
+    patcher = load_state_dict(sd, metadata, **load_options)
+    if patcher is not None:
+        patcher.cached_patcher_init = (load_file, (path,))
+    return patcher
 
 
 def attach(patcher, extras: dict) -> int:
@@ -180,7 +201,14 @@ def _basis_aware(cls):
                     k = (key, None, _into_stored_basis(divisors[key], fn))
                 mapped[k] = v
             return cls.add_patches(self, mapped, strength_patch, strength_model)
-        _PATCHER_CLASSES[cls] = type(cls.__name__, (cls,), {"add_patches": add_patches,
+
+        def clone(self, *args, **kwargs):
+            n = cls.clone(self, *args, **kwargs)
+            if not getattr(type(n), "_modelopt_basis_aware", False) and \
+                    getattr(n.model, "_modelopt_stored_basis", None):
+                n.__class__ = _basis_aware(type(n))
+            return n
+        _PATCHER_CLASSES[cls] = type(cls.__name__, (cls,), {"add_patches": add_patches, "clone": clone,
                                                             "_modelopt_basis_aware": True})
     return _PATCHER_CLASSES[cls]
 

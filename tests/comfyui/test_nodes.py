@@ -389,3 +389,27 @@ def test_bypass_lora_with_lean_layers_in_either_order(env):
     assert float(ref.norm()) > 1e-3 * float(plain.norm())
     for order in ("lora-then-lean", "lean-then-lora"):  # dropping the LoRA would give 1.0
         assert float((effects[order] - ref).norm() / ref.norm()) < 0.1, order
+
+
+def test_own_loader_models_can_be_rebuilt_by_comfyui(env):
+    """ComfyUI rebuilds a model through ``cached_patcher_init`` for a non-dynamic copy (hooks in
+    the conditioning) or one per GPU; for our models that must run our loader again (extras
+    attached, LoRA mapping kept), whether the model came from a file or from Quantize Model."""
+    nodes = env["nodes"]
+    qmodel, _ = quantize(env, conv="fp8", runtime="stock")
+    with torch.inference_mode():
+        nodes.ModelOptSaveQuantized.execute(model=qmodel, filename="test/sd15-conv-rebuild", overwrite=True)
+    loaded, _ = nodes.ModelOptUNetLoader.execute(unet_name="test/sd15-conv-rebuild.safetensors", runtime="stock").args
+    g = torch.Generator().manual_seed(0)
+    x, c = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 8, 768, generator=g)
+    for original in (qmodel, loaded):
+        assert original.cached_patcher_init is not None
+        copy = original.clone(force_deepcopy=True)  # the path ComfyUI takes through cached_patcher_init
+        assert copy.model is not original.model
+        assert type(copy)._modelopt_basis_aware and copy.model._modelopt_stored_basis
+        convs = [m for m in copy.model.diffusion_model.modules() if getattr(m, "_modelopt_conv_fp8", False)]
+        assert convs and all(m.weight.dtype == torch.float8_e4m3fn for m in convs)
+        with torch.inference_mode():
+            a = original.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)
+            b = copy.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)
+        assert torch.equal(a, b)
