@@ -123,6 +123,19 @@ def quantize_sd(sd: dict, recipe: Recipe, stats=None) -> tuple[dict, dict, objec
     return sink.tensors, sink.metadata, report
 
 
+def calibrated_fp8(base, sd: dict, x, sigma, kw, sigmas=(1.0, 0.5, 0.1)) -> tuple[dict, dict]:
+    """fp8 W8A8 state dict + metadata with static input scales from a few evaluations of the
+    16-bit ``base`` at ``sigmas`` (the quick calibration of the runtime benchmarks)."""
+    from comfy_modelopt.calibrate import CalibrationOptions, calibrate
+    with torch.inference_mode():
+        stats = calibrate(base.model.diffusion_model,
+                          lambda m: [base.model.apply_model(x, torch.full_like(sigma, s), **kw) for s in sigmas],
+                          CalibrationOptions(reservoir_bytes=0))
+        q_sd, meta, _ = quantize_sd(sd, Recipe("float8_e4m3fn", weight_scale="absmax", input_scale="max",
+                                               sensitivity=False), stats)
+    return q_sd, meta
+
+
 def naive_w8a8(q_sd: dict, metadata: dict) -> tuple[dict, dict]:
     """fp8 as naive converters write it: W8A8 without input_scale (ComfyUI then uses 1.0)."""
     q_sd = dict(q_sd)

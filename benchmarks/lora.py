@@ -30,9 +30,7 @@ import comfy.model_management  # noqa: E402
 import comfy.sd  # noqa: E402
 
 import common  # noqa: E402
-from comfy_modelopt.calibrate import CalibrationOptions, calibrate  # noqa: E402
 from comfy_modelopt.comfyui.lean import CudaGraphs, make_lean  # noqa: E402
-from comfy_modelopt.recipe import Recipe  # noqa: E402
 
 SPECS = {"flux": dict(family="flux", size="full", batch=1, res=1024, txt=512, dtype=torch.bfloat16),
          "sdxl": dict(family="sdxl", size="full", batch=2, res=1024, txt=77, dtype=torch.float16)}
@@ -84,11 +82,7 @@ def run(name: str, spec: dict, rank: int, results: dict, out_path: str):
         rows.append({"variant": "16-bit + LoRA merged, stock eager", "ms": round(base_ms, 2), "load_s": round(load_s, 2)})
         print(f"  {rows[-1]}", flush=True)
         common.free(ref16)
-        stats = calibrate(base.model.diffusion_model,
-                          lambda m: [base.model.apply_model(x, torch.full_like(sigma, s), **kw) for s in (1.0, 0.5, 0.1)],
-                          CalibrationOptions(reservoir_bytes=0))
-        q_sd, meta, _ = common.quantize_sd(sd, Recipe("float8_e4m3fn", weight_scale="absmax", input_scale="max",
-                                                      sensitivity=False), stats)
+    q_sd, meta = common.calibrated_fp8(base, sd, x, sigma, kw)
     common.free(base)
     del sd
     for mode, loader in (("merge", comfy.sd.load_lora_for_models), ("bypass", comfy.sd.load_bypass_lora_for_models)):

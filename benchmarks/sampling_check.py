@@ -26,9 +26,7 @@ architectures.setup_comfy()
 import comfy.sample  # noqa: E402
 
 import common  # noqa: E402
-from comfy_modelopt.calibrate import CalibrationOptions, calibrate  # noqa: E402
 from comfy_modelopt.comfyui.lean import enable_cuda_graphs, make_lean  # noqa: E402
-from comfy_modelopt.recipe import Recipe  # noqa: E402
 
 SPECS = {"sdxl": dict(family="sdxl", size="full", res=1024, dtype=torch.float16),
          "flux": dict(family="flux", size="full", res=1024, dtype=torch.bfloat16, txt=512),
@@ -57,12 +55,7 @@ def main(argv=None):
     _, sd = architectures.build(spec["family"], spec["size"], seed=0, dtype=spec["dtype"], weights_device=common.DEVICE)
     base = common.load_stock(sd)
     x, sigma, kw = common.inputs(spec["family"], 1, spec["res"], spec.get("txt", 77), spec["dtype"])
-    with torch.inference_mode():
-        stats = calibrate(base.model.diffusion_model,
-                          lambda m: [base.model.apply_model(x, torch.full_like(sigma, s), **kw) for s in (1.0, 0.5, 0.1)],
-                          CalibrationOptions(reservoir_bytes=0))
-        q_sd, meta, _ = common.quantize_sd(sd, Recipe("float8_e4m3fn", weight_scale="absmax", input_scale="max",
-                                                      sensitivity=False), stats)
+    q_sd, meta = common.calibrated_fp8(base, sd, x, sigma, kw)
     common.free(base)
     del sd
     fam = "flux" if spec["family"] == "flux" else spec["family"]

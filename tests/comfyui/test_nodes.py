@@ -255,6 +255,27 @@ def test_compiled_blocks_validated_against_eager(env):
         assert "differs from eager by 0.333" in bad.reason
 
 
+def save_and_reload(env, qmodel, plain, filename, refusal):
+    """Save ``qmodel``, check stock ComfyUI refuses the file (``refusal``: pytest.raises args),
+    reload it with Load Quantized Model; outputs of the 16-bit model, ``qmodel``, the reloaded
+    one and ``plain`` on the same inputs; the reloaded model must equal ``qmodel`` bit for bit."""
+    nodes = env["nodes"]
+    with torch.inference_mode():
+        path = nodes.ModelOptSaveQuantized.execute(model=qmodel, filename=filename, overwrite=True).args[0]
+    with pytest.raises(*refusal[:1], **refusal[1]):
+        comfy.sd.load_diffusion_model(path)
+    reloaded, text = nodes.ModelOptUNetLoader.execute(unet_name=filename + ".safetensors", runtime="lean").args
+    assert "comfy-modelopt's loader" in text
+    g = torch.Generator().manual_seed(0)
+    x, c = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 8, 768, generator=g)
+    with torch.inference_mode():
+        ref, a, b, p = (m.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c).float()
+                        for m in (env["model"], qmodel, reloaded, plain))
+    assert torch.equal(a, b)  # the file holds exactly what the in-memory model runs
+    err = lambda t: float((t - ref).norm() / ref.norm())  # noqa: E731
+    return reloaded, (x, c), err(a), err(p), b
+
+
 def test_lowrank_own_loader(env):
     """Low-rank branch + 4-bit residual: our loader runs it, stock ComfyUI refuses the file."""
     nodes = env["nodes"]
@@ -263,22 +284,9 @@ def test_lowrank_own_loader(env):
     assert "modelopt_lowrank_nvfp4" in report
     branched = [m for m in qmodel.model.diffusion_model.modules() if hasattr(m, "_modelopt_base_forward")]
     assert len(branched) == 71 and all(m.lowrank_up.shape[1] == 16 for m in branched)
-    with torch.inference_mode():
-        path = nodes.ModelOptSaveQuantized.execute(model=qmodel, filename="test/sd15-lowrank", overwrite=True).args[0]
-    with pytest.raises(Exception):  # not a QUANT_ALGOS key: the stock loader refuses, it never drops the branch
-        comfy.sd.load_diffusion_model(path)
-    reloaded, text = nodes.ModelOptUNetLoader.execute(unet_name="test/sd15-lowrank.safetensors", runtime="lean").args
-    assert "comfy-modelopt's loader" in text
-    g = torch.Generator().manual_seed(0)
-    x, c = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 8, 768, generator=g)
-    with torch.inference_mode():
-        ref = env["model"].model.apply_model(x, torch.tensor([0.5]), c_crossattn=c).float()
-        a = qmodel.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c).float()
-        b = reloaded.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c).float()
-        p = plain.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c).float()
-    assert torch.equal(a, b)  # the file holds exactly what the in-memory model runs
-    err = lambda t: float((t - ref).norm() / ref.norm())  # noqa: E731
-    assert err(a) < 0.01 and err(p) < 0.01, (err(a), err(p))
+    # not a QUANT_ALGOS key: the stock loader refuses, it never drops the branch
+    reloaded, _, err_a, err_p, _ = save_and_reload(env, qmodel, plain, "test/sd15-lowrank", (Exception, {}))
+    assert err_a < 0.01 and err_p < 0.01, (err_a, err_p)
     # this tiny random UNet's output hardly moves under either; the layers' own output error on
     # the calibration inputs (measured by the quantizer) shows the gain: ~10% here, as random
     # weights have a flat spectrum (the layer-level benchmark shows the gain on outlier layers)
@@ -311,7 +319,6 @@ def test_lowrank_own_loader(env):
 def test_conv_fp8_own_loader(env):
     """fp8 convolutions: stock ComfyUI refuses the file, our loader runs it; LoRA on a conv lands
     in the stored (scaled) basis."""
-    nodes = env["nodes"]
     plain, _ = quantize(env, runtime="lean")
     qmodel, report = quantize(env, conv="fp8", runtime="lean")
     assert "convolutions:" in report and "fp8 (per output channel" in report
@@ -321,22 +328,10 @@ def test_conv_fp8_own_loader(env):
     for m in convs.values():
         assert m.weight.dtype == torch.float8_e4m3fn and m.weight.dim() == 4 and m.weight_scale.shape == (m.out_channels,)
     assert dm.input_blocks[0][0].weight.dtype != torch.float8_e4m3fn  # first conv: detection reads it
-    with torch.inference_mode():
-        path = nodes.ModelOptSaveQuantized.execute(model=qmodel, filename="test/sd15-conv", overwrite=True).args[0]
-    with pytest.raises(RuntimeError, match="size mismatch"):  # never raw fp8 values in a 16-bit conv
-        comfy.sd.load_diffusion_model(path)
-    reloaded, text = nodes.ModelOptUNetLoader.execute(unet_name="test/sd15-conv.safetensors", runtime="lean").args
-    assert "comfy-modelopt's loader" in text
-    g = torch.Generator().manual_seed(0)
-    x, c = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 8, 768, generator=g)
-    with torch.inference_mode():
-        ref = env["model"].model.apply_model(x, torch.tensor([0.5]), c_crossattn=c).float()
-        a = qmodel.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c).float()
-        b = reloaded.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c).float()
-        p = plain.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c).float()
-    assert torch.equal(a, b)  # the file holds exactly what the in-memory model runs
-    err = lambda t: float((t - ref).norm() / ref.norm())  # noqa: E731
-    assert err(a) < 0.02 and err(a) != err(p), (err(a), err(p))
+    # never raw fp8 values in a 16-bit conv: stock ComfyUI stops at the shape
+    reloaded, (x, c), err_a, err_p, b = save_and_reload(env, qmodel, plain, "test/sd15-conv",
+                                                        (RuntimeError, {"match": "size mismatch"}))
+    assert err_a < 0.02 and err_a != err_p, (err_a, err_p)
     assert torch.isfinite(sample(env, reloaded, 2, 1)).all()
     sd_bytes = lambda m: sum(t.numel() * t.element_size() for t in m.model.diffusion_model.state_dict().values()  # noqa: E731
                              if not hasattr(t, "_qdata"))
