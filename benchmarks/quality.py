@@ -84,7 +84,42 @@ def inject_outliers(family: str, sd: dict) -> None:
                         v[c] *= f
 
 
+def emulate_w8a8(patcher) -> int:
+    """On a CPU, where ComfyUI computes fp8 layers dequantized (activations never quantized),
+    round each fp8 W8A8 layer's input to fp8 as the GPU path does: with the layer's static
+    input_scale, else per call with amax / fp8 max (what ComfyUI does without one).  Weight-only
+    layers stay as they are.  Returns how many layers it wrapped."""
+    n = 0
+    for m in patcher.model.diffusion_model.modules():
+        fmt = getattr(m, "quant_format", None)
+        if fmt not in ("float8_e4m3fn", "float8_e5m2") or getattr(m, "_full_precision_mm_config", False):
+            continue
+        dt = torch.float8_e4m3fn if fmt == "float8_e4m3fn" else torch.float8_e5m2
+        fmax = float(torch.finfo(dt).max)
+
+        def forward(x, *args, _stock=m.forward, _m=m, _dt=dt, _fmax=fmax, **kwargs):
+            s = getattr(_m, "input_scale", None)
+            s = s.float().to(x.device) if s is not None else (x.abs().amax().float() / _fmax).clamp_min(1e-12)
+            xq = ((x.float() / s).clamp(-_fmax, _fmax).to(_dt).float() * s).to(x.dtype)
+            return _stock(xq, *args, **kwargs)
+        m.forward = forward
+        n += 1
+    return n
+
+
+EMULATE = False
+OVERRIDE: dict = {}  # res / batch / dtype for the full-size models (CPU diagnostics)
+
+
 def build(name: str, reduced: bool):
+    sd, family, batch, res, txt, dtype = _build(name, reduced)
+    if OVERRIDE.get("dtype") is not None:
+        dtype = OVERRIDE["dtype"]
+        sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
+    return sd, family, OVERRIDE.get("batch") or batch, OVERRIDE.get("res") or res, txt, dtype
+
+
+def _build(name: str, reduced: bool):
     if name == "flux":
         if reduced:
             _, sd = architectures.build("flux", "small", dtype=torch.bfloat16, weights_device=DEVICE)
@@ -144,6 +179,8 @@ def run(name: str, reduced: bool, results: dict, out_path: str, only=None):
             qs = time.perf_counter() - t0
             q = common.load_stock(q_sd, meta)
             del q_sd
+            if EMULATE:
+                emulate_w8a8(q)
             errs = []
             with torch.inference_mode():
                 for (x, kw), ref_row in zip(evals, refs):
@@ -170,10 +207,19 @@ def main(argv=None):
     ap.add_argument("--models", nargs="*", default=["flux", "sdxl"])
     ap.add_argument("--variants", nargs="*", default=None,
                     help="only these FORMAT:RECIPE pairs, e.g. nvfp4:naive nvfp4:ours+lowrank32")
+    ap.add_argument("--emulate-w8a8", action="store_true",
+                    help="CPU: round fp8 layer inputs to fp8 as the GPU does (ComfyUI's CPU path does not)")
+    ap.add_argument("--res", type=int, default=None, help="override the resolution (CPU diagnostics)")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--fp32", action="store_true", help="compute in float32 (CPU diagnostics)")
     a = ap.parse_args(argv)
+    global EMULATE
+    EMULATE = a.emulate_w8a8
+    OVERRIDE.update(res=a.res, batch=a.batch, dtype=torch.float32 if a.fp32 else None)
     os.makedirs(a.out, exist_ok=True)
     out_path = os.path.join(a.out, "quality.json")
-    results = {"env": common.env_info(), "reduced": a.reduced, "sigmas": SIGMAS_EVAL}
+    results = {"env": common.env_info(), "reduced": a.reduced, "sigmas": SIGMAS_EVAL,
+               "emulate_w8a8": a.emulate_w8a8, "override": {k: str(v) for k, v in OVERRIDE.items()}}
     for name in a.models:
         run(name, a.reduced, results, out_path, a.variants)
     common.write_json(out_path, results)
