@@ -23,6 +23,7 @@ where exact (SDXL), AWQ for nvfp4 (folded where exact).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -108,6 +109,7 @@ def emulate_w8a8(patcher) -> int:
 
 
 EMULATE = False
+CONDITIONS = (False, True)  # without / with injected outliers
 OVERRIDE: dict = {}  # res / batch / dtype for the full-size models (CPU diagnostics)
 
 
@@ -145,7 +147,7 @@ def draws(family, batch, res, txt, dtype, seed):
 
 
 def run(name: str, reduced: bool, results: dict, out_path: str, only=None):
-    for outliers in (False, True):
+    for outliers in CONDITIONS:
         sd, family, batch, res, txt, dtype = build(name, reduced)
         if outliers:
             inject_outliers("flux" if name == "flux" else "unet", sd)
@@ -167,6 +169,8 @@ def run(name: str, reduced: bool, results: dict, out_path: str, only=None):
             amax = max(s.amax_value() for s in stats.layers.values())
             print(f"  calibrated in {time.perf_counter() - t0:.0f}s; largest activation {amax:.1f}", flush=True)
         common.free(base)
+        base = loop = None  # the closure held the 16-bit model: let it go before quantizing
+        gc.collect()
         rows = results.setdefault(key, {"largest_activation": amax, "rows": []})["rows"]
         for fmt, kind, recipe, post in variants():
             if (only and f"{fmt}:{kind}" not in only) or (not only and kind in DIAGNOSTIC):
@@ -212,9 +216,11 @@ def main(argv=None):
     ap.add_argument("--res", type=int, default=None, help="override the resolution (CPU diagnostics)")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--fp32", action="store_true", help="compute in float32 (CPU diagnostics)")
+    ap.add_argument("--conditions", nargs="*", choices=["plain", "outliers"], default=["plain", "outliers"])
     a = ap.parse_args(argv)
-    global EMULATE
+    global EMULATE, CONDITIONS
     EMULATE = a.emulate_w8a8
+    CONDITIONS = tuple(c == "outliers" for c in a.conditions)
     OVERRIDE.update(res=a.res, batch=a.batch, dtype=torch.float32 if a.fp32 else None)
     os.makedirs(a.out, exist_ok=True)
     out_path = os.path.join(a.out, "quality.json")

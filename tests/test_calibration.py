@@ -352,11 +352,13 @@ def test_folds_are_exact_in_float():
     assert torch.allclose(new(x, c), block(x, c), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["int8_tensorwise", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["int8_tensorwise", "nvfp4", "float8_e4m3fn"])
 def test_folded_smoothing_lowers_block_error(fmt):
     """End to end on an SD transformer block with outlier LayerNorm gains: quantized with
     folded smoothing, the block's output (runtime activation rounding included) is closer to
-    the float block than without.  (fp8's 3-bit mantissa gains little from smoothing.)"""
+    the float block than without.  fp8: never folded into a quantized producer (V projection,
+    GEGLU value rows), whose single per-tensor scale those divided rows would fall under -
+    with those folds this block measured 1.28x the unsmoothed error (the SDXL fp8 regression)."""
     block, sd, stats, data = _sd_setup()
     errs = {}
     for smoothing in ("none", "smoothquant", "awq"):
@@ -370,6 +372,8 @@ def test_folded_smoothing_lowers_block_error(fmt):
         errs[smoothing] = float((q(x, c) - ref).norm() / ref.norm())
         if smoothing != "none":
             assert any("folded into" in l.notes for l in rep.quantized)
+            if fmt.startswith("float8"):
+                assert any("not folded into" in l.notes and "to_v" in l.notes for l in rep.quantized)
     assert errs["smoothquant"] < errs["none"] and errs["awq"] < errs["none"], errs
 
 
