@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.parametrize("script,args,out", [
     ("speed.py", ["--reduced", "--models", "flux", "--formats", "float8_e4m3fn", "nvfp4"], "speed.json"),
-    ("quality.py", ["--reduced", "--models", "flux"], "quality.json"),
+    ("quality.py", ["--reduced", "--models", "flux", "--emulate-w8a8"], "quality.json"),
     ("cost.py", ["--reduced", "--models", "flux", "--prompts", "2", "--steps", "2"], "cost.json"),
     ("hook_overhead.py", ["--reduced"], "hook_overhead.json"),
     ("lora.py", ["--reduced", "--rank", "4"], "lora.json"),
