@@ -31,14 +31,9 @@ CONV_KEEP = ("input_blocks.0.0", "out.2", "*.proj_in", "*.proj_out", "conv_in", 
 
 
 def own_base(fmt: str) -> str | None:
-    """The stock base format of a format only our loader runs, else None (also for the fp8
-    convolution format, which has no stock counterpart: see ``is_own``)."""
+    """The stock base format of a low-rank format only our loader runs, else None (also for
+    ``CONV_FORMAT``, which has no stock counterpart)."""
     return fmt[len(LOWRANK_PREFIX):] if fmt.startswith(LOWRANK_PREFIX) else None
-
-
-def is_own(fmt: str) -> bool:
-    """A format only comfy-modelopt's loader runs."""
-    return own_base(fmt) is not None or fmt == CONV_FORMAT
 
 
 def stock_conf(conf: dict) -> dict | None:

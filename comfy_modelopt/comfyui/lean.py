@@ -22,10 +22,12 @@ modulation, gated residuals, RoPE, concatenations, the activation function - is 
 kernels, while every weight-holding layer stays opaque to the compiler (the quantized layers'
 tensor subclasses are not traceable, and a GEMM gains nothing from tracing).  Inductor output is
 never trusted: the first evaluation of every input signature is run both ways and compared, and a
-difference above ``tol`` (relative L2) turns compilation off for the model, logged.
+difference beyond 3x eager's own rounding noise (``CompiledBlocks.validate``) turns compilation
+off for the model, logged.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import types
 
@@ -266,37 +268,45 @@ class CudaGraphs:
         static_c = _clone_tree(c)
         static_c["transformer_options"] = topts
         use_compiled = self.compiled is not None and self.compiled.enabled and sig in self.validated
+        run = lambda: apply_model(static_x, static_t, **static_c)  # noqa: E731
         if sig not in self.warmed:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up outside the capture (lazy inits, autotuning)
-                ref = apply_model(static_x, static_t, **static_c)
-                use_compiled = self.compiled is not None and self.compiled.validate(
-                    lambda: apply_model(static_x, static_t, **static_c), ref,
-                    lambda: apply_model(rounding_noise(static_x, self._compute_dtype()), static_t, **static_c))
-            torch.cuda.current_stream().wait_stream(stream)
-            del ref
+            def warm_up():  # outside the capture: lazy inits, autotuning, compilation
+                ref = run()
+                return self.compiled is not None and self.compiled.validate(
+                    run, ref, lambda: apply_model(rounding_noise(static_x, self._compute_dtype()), static_t,
+                                                  **static_c))
+            use_compiled = _on_side_stream(warm_up)
             self.warmed.add(sig)
             if use_compiled:
                 self.validated.add(sig)
         elif use_compiled:
             # a new run's transformer_options may fail a compiled guard: any recompilation (and
             # Inductor's autotuning) must happen here, never inside the capture
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), self.compiled.installed():
-                apply_model(static_x, static_t, **static_c)
-            torch.cuda.current_stream().wait_stream(stream)
+            def warm_up_compiled():
+                with self.compiled.installed():
+                    run()
+            _on_side_stream(warm_up_compiled)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with self.compiled.installed() if use_compiled else _nothing():
+        with self.compiled.installed() if use_compiled else contextlib.nullcontext():
             with torch.cuda.graph(graph, pool=self.pool):
-                out = apply_model(static_x, static_t, **static_c)
+                out = run()
         self.captures += 1
         graph.replay()
         static_c.pop("transformer_options")
         return {"graph": graph, "static": _tensors(static_x, static_t, static_c), "out": out, "weights": weights}
+
+
+def _on_side_stream(fn):
+    """``fn()`` on a fresh stream ordered after the current one (and the current one after it):
+    work before a capture must not run on the stream being captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        result = fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return result
 
 
 def _rel_l2(a, b) -> float:
@@ -331,16 +341,9 @@ def _block_regions(model) -> list:
     return out
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 # ====================================================================== compiled blocks
 _WEIGHT_LAYERS = (torch.nn.Linear, torch.nn.modules.conv._ConvNd)
+
 
 class CompiledBlocks:
     """TorchInductor-compiled forwards of a model's blocks, installed on demand.
@@ -357,7 +360,7 @@ class CompiledBlocks:
     compiler cannot trace, and a GEMM gains nothing from tracing)."""
 
     def __init__(self, diffusion_model, tol: float = 0.02, max_tol: float = 0.25):
-        self.model, self.tol, self.max_tol = diffusion_model, tol, max_tol
+        self.tol, self.max_tol = tol, max_tol
         self.enabled, self.reason = True, None
         self.checks: list = []  # one dict per validated input signature
         self.regions = [m for m in _block_regions(diffusion_model) if not isinstance(m, _WEIGHT_LAYERS)]

@@ -115,12 +115,8 @@ def load_state_dict(sd: dict, metadata: dict | None = None, rebuildable: bool = 
     alive as long as the patcher."""
     patcher = _load(dict(sd), metadata, **load_options)
     if patcher is not None and rebuildable:
-        patcher.cached_patcher_init = (_rebuild_from_state_dict, (sd, metadata))
+        patcher.cached_patcher_init = (load_state_dict, (sd, metadata, True))  # rebuildable again
     return patcher
-
-
-def _rebuild_from_state_dict(sd, metadata, **load_options):
-    return load_state_dict(sd, metadata, rebuildable=True, **load_options)
 
 
 def _load(sd: dict, metadata: dict | None, **load_options):
