@@ -30,7 +30,7 @@ def lowrank_split(w: torch.Tensor, rank: int) -> LowRank:
     randomized subspace iteration (Halko et al.): a full float64 SVD of a 3072x12288 weight takes
     ~37 s on a 2-core CPU - hours for a Flux-size model - where this takes ~0.5 s, and its
     residual is within 1e-4 (relative Frobenius norm) of the exact optimum on trained-like
-    spectra (measured; tests/test_formats.py checks 1e-3)."""
+    spectra (measured; tests/test_calibration.py checks 1e-3)."""
     n, k = w.shape
     rank = max(0, min(rank, n, k))
     if rank == 0:

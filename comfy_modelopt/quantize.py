@@ -184,7 +184,7 @@ def quantize_conv(w: torch.Tensor, conv) -> tuple[dict, LayerReport]:
     tensors = {conv.name + ".weight": q, conv.name + ".weight_scale": scale,
                conv.name + ".comfy_quant": torch.frombuffer(bytearray(comfy_quant_bytes(conv.conf)),
                                                             dtype=torch.uint8)}
-    report = LayerReport(conv.name, conv.conf["format"], q.numel() + scale.numel() * 4, w2.numel() * 2,
+    report = LayerReport(conv.name, conv.conf["format"], _nbytes(conv.tensors), w2.numel() * 2,
                          weight_only=True, rel_err=_rel(deq - w2, w2),
                          notes=f"conv {'x'.join(str(d) for d in w.shape[2:])}, fp8 per output channel")
     return tensors, report
