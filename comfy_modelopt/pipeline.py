@@ -236,11 +236,12 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
         for key, (dtype, _shape) in plan.passthrough.items():
             sink.write(key, _passthrough(source, key, folds, dtype))
         by_name = {l.name: i for i, l in enumerate(plan.layers)}
+        total = len(plan.layers) + len(plan.convs)  # convolutions count toward the bar too
         for done, layer in enumerate(plan.layers):
             if check_interrupt:
                 check_interrupt()
             if progress:
-                progress(done, len(plan.layers), layer.name)
+                progress(done, total, layer.name)
             key = layer.name + ".weight"
             if not layer.quantized:
                 sink.write(key, _passthrough(source, key, folds, layer.tensors[key][0]))
@@ -256,17 +257,17 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
             for k, t in tensors.items():
                 sink.write(k, t)
             report.layers[by_name[layer.name]] = rep
-        for conv in plan.convs:
+        for done, conv in enumerate(plan.convs, len(plan.layers)):
             if check_interrupt:
                 check_interrupt()
             if progress:
-                progress(len(plan.layers), len(plan.layers), conv.name)
+                progress(done, total, conv.name)
             tensors, rep = quantize_conv(source.read(conv.name + ".weight"), conv)
             for k, t in tensors.items():
                 sink.write(k, t)
             report.layers.append(rep)
         if progress:
-            progress(len(plan.layers), len(plan.layers), "")
+            progress(total, total, "")
         report.seconds = time.perf_counter() - t0
         sink.close(output_metadata(plan, report, source.metadata, info, summary, width))
     except BaseException:

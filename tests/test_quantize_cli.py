@@ -267,6 +267,14 @@ def test_conv_fp8_per_output_channel_for_our_loader(flux_file, tmp_path, capsys)
     info = inspect_file(str(out))
     assert info.kind == "comfy_modelopt_own" and info.layers_by_format["modelopt_conv_fp8"] == 3
     assert "convolutions: 3 fp8" in info.ours["summary"]
+    # the progress bar counts the convolutions: it climbs monotonically and reaches its total only at the end
+    calls = []
+    quantize_file(str(src), str(tmp_path / "p.safetensors"), Recipe("float8_e4m3fn", conv="fp8"),
+                  progress=lambda done, total, name: calls.append((done, total, name)))
+    totals = {t for _, t, _ in calls}
+    assert len(totals) == 1 and [d for d, _, _ in calls] == sorted(d for d, _, _ in calls)
+    assert [c for c in calls if c[0] == c[1]] == [calls[-1]] and calls[-1][2] == ""
+    assert {n for _, _, n in calls} >= set(convs)
     # a model without convolutions says so instead of writing a file that needs our loader for nothing
     capsys.readouterr()
     assert run("quantize", flux_file, "-o", tmp_path / "f.safetensors", "--conv", "fp8", "-q") == 2
