@@ -27,14 +27,16 @@ off for the model, logged.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import time
 import types
 
 import torch
 
 import comfy.model_management
-from comfy.patcher_extension import CallbacksMP
+from comfy.patcher_extension import CallbacksMP, WrappersMP
 
 try:
     from comfy.quant_ops import QuantizedTensor
@@ -143,6 +145,14 @@ def make_lean(patcher, fast_accum: bool = False) -> int:
 
 
 # ====================================================================== CUDA graphs
+
+# wrapper kinds that run around the model evaluation, never inside the captured region
+_WRAPPERS_OUTSIDE_MODEL = frozenset({WrappersMP.OUTER_SAMPLE, WrappersMP.PREPARE_SAMPLING, WrappersMP.SAMPLER_SAMPLE,
+                                     WrappersMP.PREDICT_NOISE, WrappersMP.CALC_COND_BATCH})
+# every ModelPatcher callback kind ComfyUI defines: lifecycle events, none runs inside a forward
+_PATCHER_LIFECYCLE_CALLBACKS = frozenset(v for k, v in vars(CallbacksMP).items() if k.startswith("ON_"))
+
+
 class CudaGraphs:
     """Model-function wrapper: capture ``apply_model`` per input signature, then replay.
 
@@ -158,6 +168,7 @@ class CudaGraphs:
         self.pool = None
         self.warned: set = set()
         self.eager_calls = self.replays = self.captures = self.releases = 0
+        self.capture_seconds: list = []  # wall time of each capture (with its warm-up / compilation)
         self.warmed: set = set()  # signatures whose lazy inits/compilation already ran
         self.validated: set = set()  # signatures whose compiled blocks matched eager
 
@@ -218,16 +229,26 @@ class CudaGraphs:
                 tuple(p.data_ptr() for p in model.diffusion_model.parameters()))
 
     def _blocker(self, args) -> str | None:
-        x = args["input"]
-        if x.device.type != "cuda":
-            return "not on a CUDA device"
+        # what the model carries first, the device last: a CPU test then sees every other reason
+        topts = args["c"].get("transformer_options", {})
+        for key in ("patches", "patches_replace"):
+            if _nonempty(topts.get(key)):
+                return f"transformer_options carries {key}"
+        # ComfyUI's sampler copies the patcher's wrappers and callbacks into transformer_options
+        # (sampler_helpers.prepare_model_patcher) - our own release callbacks too.  Only wrappers
+        # that run inside the model evaluation would be frozen into a graph; patcher callbacks
+        # are lifecycle events (load, detach, cleanup, ...) that never run during it.
+        for kind, per_key in (topts.get("wrappers") or {}).items():
+            if kind not in _WRAPPERS_OUTSIDE_MODEL and _nonempty(per_key):
+                return f"transformer_options carries {kind} wrappers"
+        for kind, per_key in (topts.get("callbacks") or {}).items():
+            if kind not in _PATCHER_LIFECYCLE_CALLBACKS and _nonempty(per_key):
+                return f"transformer_options carries {kind} callbacks"
         model = self.patcher.model
         if getattr(model, "model_lowvram", False) or getattr(model, "lowvram_patch_counter", 0):
             return "model partially loaded (offloading)"
-        topts = args["c"].get("transformer_options", {})
-        for key in ("patches", "patches_replace", "wrappers", "callbacks"):
-            if _nonempty(topts.get(key)):
-                return f"transformer_options carries {key}"
+        if args["input"].device.type != "cuda":
+            return "not on a CUDA device"
         return None
 
     # --------------------------------------------------------------- wrapper
@@ -253,7 +274,7 @@ class CudaGraphs:
                 entry = self._capture(apply_model, args, c, topts, weights, sig)
             except Exception as e:  # capture can fail on host syncs or unsupported ops
                 self.graphs.pop(sig, None)
-                return self._eager(apply_model, args, f"capture failed: {type(e).__name__}: {str(e)[:120]}")
+                return self._eager(apply_model, args, f"capture failed: {type(e).__name__}: {str(e)[:300]}")
             self.graphs[sig] = entry
             return entry["out"].clone()
         for dst, src in zip(entry["static"], _tensors(args["input"], args["timestep"], c)):
@@ -263,9 +284,15 @@ class CudaGraphs:
         return entry["out"].clone()
 
     def _capture(self, apply_model, args, c, topts, weights, sig):
+        t0 = time.perf_counter()
+        # Conditioning can arrive on the CPU (SDXL's ADM vector and Flux's guidance are built
+        # there); apply_model would copy it to the GPU on every call, and a host-to-device copy
+        # cannot be captured.  apply_model moves every conditioning tensor to the input's device
+        # anyway, so the static copies live there; replays copy new values into them.
+        device = args["input"].device
         static_x = args["input"].clone()
-        static_t = args["timestep"].clone()
-        static_c = _clone_tree(c)
+        static_t = _clone_tree(args["timestep"], device)
+        static_c = _clone_tree(c, device)
         static_c["transformer_options"] = topts
         use_compiled = self.compiled is not None and self.compiled.enabled and sig in self.validated
         run = lambda: apply_model(static_x, static_t, **static_c)  # noqa: E731
@@ -294,6 +321,8 @@ class CudaGraphs:
                 out = run()
         self.captures += 1
         graph.replay()
+        torch.cuda.current_stream().synchronize()
+        self.capture_seconds.append(round(time.perf_counter() - t0, 3))
         static_c.pop("transformer_options")
         return {"graph": graph, "static": _tensors(static_x, static_t, static_c), "out": out, "weights": weights}
 
@@ -369,12 +398,21 @@ class CompiledBlocks:
         if not self.regions:
             self.enabled, self.reason = False, "no blocks (nn.ModuleList) to compile"
             return
-        # Dynamo keeps one entry per block class, shape and guard set; a UNet has many variants
+        # Dynamo keeps one cache entry per code object, shape and guard set.  The opaque layers
+        # break the graph, so the frames that call them (a UNet's transformer block, its
+        # attention) are compiled on their own, and their guards include the per-call constants
+        # ComfyUI passes (transformer_options' block / block_index): at worst one entry per module
+        # instance.  Past the limit Dynamo silently runs the frame eager - measured on SDXL (70
+        # transformer blocks, limit 41): part of the model lost its fusion.
         cfg = torch._dynamo.config
-        limit = max(8, len(self.regions) + 8)
-        for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(cfg, name) and getattr(cfg, name) < limit:
-                setattr(cfg, name, limit)
+        per_class = collections.Counter(type(m) for r in self.regions for m in r.modules()
+                                        if not isinstance(m, _WEIGHT_LAYERS))
+        limit = max(8, len(self.regions), max(per_class.values(), default=0)) + 8
+        wanted = {"recompile_limit": limit, "cache_size_limit": limit,
+                  "accumulated_recompile_limit": max(256, 4 * sum(per_class.values()))}
+        for name, value in wanted.items():
+            if hasattr(cfg, name) and getattr(cfg, name) < value:
+                setattr(cfg, name, value)
         self.compiled = [torch.compile(m.forward, dynamic=False) for m in self.regions]
 
     def installed(self):
@@ -452,15 +490,16 @@ def _nonempty(v) -> bool:
     return bool(v)
 
 
-def _clone_tree(v):
+def _clone_tree(v, device):
+    """Static copies of every tensor in ``v``, on ``device``."""
     if isinstance(v, torch.Tensor):
-        return v.clone()
+        return v.to(device, copy=True)
     if isinstance(v, dict):
-        return {k: _clone_tree(x) for k, x in v.items()}
+        return {k: _clone_tree(x, device) for k, x in v.items()}
     if isinstance(v, list):
-        return [_clone_tree(x) for x in v]
+        return [_clone_tree(x, device) for x in v]
     if isinstance(v, tuple):
-        return tuple(_clone_tree(x) for x in v)
+        return tuple(_clone_tree(x, device) for x in v)
     return v
 
 
