@@ -98,8 +98,19 @@ def kernel_ms(fn, iters: int = 2) -> float | None:
     return total_us / 1e3 / iters
 
 
-def peak_vram_gib(fn) -> float | None:
+def allocated_gib() -> float | None:
+    """GPU memory held by live tensors now (every model still loaded, not only the one measured)."""
     if not CUDA:
+        return None
+    sync()
+    return torch.cuda.memory_allocated() / 2**30
+
+
+def peak_vram_gib(fn) -> float | None:
+    """Peak GPU memory allocated during ``fn()`` (called in any case; None without CUDA),
+    including whatever else is resident: compare with ``allocated_gib()`` taken just before."""
+    if not CUDA:
+        fn()
         return None
     sync()
     torch.cuda.reset_peak_memory_stats()

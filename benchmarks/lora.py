@@ -73,6 +73,8 @@ def run(name: str, spec: dict, rank: int, results: dict, out_path: str):
     lora = random_lora({k: v.cpu() for k, v in sd.items()}, rank)
     rows = results.setdefault(name, {"rank": rank, "lora_layers": len(lora) // 3, "rows": []})["rows"]
     base = common.load_stock(sd)
+    # calibrate first: the 16-bit + LoRA clone shares base's model, and freeing it offloads that
+    q_sd, meta = common.calibrated_fp8(base, sd, x, sigma, kw)
     ref16, _ = comfy.sd.load_lora_for_models(base, None, lora, 1.0, 0)
     load_s = timed_load(ref16)
     with torch.inference_mode():
@@ -81,9 +83,7 @@ def run(name: str, spec: dict, rank: int, results: dict, out_path: str):
         base_ms, _ = common.time_ms(fn)
         rows.append({"variant": "16-bit + LoRA merged, stock eager", "ms": round(base_ms, 2), "load_s": round(load_s, 2)})
         print(f"  {rows[-1]}", flush=True)
-        common.free(ref16)
-    q_sd, meta = common.calibrated_fp8(base, sd, x, sigma, kw)
-    common.free(base)
+        common.free(ref16, base)
     del sd
     for mode, loader in (("merge", comfy.sd.load_lora_for_models), ("bypass", comfy.sd.load_bypass_lora_for_models)):
         q = common.load_stock(q_sd, meta)

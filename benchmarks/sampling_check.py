@@ -4,7 +4,8 @@
 full-size model (random weights, ComfyUI's own classes), quantizes it to fp8 W8A8 with static
 input scales, and samples the same noise/conditioning (KSampler path: ``comfy.sample.sample``,
 euler, CFG, so the model sees changing timesteps and a cond+uncond batch) with the runtimes the
-nodes offer: stock, lean, lean + CUDA graphs, lean + compiled blocks + CUDA graphs.  Prints the
+nodes offer: stock, lean, lean + CUDA graphs, lean + compiled blocks + CUDA graphs - and, as the
+yardstick for compiled blocks, lean with each model input rounded once more.  Prints the
 wall time per run, the final latents' relative L2 difference against the stock run, and how
 often the graphs were captured / replayed / bypassed.  ``--reduced`` runs a small model on a CPU
 (graphs then fall back to eager: a smoke run, not a measurement).
@@ -26,16 +27,21 @@ architectures.setup_comfy()
 import comfy.sample  # noqa: E402
 
 import common  # noqa: E402
-from comfy_modelopt.comfyui.lean import enable_cuda_graphs, make_lean  # noqa: E402
+from comfy_modelopt.comfyui.lean import enable_cuda_graphs, make_lean, rounding_noise  # noqa: E402
+
+EAGER_NOISE = "lean, input rounded once more per call (eager's own noise)"
 
 SPECS = {"sdxl": dict(family="sdxl", size="full", res=1024, dtype=torch.float16),
-         "flux": dict(family="flux", size="full", res=1024, dtype=torch.bfloat16, txt=512),
-         "sd15-small": dict(family="sd15", size="small", res=64, dtype=torch.float32)}
+         "flux": dict(family="flux", size="full", res=1024, dtype=torch.bfloat16, txt=512)}
+# --reduced: the same families at ComfyUI's small configurations (CPU smoke runs)
+REDUCED = {"sdxl": dict(family="sdxl", size="small", res=64, dtype=torch.float32),
+           "flux": dict(family="flux", size="small", res=64, dtype=torch.float32, txt=16, inputs="flux_small")}
+POOLED = {"sdxl": 1280}  # SDXL's ADM vector = pooled CLIP-G output (1280) + 6 size embeddings (1536)
 
 
-def conds(family: str, txt: int, dtype):
-    x, _, kw = common.inputs(family, 1, 64, txt, dtype)
-    extra = {"pooled_output": kw["y"]} if "y" in kw else {}
+def conds(family: str, inputs: str, txt: int, dtype):
+    x, _, kw = common.inputs(inputs, 1, 64, txt, dtype)
+    extra = {"pooled_output": kw["y"][:, :POOLED.get(family, kw["y"].shape[1])]} if "y" in kw else {}
     if family == "flux":
         extra["guidance"] = 3.5
     pos = [[kw["c_crossattn"], dict(extra)]]
@@ -48,30 +54,38 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="sdxl", choices=list(SPECS))
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--reduced", action="store_true", help="small SD1.5-shaped model (CPU smoke run)")
+    ap.add_argument("--reduced", action="store_true", help="the model at a small configuration (CPU smoke run)")
     a = ap.parse_args(argv)
-    spec = SPECS["sd15-small" if a.reduced else a.model]
+    spec = (REDUCED if a.reduced else SPECS)[a.model]
     os.makedirs(a.out, exist_ok=True)
     _, sd = architectures.build(spec["family"], spec["size"], seed=0, dtype=spec["dtype"], weights_device=common.DEVICE)
     base = common.load_stock(sd)
-    x, sigma, kw = common.inputs(spec["family"], 1, spec["res"], spec.get("txt", 77), spec["dtype"])
+    inputs = spec.get("inputs", spec["family"])
+    x, sigma, kw = common.inputs(inputs, 1, spec["res"], spec.get("txt", 77), spec["dtype"])
     q_sd, meta = common.calibrated_fp8(base, sd, x, sigma, kw)
     common.free(base)
     del sd
-    fam = "flux" if spec["family"] == "flux" else spec["family"]
-    pos, neg = conds(fam, spec.get("txt", 77), spec["dtype"])
+    fam = spec["family"]
+    pos, neg = conds(fam, inputs, spec.get("txt", 77), spec["dtype"])
     latent_c = 16 if fam == "flux" else 4
     latent = torch.zeros(1, latent_c, spec["res"] // 8, spec["res"] // 8)
     noise = comfy.sample.prepare_noise(latent, 0)
-    results = {"env": common.env_info(), "model": a.model if not a.reduced else "sd15-small", "steps": a.steps,
+    results = {"env": common.env_info(), "model": a.model + (" (reduced)" if a.reduced else ""), "steps": a.steps,
                "rows": []}
     ref = None
-    runs = ["stock", "lean", "lean + cuda graphs", "lean + compiled blocks + cuda graphs"]
+    # the last "runtime" is eager with every model input rounded once more: how far eager itself
+    # drifts along the trajectory from one extra rounding per step - the yardstick for compiled
+    # blocks, whose fused kernels round differently
+    runs = ["stock", "lean", "lean + cuda graphs", "lean + compiled blocks + cuda graphs", EAGER_NOISE]
     for runtime in runs:
         q = common.load_stock(q_sd, meta)
         runner = None
         if runtime != "stock":
             make_lean(q)
+        if runtime == EAGER_NOISE:
+            dtype = q.model.get_dtype_inference()
+            q.set_model_unet_function_wrapper(
+                lambda apply_model, args: apply_model(rounding_noise(args["input"], dtype), args["timestep"], **args["c"]))
         if "cuda graphs" in runtime:
             q, runner = enable_cuda_graphs(q, compile_blocks="compiled" in runtime)
         # graph runtimes run twice: the first run captures (and compiles), ComfyUI's cleanup then
@@ -89,7 +103,8 @@ def main(argv=None):
             row = {"runtime": label, "seconds": round(secs, 2),
                    "rel_l2_vs_stock": float((out - ref).norm() / ref.norm()), "finite": bool(torch.isfinite(out).all())}
             if runner is not None:
-                row["graph"] = {"captures": runner.captures, "replays": runner.replays, "eager": runner.eager_calls,
+                row["graph"] = {"captures": runner.captures, "capture_s": list(runner.capture_seconds),
+                                "replays": runner.replays, "eager": runner.eager_calls,
                                 "releases": runner.releases, "eager_reasons": sorted(runner.warned)}
                 if runner.compiled is not None:
                     row["compiled"] = {"enabled": runner.compiled.enabled, "reason": runner.compiled.reason,
