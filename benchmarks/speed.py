@@ -204,11 +204,34 @@ def run_variant(variant, sd, x, sigma, kw, ref, base_ms, stats, rows):
                 compiled_rows(q, f"{variant} lean fast-accum", x, sigma, kw, ref, rows, base_ms, exact_ref=stock_out)
                 if INT8_ATTENTION:
                     int8_attention_rows(q, f"{variant} lean fast-accum", x, sigma, kw, ref, rows, base_ms)
+        if DEQUANT_CACHE_GIB and lean_dequantized(q):
+            dequant_cache_rows(q, variant, x, sigma, kw, ref, rows, base_ms, stock_out)
     common.free(q)
+
+
+def lean_dequantized(patcher) -> bool:
+    """Whether any layer of this model is computed dequantized here (nvfp4/mxfp8 before Blackwell)."""
+    from comfy_modelopt.comfyui.lean import _native_formats
+    native = _native_formats(patcher.load_device)
+    return any(getattr(m, "quant_format", None) not in (None, *native) for m in patcher.model.diffusion_model.modules())
+
+
+def dequant_cache_rows(q, variant, x, sigma, kw, ref, rows, base_ms, stock_out):
+    """The layers computed dequantized, with 16-bit copies cached within --dequant-cache-gib."""
+    for m in q.model.diffusion_model.modules():
+        if getattr(m, "_modelopt_lean", False):
+            m._modelopt_lean = False
+    make_lean(q, dequant_cache_bytes=int(DEQUANT_CACHE_GIB * 2**30))
+    cache = q.model._modelopt_dequant_cache
+    fn, runner = graph_fn(q, x, sigma, kw)
+    out = measure(f"{variant} lean + dequant cache + CUDA graphs", fn, ref, rows, base_ms)
+    rows[-1].update({"dequant_cache_gib": round(cache.used / 2**30, 2), "cached_layers": len(cache.entries),
+                     "bit_exact_vs_stock": bool(torch.equal(out, stock_out))})
 
 
 PROFILE = False
 INT8_ATTENTION = False
+DEQUANT_CACHE_GIB = 0.0
 COMPILE = False
 COMPILE_VARIANTS = ("float8_e4m3fn", "int8_tensorwise", "nvfp4", "nvfp4-lowrank32", "float8_e4m3fn-conv")
 
@@ -283,10 +306,13 @@ def main(argv=None):
     ap.add_argument("--int8-attention", action="store_true", help="also time kitchen's INT8 attention runtime")
     ap.add_argument("--compile", action="store_true",
                     help="also time CUDA graphs over Inductor-compiled blocks (validated against eager)")
+    ap.add_argument("--dequant-cache-gib", type=float, default=0.0,
+                    help="also time formats computed dequantized with a cache of 16-bit weights this large")
     ap.add_argument("--skip-ceilings", action="store_true", help="skip the GEMM/attention microbenchmarks")
     a = ap.parse_args(argv)
-    global PROFILE, INT8_ATTENTION, COMPILE
+    global PROFILE, INT8_ATTENTION, COMPILE, DEQUANT_CACHE_GIB
     PROFILE, INT8_ATTENTION, COMPILE = a.profile, a.int8_attention, a.compile
+    DEQUANT_CACHE_GIB = a.dequant_cache_gib
     os.makedirs(a.out, exist_ok=True)
     deadline = time.time() + a.budget_s
     specs = REDUCED if a.reduced else FULL

@@ -9,7 +9,8 @@ the stock path ends in:
   with stock; ``fast_accum`` trades exactness for Hopper's fast fp8 accumulation);
 - int8 / int8+ConvRot: kitchen's ``int8_linear`` op (what the stock dispatch calls);
 - formats this GPU cannot compute (nvfp4/mxfp8 before Blackwell, fp8 weight-only, ...): kitchen's
-  dequantization kernel + one 16-bit GEMM, as stock does.
+  dequantization kernel + one 16-bit GEMM, as stock does - or, within the budget of a
+  ``DequantCache`` (``dequant_cache_bytes``), the GEMM alone on a kept 16-bit copy.
 
 Whenever a layer is offloaded, patched by a LoRA at run time (weight functions), or holds a
 16-bit weight, the stock forward runs instead.  ``CudaGraphs`` (installed as a model-function
@@ -97,15 +98,94 @@ def _int8_forward(module, x):
                                                int(getattr(p, "convrot_groupsize", 256)))
 
 
-def _dequant_forward(module, x):
-    return torch.nn.functional.linear(x, module.weight.dequantize().to(x.dtype), _bias(module, x))
+def _dequant_forward(module, x, cache=None):
+    w = cache.get(module, x) if cache is not None else None
+    if w is None:
+        w = module.weight.dequantize().to(x.dtype)
+    return torch.nn.functional.linear(x, w, _bias(module, x))
 
 
-def make_lean(patcher, fast_accum: bool = False) -> int:
-    """Rebind quantized Linear forwards of ``patcher``'s own model; returns how many."""
+class DequantCache:
+    """Dequantized copies of the weights the GPU cannot compute natively (nvfp4/mxfp8 before
+    Blackwell), within a byte budget: a cached layer runs a plain 16-bit GEMM instead of
+    dequantizing on every call (same values, so the output is bit-identical).
+
+    Filled by the first evaluations, in call order, until the budget is spent - never inside a
+    CUDA-graph capture (the graph runtime warms up eagerly first, so the cache is full by then).
+    Every byte saves about the same dequantization time, so no order is better than another.
+    An entry is dropped when its weight changes (LoRA merged or unmerged: new storage or a new
+    weight-patch uuid).  The whole cache goes when ComfyUI detaches the model from the GPU, and
+    the part of the budget not yet allocated is added to the model's ``memory_required``, so
+    ComfyUI frees that much before sampling instead of being surprised by it."""
+
+    def __init__(self, patcher, budget_bytes: int):
+        self.model, self.budget = patcher.model, int(budget_bytes)
+        self.entries: dict = {}  # id(module) -> (key, tensor)
+        self.used = 0
+        self.hits = self.fills = 0
+
+    def _key(self, module, x):
+        return (module.weight._qdata.data_ptr(), x.dtype, x.device,
+                getattr(self.model, "current_weight_patches_uuid", None))
+
+    def get(self, module, x):
+        key = self._key(module, x)
+        entry = self.entries.get(id(module))
+        if entry is not None:
+            if entry[0] == key:
+                self.hits += 1
+                return entry[1]
+            del self.entries[id(module)]
+            self.used -= entry[1].numel() * entry[1].element_size()
+        nbytes = module.weight.numel() * x.element_size()
+        if self.used + nbytes > self.budget or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None
+        w = module.weight.dequantize().to(x.dtype)
+        self.entries[id(module)] = (key, w, module)
+        self.used += nbytes
+        self.fills += 1
+        return w
+
+    def needs_fill(self) -> bool:
+        """Empty (after a release) or holding copies of weights that changed since: an eager pass
+        should refill it before a CUDA graph is captured (a capture cannot fill it)."""
+        if self.budget and not self.entries:
+            return True
+        uuid = getattr(self.model, "current_weight_patches_uuid", None)
+        return any(k[0] != m.weight._qdata.data_ptr() or k[3] != uuid for k, _w, m in self.entries.values())
+
+    def release(self, *_args) -> None:
+        self.entries.clear()
+        self.used = 0
+
+    def unallocated(self) -> int:
+        return max(0, self.budget - self.used)
+
+
+def _reserve_cache_memory(model, cache: DequantCache) -> None:
+    """ComfyUI sizes the memory it frees before sampling with ``model.memory_required``."""
+    base = model.memory_required
+
+    def memory_required(*args, **kwargs):
+        return base(*args, **kwargs) + cache.unallocated()
+    model.memory_required = memory_required
+
+
+def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -> int:
+    """Rebind quantized Linear forwards of ``patcher``'s own model; returns how many.
+
+    ``dequant_cache_bytes``: budget of a ``DequantCache`` for the layers computed dequantized
+    (``patcher.model._modelopt_dequant_cache`` afterwards; none for 0)."""
     device = patcher.load_device
     native = _native_formats(device)
-    count = 0
+    count = dequantized = 0
+    cache = getattr(patcher.model, "_modelopt_dequant_cache", None)
+    new_cache = dequant_cache_bytes > 0 and cache is None
+    if new_cache:
+        cache = DequantCache(patcher, dequant_cache_bytes)
+        patcher.model._modelopt_dequant_cache = cache
+        _reserve_cache_memory(patcher.model, cache)
+        patcher.add_callback_with_key(CallbacksMP.ON_DETACH, "comfy_modelopt_dequant_cache", cache.release)
     for module in patcher.model.diffusion_model.modules():
         fmt = getattr(module, "quant_format", None)
         if fmt is None or getattr(module, "_modelopt_lean", False):
@@ -130,7 +210,8 @@ def make_lean(patcher, fast_accum: bool = False) -> int:
         elif fmt == "int8_tensorwise" and not full_precision:
             fast = _int8_forward
         elif full_precision:
-            fast = _dequant_forward
+            fast = lambda m, x, c=cache: _dequant_forward(m, x, c)  # noqa: E731
+            dequantized += module.weight.numel()
         else:
             continue  # natively computed formats without a lean path (e.g. nvfp4 on Blackwell)
 
@@ -141,6 +222,10 @@ def make_lean(patcher, fast_accum: bool = False) -> int:
         setattr(owner, attr, types.MethodType(forward, module))
         module._modelopt_lean = True
         count += 1
+    if new_cache:
+        # never reserve more than the layers computed dequantized can use (at the compute dtype)
+        itemsize = torch.empty((), dtype=patcher.model.get_dtype_inference()).element_size()
+        cache.budget = min(cache.budget, dequantized * itemsize)
     return count
 
 
@@ -296,8 +381,9 @@ class CudaGraphs:
         static_c["transformer_options"] = topts
         use_compiled = self.compiled is not None and self.compiled.enabled and sig in self.validated
         run = lambda: apply_model(static_x, static_t, **static_c)  # noqa: E731
+        cache = getattr(self.patcher.model, "_modelopt_dequant_cache", None)
         if sig not in self.warmed:
-            def warm_up():  # outside the capture: lazy inits, autotuning, compilation
+            def warm_up():  # outside the capture: lazy inits, autotuning, compilation, dequant cache
                 ref = run()
                 return self.compiled is not None and self.compiled.validate(
                     run, ref, lambda: apply_model(rounding_noise(static_x, self._compute_dtype()), static_t,
@@ -313,6 +399,8 @@ class CudaGraphs:
                 with self.compiled.installed():
                     run()
             _on_side_stream(warm_up_compiled)
+        elif cache is not None and cache.needs_fill():
+            _on_side_stream(run)  # refill the dequant cache (released on detach, or weights changed)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()

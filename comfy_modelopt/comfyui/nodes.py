@@ -59,12 +59,23 @@ def _pattern_lines(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.replace(",", "\n").splitlines() if p.strip())
 
 
-def apply_runtime(patcher, runtime: str) -> tuple:
+DEQUANT_CACHE_TOOLTIP = ("GiB of VRAM for 16-bit copies of the weights this GPU cannot compute natively "
+                         "(nvfp4/mxfp8 before Blackwell): those layers then skip dequantizing on every call "
+                         "(same output). 0 = off. ComfyUI is told to keep that much free; the copies go "
+                         "when the model leaves the GPU. Needs a lean runtime.")
+
+
+def apply_runtime(patcher, runtime: str, dequant_cache_gib: float = 0.0) -> tuple:
     """Lean layers and/or CUDA graphs on a model this pack created; returns (model, note)."""
     if runtime == "stock":
-        return patcher, "runtime: stock ComfyUI layers"
-    n = make_lean(patcher)
+        return patcher, "runtime: stock ComfyUI layers" + (
+            " (dequant cache ignored: it needs a lean runtime)" if dequant_cache_gib > 0 else "")
+    n = make_lean(patcher, dequant_cache_bytes=int(dequant_cache_gib * 2**30))
     note = f"runtime: lean ({n} quantized layers on direct kernel calls)"
+    cache = getattr(patcher.model, "_modelopt_dequant_cache", None)
+    if cache is not None:
+        note += (f" + dequantized-weight cache of up to {cache.budget / 2**30:.2f} GiB" if cache.budget
+                 else " (dequant cache unused: every layer runs natively on this GPU)")
     if runtime.endswith("int8 attention"):
         try:
             patcher = enable_int8_attention(patcher)
@@ -239,6 +250,8 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                 io.String.Input("keep", multiline=True, default="",
                                 tooltip="Layer-name patterns to keep in 16-bit, one per line, e.g. *.img_mlp.*"),
                 io.Combo.Input("runtime", options=RUNTIMES, default="lean", tooltip=RUNTIME_TOOLTIP),
+                io.Float.Input("dequant_cache_gib", default=0.0, min=0.0, max=1024.0, step=0.5, advanced=True,
+                               optional=True, tooltip=DEQUANT_CACHE_TOOLTIP),
             ],
             outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report")],
             hidden=[io.Hidden.unique_id],
@@ -246,7 +259,8 @@ class ModelOptQuantizeUNet(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, format, weight_scale, input_scale, smoothing, gptq, convrot, static_nvfp4_input,
-                keep, runtime="lean", lowrank=0, conv="none", calibration=None) -> io.NodeOutput:
+                keep, runtime="lean", lowrank=0, conv="none", calibration=None,
+                dequant_cache_gib=0.0) -> io.NodeOutput:
         if convrot and format != "int8_tensorwise":
             raise NodeError("convrot applies to int8_tensorwise only (convrot_w4a4 is always rotated)")
         if (smoothing != "none" or gptq) and calibration is None:
@@ -271,7 +285,7 @@ class ModelOptQuantizeUNet(io.ComfyNode):
             raise NodeError("nothing was quantized: every Linear layer was kept 16-bit (see keep patterns "
                             "and the format's shape rules in the report)\n" + report.table(limit=20))
         qmodel = build_quantized_model(sink.tensors, sink.metadata, report, model)
-        qmodel, runtime_note = apply_runtime(qmodel, runtime)
+        qmodel, runtime_note = apply_runtime(qmodel, runtime, dequant_cache_gib)
         text = "\n".join([report.summary(), gpu_note(format), runtime_note])
         log(text)
         return io.NodeOutput(qmodel, text + "\n\n" + report.table())
@@ -342,12 +356,14 @@ class ModelOptUNetLoader(io.ComfyNode):
             description="Loads a quantized diffusion model (diffusion_models or the older modelopt_unet "
                         "folder), checks its comfy-modelopt metadata and shows its report.",
             inputs=[io.Combo.Input("unet_name", options=_unet_files()),
-                    io.Combo.Input("runtime", options=RUNTIMES, default="lean", tooltip=RUNTIME_TOOLTIP)],
+                    io.Combo.Input("runtime", options=RUNTIMES, default="lean", tooltip=RUNTIME_TOOLTIP),
+                    io.Float.Input("dequant_cache_gib", default=0.0, min=0.0, max=1024.0, step=0.5, advanced=True,
+                                   optional=True, tooltip=DEQUANT_CACHE_TOOLTIP)],
             outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report")],
         )
 
     @classmethod
-    def execute(cls, unet_name, runtime="lean") -> io.NodeOutput:
+    def execute(cls, unet_name, runtime="lean", dequant_cache_gib=0.0) -> io.NodeOutput:
         try:
             path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         except FileNotFoundError:
@@ -358,7 +374,7 @@ class ModelOptUNetLoader(io.ComfyNode):
         patcher = ownloader.load_file(path)
         if patcher is None:
             raise NodeError(f"{unet_name}: ComfyUI could not detect the model in this file")
-        patcher, note = apply_runtime(patcher, runtime)
+        patcher, note = apply_runtime(patcher, runtime, dequant_cache_gib)
         return io.NodeOutput(patcher, info.text() + "\n" + note)
 
 

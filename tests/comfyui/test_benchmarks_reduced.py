@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.parametrize("script,args,out", [
-    ("speed.py", ["--reduced", "--models", "flux", "--formats", "float8_e4m3fn", "nvfp4"], "speed.json"),
+    ("speed.py", ["--reduced", "--models", "flux", "--formats", "float8_e4m3fn", "nvfp4", "--dequant-cache-gib", "1"],
+     "speed.json"),
     ("quality.py", ["--reduced", "--models", "flux", "--emulate-w8a8"], "quality.json"),
     ("cost.py", ["--reduced", "--models", "flux", "--prompts", "2", "--steps", "2"], "cost.json"),
     ("hook_overhead.py", ["--reduced"], "hook_overhead.json"),

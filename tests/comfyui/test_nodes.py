@@ -464,3 +464,57 @@ def test_cuda_graphs_capture_in_real_sampling():
     assert runner.captures == 2 and runner.replays == 2 * 3 and runner.releases == 2
     assert not torch.equal(run(clone, cond(1)), graphed)  # the new conditioning values reached the graph
     comfy.model_management.unload_all_models()
+
+
+def test_dequant_cache_bit_exact_budgeted_and_invalidated(env):
+    """nvfp4 is computed dequantized here (no native kernel on a CPU, as on Hopper): the cache keeps
+    16-bit copies within the budget - same outputs, never over budget, ComfyUI told to keep the
+    unallocated rest free, entries refreshed when a LoRA is merged, dropped on detach."""
+    import comfy.model_management
+    g = torch.Generator().manual_seed(5)
+    x, c = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 8, 768, generator=g)
+    run = lambda p: p.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)  # noqa: E731
+    plain, _ = quantize(env, format="nvfp4", runtime="lean")
+    full, note = quantize(env, format="nvfp4", runtime="lean", dequant_cache_gib=64.0)
+    cache = full.model._modelopt_dequant_cache
+    layers = [m for m in full.model.diffusion_model.modules() if getattr(m, "quant_format", None) == "nvfp4"]
+    itemsize = torch.empty((), dtype=full.model.get_dtype_inference()).element_size()
+    total = sum(m.weight.numel() for m in layers) * itemsize
+    assert cache.budget == total and "dequantized-weight cache" in note  # capped at what the layers can use
+    shape = [2, 4, 8, 8]
+    assert full.model.memory_required(shape) == plain.model.memory_required(shape) + total
+    with torch.inference_mode():
+        ref, out = run(plain), run(full)
+        assert torch.equal(ref, out) and cache.fills == len(layers) and cache.used == total
+        assert full.model.memory_required(shape) == plain.model.memory_required(shape)  # all allocated now
+        assert torch.equal(run(full), ref) and cache.hits == len(layers)
+    # a budget for about half the layers: never exceeded, the rest dequantize per call, same output
+    half, _ = quantize(env, format="nvfp4", runtime="lean", dequant_cache_gib=total / 2 / 2**30)
+    hc = half.model._modelopt_dequant_cache
+    with torch.inference_mode():
+        assert torch.equal(run(half), ref)
+    assert 0 < hc.fills < len(layers) and hc.used <= hc.budget == total // 2
+    # a merged LoRA changes the weights: cached copies must follow (stale ones would ignore it)
+    dm = full.model.diffusion_model
+    lora = {}
+    for name, m in dm.named_modules():
+        if getattr(m, "quant_format", None) == "nvfp4" and name.endswith(("to_q", "ff.net.2")):
+            n, k = m.weight.shape
+            lora[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(4, k, generator=g)
+            lora[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(n, 4, generator=g) * 0.1
+    merged = {}
+    assert not cache.needs_fill()
+    for key, p in (("plain", plain), ("cached", full)):
+        lp, _ = comfy.sd.load_lora_for_models(p, None, lora, 1.0, 0)
+        comfy.model_management.load_models_gpu([lp], force_full_load=True)
+        if key == "cached":  # stale copies: the graph runtime refills eagerly before a capture
+            assert cache.needs_fill()
+        with torch.inference_mode():
+            merged[key] = run(lp)
+        if key == "cached":
+            assert not cache.needs_fill()
+        comfy.model_management.unload_all_models()
+    assert not torch.equal(merged["plain"], ref)
+    assert torch.equal(merged["cached"], merged["plain"])
+    full.detach()
+    assert cache.entries == {} and cache.used == 0 and cache.needs_fill()
