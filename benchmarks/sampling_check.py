@@ -53,7 +53,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="sdxl", choices=list(SPECS))
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--reduced", action="store_true", help="the model at a small configuration (CPU smoke run)")
     a = ap.parse_args(argv)
     spec = (REDUCED if a.reduced else SPECS)[a.model]
