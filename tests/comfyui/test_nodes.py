@@ -431,17 +431,11 @@ def test_own_loader_models_can_be_rebuilt_by_comfyui(env):
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA-graph capture inside real sampling runs")
-def test_cuda_graphs_capture_in_real_sampling():
-    """Whole KSampler runs of an SDXL-family model (its ADM vector is built on the CPU by ComfyUI,
-    so every call copies conditioning host-to-device): captured and replayed, equal to eager bit
-    for bit, new conditioning values honoured, captured again after ComfyUI's cleanup."""
-    import comfy.model_management
+def _sdxl_small_runs():
+    """An SDXL-family state dict and a KSampler run function (ComfyUI builds its ADM vector on the
+    CPU, so every call hands over CPU conditioning)."""
     import comfy.sample
-
-    from comfy_modelopt.comfyui.lean import enable_cuda_graphs  # not the pack: its import needs PyAV
     _, sd = models.build("sdxl", "small", seed=3, dtype=torch.float16)
-    model = comfy.sd.load_diffusion_model_state_dict(sd)
     g = torch.Generator().manual_seed(0)
 
     def cond(seed):
@@ -451,18 +445,64 @@ def test_cuda_graphs_capture_in_real_sampling():
     latent = torch.zeros(1, 4, 32, 32)
     noise = comfy.sample.prepare_noise(latent, 0)
 
-    def run(m, pos):
+    def run(m, seed):
         with torch.inference_mode():
-            return comfy.sample.sample(m, noise, 4, 4.0, "euler", "simple", pos, cond(99), latent, seed=0,
+            return comfy.sample.sample(m, noise, 4, 4.0, "euler", "simple", cond(seed), cond(99), latent, seed=0,
                                        disable_pbar=True)
+    return sd, run
+
+
+CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA-graph capture inside "
+                                                                      "real sampling runs")
+
+
+@CUDA_ONLY
+def test_cuda_graphs_capture_in_real_sampling():
+    """Whole KSampler runs: captured and replayed, equal to eager bit for bit, new conditioning
+    values honoured, captured again after ComfyUI's cleanup."""
+    import comfy.model_management
+
+    from comfy_modelopt.comfyui.lean import enable_cuda_graphs  # not the pack: its import needs PyAV
+    sd, run = _sdxl_small_runs()
+    model = comfy.sd.load_diffusion_model_state_dict(sd)
     clone, runner = enable_cuda_graphs(model)
     for seed in (1, 2):
-        eager = run(model, cond(seed))
-        graphed = run(clone, cond(seed))
+        eager = run(model, seed)
+        graphed = run(clone, seed)
         assert runner.warned == set(), runner.warned
         assert torch.equal(eager, graphed), seed
     assert runner.captures == 2 and runner.replays == 2 * 3 and runner.releases == 2
-    assert not torch.equal(run(clone, cond(1)), graphed)  # the new conditioning values reached the graph
+    assert not torch.equal(run(clone, 1), graphed)  # the new conditioning values reached the graph
+    comfy.model_management.unload_all_models()
+
+
+@CUDA_ONLY
+def test_cuda_graphs_refill_the_dequant_cache():
+    """nvfp4 computed dequantized (Hopper and older): the graph runtime fills the dequant cache
+    eagerly before capturing (a capture cannot), and again after ComfyUI unloaded the model and the
+    cache was released; output bit-exact with the same model without a cache."""
+    import comfy.model_management
+
+    from comfy_modelopt.comfyui import lean, ownloader
+    from comfy_modelopt.pipeline import DictSink, DictSource, quantize_source
+    from comfy_modelopt.recipe import Recipe
+    if "nvfp4" in lean._native_formats(comfy.model_management.get_torch_device()):
+        pytest.skip("nvfp4 runs natively on this GPU: nothing is computed dequantized")
+    sd, run = _sdxl_small_runs()
+    sink = DictSink()
+    quantize_source(DictSource.from_state_dict(sd), sink, Recipe("nvfp4", sensitivity=False))
+    plain, cached = (ownloader.load_state_dict(dict(sink.tensors), dict(sink.metadata)) for _ in range(2))
+    lean.make_lean(plain)
+    lean.make_lean(cached, dequant_cache_bytes=1 << 40)
+    cache = cached.model._modelopt_dequant_cache
+    n = sum(getattr(m, "quant_format", None) == "nvfp4" for m in cached.model.diffusion_model.modules())
+    (gp, rp), (gc, rc) = lean.enable_cuda_graphs(plain), lean.enable_cuda_graphs(cached)
+    ref = run(gp, 1)
+    assert torch.equal(run(gc, 1), ref) and cache.fills == n and rc.captures == 1 and rc.warned == set()
+    comfy.model_management.unload_all_models()  # detach: the cache goes with the weights
+    assert cache.entries == {} and cache.needs_fill()
+    assert torch.equal(run(gc, 1), ref) and cache.fills == 2 * n and rc.captures == 2 and rc.warned == set()
+    assert rp.warned == set()
     comfy.model_management.unload_all_models()
 
 
