@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("hook_overhead.py", ["--reduced"], "hook_overhead.json"),
     ("lora.py", ["--reduced", "--rank", "4"], "lora.json"),
     ("sampling_check.py", ["--reduced", "--steps", "2"], "sampling.json"),
+    ("compile_overhead.py", ["--iters", "2"], "compile_overhead.json"),
 ])
 def test_reduced(tmp_path, script, args, out):
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--out", str(tmp_path), *args],
