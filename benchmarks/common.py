@@ -32,7 +32,7 @@ def env_info() -> dict:
     import comfy_kitchen
     info = {"date": time.strftime("%Y-%m-%d %H:%M"), "python": platform.python_version(),
             "torch": torch.__version__, "cuda": torch.version.cuda,
-            "comfy_kitchen": getattr(comfy_kitchen, "__version__", "?"),
+            "comfy_kitchen": _dist_version("comfy-kitchen"),
             "kitchen_backends": [k for k, v in comfy_kitchen.list_backends().items() if v["available"]
                                  and not v["disabled"]],
             "comfyui": _comfy_version(), "cpus": os.cpu_count()}
@@ -40,11 +40,20 @@ def env_info() -> dict:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["sm"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
         try:
-            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                            capture_output=True, text=True, timeout=20).stdout.strip()
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20).stdout.split()
+            info["driver"] = out[0] if out else "?"  # one line per GPU: the first
         except (OSError, subprocess.TimeoutExpired):
             info["driver"] = "?"
     return info
+
+
+def _dist_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "?"
 
 
 def _comfy_version() -> str:
