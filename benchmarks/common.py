@@ -107,6 +107,16 @@ def kernel_ms(fn, iters: int = 2) -> float | None:
     return total_us / 1e3 / iters
 
 
+def graph_fn(patcher, x, sigma, kw, compile_blocks=False):
+    """``apply_model`` on these inputs through a ``CudaGraphs`` runner (as ComfyUI's sampler calls
+    the model-function wrapper); returns (call, runner)."""
+    from comfy_modelopt.comfyui.lean import CudaGraphs
+    runner = CudaGraphs(patcher, compile_blocks=compile_blocks)
+    topts = dict(patcher.model_options.get("transformer_options", {}))
+    args = {"input": x, "timestep": sigma, "c": dict(kw, transformer_options=topts)}
+    return (lambda: runner(patcher.model.apply_model, args)), runner
+
+
 def allocated_gib() -> float | None:
     """GPU memory held by live tensors now (every model still loaded, not only the one measured)."""
     if not CUDA:

@@ -30,7 +30,7 @@ import comfy.model_management  # noqa: E402
 import comfy.sd  # noqa: E402
 
 import common  # noqa: E402
-from comfy_modelopt.comfyui.lean import CudaGraphs, make_lean  # noqa: E402
+from comfy_modelopt.comfyui.lean import make_lean  # noqa: E402
 
 SPECS = {"flux": dict(family="flux", size="full", batch=1, res=1024, txt=512, dtype=torch.bfloat16),
          "sdxl": dict(family="sdxl", size="full", batch=2, res=1024, txt=77, dtype=torch.float16)}
@@ -96,10 +96,7 @@ def run(name: str, spec: dict, rank: int, results: dict, out_path: str):
                 if runtime.endswith("graphs"):
                     if not common.CUDA:
                         continue
-                    runner = CudaGraphs(lq)
-                    topts = dict(lq.model_options.get("transformer_options", {}))
-                    args = {"input": x, "timestep": sigma, "c": dict(kw, transformer_options=topts)}
-                    fn = lambda: runner(lq.model.apply_model, args)  # noqa: E731
+                    fn, runner = common.graph_fn(lq, x, sigma, kw)
                 else:
                     fn = lambda: lq.model.apply_model(x, sigma, **kw)  # noqa: E731
                 out = fn().float()

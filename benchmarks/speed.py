@@ -25,7 +25,7 @@ from common import CUDA, DEVICE, torch  # noqa: E402
 
 from comfy_modelopt.calibrate import CalibrationOptions, calibrate  # noqa: E402
 from comfy_modelopt.comfyui import architectures  # noqa: E402
-from comfy_modelopt.comfyui.lean import CudaGraphs, make_lean  # noqa: E402
+from comfy_modelopt.comfyui.lean import make_lean  # noqa: E402
 from comfy_modelopt.recipe import Recipe  # noqa: E402
 
 FULL = {
@@ -82,11 +82,13 @@ def _round(v, n=2):
     return None if v is None else round(v, n)
 
 
-def graph_fn(patcher, x, sigma, kw, compile_blocks=False):
-    runner = CudaGraphs(patcher, compile_blocks=compile_blocks)
-    topts = dict(patcher.model_options.get("transformer_options", {}))
-    args = {"input": x, "timestep": sigma, "c": dict(kw, transformer_options=topts)}
-    return (lambda: runner(patcher.model.apply_model, args)), runner
+def relean(patcher, **options) -> None:
+    """Make the quantized layers lean again with other options (the previous lean forward
+    becomes the fallback underneath)."""
+    for m in patcher.model.diffusion_model.modules():
+        if getattr(m, "_modelopt_lean", False):
+            m._modelopt_lean = False
+    make_lean(patcher, **options)
 
 
 def compiled_rows(patcher, label, x, sigma, kw, ref, rows, base_ms, exact_ref=None):
@@ -94,7 +96,7 @@ def compiled_rows(patcher, label, x, sigma, kw, ref, rows, base_ms, exact_ref=No
     if not COMPILE:
         return None
     t0 = time.perf_counter()
-    fn, runner = graph_fn(patcher, x, sigma, kw, compile_blocks=True)
+    fn, runner = common.graph_fn(patcher, x, sigma, kw, compile_blocks=True)
     before = common.allocated_gib()
     peak = common.peak_vram_gib(fn)  # capture: eager reference, compile, validate, graph
     compile_s = time.perf_counter() - t0
@@ -118,7 +120,7 @@ def int8_attention_rows(patcher, label, x, sigma, kw, ref, rows, base_ms):
     if not CUDA or not int8_attention_available(DEVICE):
         return
     clone = enable_int8_attention(patcher)
-    fn, runner = graph_fn(clone, x, sigma, kw)
+    fn, runner = common.graph_fn(clone, x, sigma, kw)
     measure(f"{label} + INT8 attention + CUDA graphs", fn, ref, rows, base_ms)
     rows[-1]["graph"] = {"captures": runner.captures, "replays": runner.replays, "eager": runner.eager_calls}
 
@@ -138,7 +140,7 @@ def run_model(name: str, spec: dict, results: dict, deadline: float, out_path: s
         base_ms, _ = common.time_ms(eager)
         measure("16-bit stock eager", eager, ref, rows, base_ms, {"weight_bytes": common.model_bytes(base)})
         if CUDA:
-            fn, runner = graph_fn(base, x, sigma, kw)
+            fn, runner = common.graph_fn(base, x, sigma, kw)
             out = measure("16-bit + CUDA graphs", fn, ref, rows, base_ms)
             rows[-1]["bit_exact_vs_eager"] = bool(torch.equal(out, ref))
             rows[-1]["graph"] = {"captures": runner.captures, "replays": runner.replays, "eager": runner.eager_calls}
@@ -186,7 +188,7 @@ def run_variant(variant, sd, x, sigma, kw, ref, base_ms, stats, rows):
         lean_out = measure(f"{variant} lean eager", stock_fn, ref, rows, base_ms, {"lean_layers": n})
         rows[-1]["bit_exact_vs_stock"] = bool(torch.equal(lean_out, stock_out))
         if CUDA:
-            fn, runner = graph_fn(q, x, sigma, kw)
+            fn, runner = common.graph_fn(q, x, sigma, kw)
             g_out = measure(f"{variant} lean + CUDA graphs", fn, ref, rows, base_ms)
             rows[-1]["bit_exact_vs_stock"] = bool(torch.equal(g_out, stock_out))
             rows[-1]["graph"] = {"captures": runner.captures, "replays": runner.replays, "eager": runner.eager_calls}
@@ -195,11 +197,8 @@ def run_variant(variant, sd, x, sigma, kw, ref, base_ms, stats, rows):
             if variant in COMPILE_VARIANTS:
                 compiled_rows(q, f"{variant} lean", x, sigma, kw, ref, rows, base_ms, exact_ref=stock_out)
             if variant == "float8_e4m3fn":
-                for m in q.model.diffusion_model.modules():
-                    if getattr(m, "_modelopt_lean", False):
-                        m._modelopt_lean = False
-                make_lean(q, fast_accum=True)
-                fn, runner = graph_fn(q, x, sigma, kw)
+                relean(q, fast_accum=True)
+                fn, runner = common.graph_fn(q, x, sigma, kw)
                 measure(f"{variant} lean fast-accum + CUDA graphs", fn, ref, rows, base_ms)
                 compiled_rows(q, f"{variant} lean fast-accum", x, sigma, kw, ref, rows, base_ms, exact_ref=stock_out)
                 if INT8_ATTENTION:
@@ -218,12 +217,9 @@ def lean_dequantized(patcher) -> bool:
 
 def dequant_cache_rows(q, variant, x, sigma, kw, ref, rows, base_ms, stock_out):
     """The layers computed dequantized, with 16-bit copies cached within --dequant-cache-gib."""
-    for m in q.model.diffusion_model.modules():
-        if getattr(m, "_modelopt_lean", False):
-            m._modelopt_lean = False
-    make_lean(q, dequant_cache_bytes=int(DEQUANT_CACHE_GIB * 2**30))
+    relean(q, dequant_cache_bytes=int(DEQUANT_CACHE_GIB * 2**30))
     cache = q.model._modelopt_dequant_cache
-    fn, runner = graph_fn(q, x, sigma, kw)
+    fn, runner = common.graph_fn(q, x, sigma, kw)
     out = measure(f"{variant} lean + dequant cache + CUDA graphs", fn, ref, rows, base_ms)
     rows[-1].update({"dequant_cache_gib": round(cache.used / 2**30, 2), "cached_layers": len(cache.entries),
                      "bit_exact_vs_stock": bool(torch.equal(out, stock_out))})

@@ -120,16 +120,16 @@ class DequantCache:
 
     def __init__(self, patcher, budget_bytes: int):
         self.model, self.budget = patcher.model, int(budget_bytes)
-        self.entries: dict = {}  # id(module) -> (key, tensor)
+        self.entries: dict = {}  # id(module) -> (key, tensor, module)
         self.used = 0
         self.hits = self.fills = 0
 
-    def _key(self, module, x):
-        return (module.weight._qdata.data_ptr(), x.dtype, x.device,
-                getattr(self.model, "current_weight_patches_uuid", None))
+    def _weight_version(self, module) -> tuple:
+        """Changes whenever the weight does: new storage, or ComfyUI patched it in place."""
+        return module.weight._qdata.data_ptr(), getattr(self.model, "current_weight_patches_uuid", None)
 
     def get(self, module, x):
-        key = self._key(module, x)
+        key = (self._weight_version(module), x.dtype, x.device)
         entry = self.entries.get(id(module))
         if entry is not None:
             if entry[0] == key:
@@ -151,8 +151,7 @@ class DequantCache:
         should refill it before a CUDA graph is captured (a capture cannot fill it)."""
         if self.budget and not self.entries:
             return True
-        uuid = getattr(self.model, "current_weight_patches_uuid", None)
-        return any(k[0] != m.weight._qdata.data_ptr() or k[3] != uuid for k, _w, m in self.entries.values())
+        return any(key[0] != self._weight_version(m) for key, _w, m in self.entries.values())
 
     def release(self, *_args) -> None:
         self.entries.clear()
@@ -224,8 +223,7 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
         count += 1
     if new_cache:
         # never reserve more than the layers computed dequantized can use (at the compute dtype)
-        itemsize = torch.empty((), dtype=patcher.model.get_dtype_inference()).element_size()
-        cache.budget = min(cache.budget, dequantized * itemsize)
+        cache.budget = min(cache.budget, dequantized * patcher.model.get_dtype_inference().itemsize)
     return count
 
 

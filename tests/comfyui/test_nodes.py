@@ -375,18 +375,25 @@ def test_conv_fp8_own_loader(env):
     assert not torch.equal(y, b)
 
 
+def rank4_lora(dm, suffixes, g, up_scale=1.0, fmt=None) -> dict:
+    """A random rank-4 LoRA (ComfyUI's lora_up/lora_down keys) on the layers ending in ``suffixes``
+    (of quant format ``fmt`` when given)."""
+    lora = {}
+    for name, m in dm.named_modules():
+        if name.endswith(suffixes) and (fmt is None or getattr(m, "quant_format", None) == fmt):
+            n, k = m.weight.shape
+            lora[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(4, k, generator=g)
+            lora[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(n, 4, generator=g) * up_scale
+    return lora
+
+
 def test_bypass_lora_with_lean_layers_in_either_order(env):
     """ComfyUI's bypass LoRA wraps a layer's forward; the lean runtime must stay underneath it,
     whether the LoRA was injected before or after the layers were made lean."""
     nodes = env["nodes"]
     dm = env["model"].model.diffusion_model
     g = torch.Generator().manual_seed(3)
-    lora = {}
-    for name, m in dm.named_modules():
-        if name.endswith(("attn1.to_q", "attn1.to_v", "ff.net.2")):
-            n, k = m.weight.shape
-            lora[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(4, k, generator=g)
-            lora[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(n, 4, generator=g)
+    lora = rank4_lora(dm, ("attn1.to_q", "attn1.to_v", "ff.net.2"), g)
     x, c = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 8, 768, generator=g)
     run = lambda p: p.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c).float()  # noqa: E731
     effects = {}
@@ -536,12 +543,7 @@ def test_dequant_cache_bit_exact_budgeted_and_invalidated(env):
     assert 0 < hc.fills < len(layers) and hc.used <= hc.budget == total // 2
     # a merged LoRA changes the weights: cached copies must follow (stale ones would ignore it)
     dm = full.model.diffusion_model
-    lora = {}
-    for name, m in dm.named_modules():
-        if getattr(m, "quant_format", None) == "nvfp4" and name.endswith(("to_q", "ff.net.2")):
-            n, k = m.weight.shape
-            lora[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(4, k, generator=g)
-            lora[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(n, 4, generator=g) * 0.1
+    lora = rank4_lora(dm, ("to_q", "ff.net.2"), g, up_scale=0.1, fmt="nvfp4")
     merged = {}
     assert not cache.needs_fill()
     for key, p in (("plain", plain), ("cached", full)):
