@@ -53,6 +53,57 @@ def test_reservoir_is_uniform():
     assert 8500 < float(kept.mean()) < 11500 and 0.4 < float((kept < 10000).float().mean()) < 0.6
 
 
+def test_reservoir_resumes_after_save_load(tmp_path):
+    """Statistics saved and loaded keep accumulating as if never interrupted: the replacement
+    chain is replayed from the seed up to the rows already seen."""
+    m = mlp()
+    xs = [torch.randn(40, 64) for _ in range(6)]
+    opts = CalibrationOptions(reservoir_bytes=64 * 2 * 16)  # 16 rows of layer 0, 8 of layer 2
+    whole = calibrate(m, lambda mod: [mod(x) for x in xs], opts)
+    part = calibrate(m, lambda mod: [mod(x) for x in xs[:2]], opts)
+    back = ActivationStats.load(part.save(str(tmp_path / "part.safetensors")))
+    resumed = calibrate(m, lambda mod: [mod(x) for x in xs[2:]], opts, stats=back)
+    for name in whole.layers:
+        assert resumed.layers[name].rows == whole.layers[name].rows == 240
+        assert torch.equal(resumed.layers[name].reservoir, whole.layers[name].reservoir), name
+    assert not torch.equal(part.layers["0"].reservoir, whole.layers["0"].reservoir)  # rows were replaced
+
+
+def test_reservoir_chain_is_uniform_whatever_the_split():
+    """Every row ends in the reservoir with probability capacity / rows, however the rows were
+    split into calls (Algorithm L's chain depends on the row index and seed only)."""
+    import random
+
+    from comfy_modelopt.stats import _ReservoirChain
+    rows, capacity, trials = 2000, 20, 1500
+    deciles = [0] * 10
+    for seed in range(trials):
+        slots, chain, split, r = list(range(capacity)), _ReservoirChain(capacity, seed), random.Random(-seed), 0
+        while r < rows:
+            n = min(split.randint(1, 300), rows - r)
+            for slot, row in chain.take(r, r + n).items():
+                slots[slot] = row
+            r += n
+        assert len(set(slots)) == capacity
+        for row in slots:
+            deciles[row * 10 // rows] += 1
+    expected = trials * capacity / 10
+    assert all(abs(c / expected - 1) < 0.06 for c in deciles), deciles
+
+
+def test_pinned_staging_never_hands_out_overlapping_or_empty_views():
+    """The staging buffer's bookkeeping (on a CPU buffer: pinning and events need CUDA): every
+    put returns its own values, across half switches and exact fills."""
+    from comfy_modelopt.stats import _PinnedStaging
+    staging = _PinnedStaging(torch.device("cpu"), n=16)
+    sizes = [3, 5, 8, 1, 7, 8, 8, 2, 6, 9, 4]  # exact fills of a half (8), and one larger than a half
+    for i, m in enumerate(sizes):
+        values = list(range(100 * i, 100 * i + m))
+        out = staging.put(values)
+        assert out.tolist() == values, (i, m)
+        assert staging.used <= staging.half
+
+
 def test_hooks_removed_on_error_and_interrupt():
     m = mlp()
 
@@ -422,7 +473,8 @@ def test_cli_refuses_stats_of_another_model(flux_file, tmp_path, capsys):
 def test_hooks_do_not_synchronise_on_cuda():
     m = mlp().cuda()
     xs = [torch.randn(64, 64, device="cuda") for _ in range(3)]
-    calibrate(m, lambda mod: mod(xs[0]))  # first call allocates
+    small = CalibrationOptions(reservoir_bytes=64 * 2 * 16)  # full after one call: rows get replaced
+    calibrate(m, lambda mod: mod(xs[0]), small)  # first call allocates (pinned staging too)
 
     def loop(mod):  # only the forward passes: finish() reads counts back once, after the loop
         torch.cuda.set_sync_debug_mode("error")
@@ -430,5 +482,7 @@ def test_hooks_do_not_synchronise_on_cuda():
             return [mod(x) for x in xs]
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    st = calibrate(m, loop)
+    st = calibrate(m, loop, small)
     assert st.layers["0"].rows == 192
+    cpu = calibrate(mlp(), lambda mod: [mod(x.cpu()) for x in xs], small)  # same rows sampled on the CPU
+    assert torch.equal(st.layers["0"].reservoir.cpu(), cpu.layers["0"].reservoir)
