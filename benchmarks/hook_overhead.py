@@ -1,5 +1,6 @@
 """Cost of the calibration hooks per model evaluation: apply_model timed with and without the
-statistics hooks on every Linear input (same inputs, same GPU, one run).
+statistics hooks on every Linear input (same inputs, same GPU, one run), the statistics computed
+eagerly and replayed from CUDA graphs (the default).
 
     python benchmarks/hook_overhead.py --out DIR [--reduced]
     python benchmarks/hook_overhead.py --out DIR --ops   # what one statistics update costs, per step
@@ -77,14 +78,15 @@ def main(argv=None):
         x, sigma, kw = common.inputs(inp, batch, res, txt, dtype)
         with torch.inference_mode():
             plain, _ = common.time_ms(lambda: model.model.apply_model(x, sigma, **kw), warmup=2, iters=5)
-            times = []
-
-            def loop(_m):
-                t, _ = common.time_ms(lambda: model.model.apply_model(x, sigma, **kw), warmup=1, iters=5)
-                times.append(t)
-            calibrate(model.model.diffusion_model, loop, CalibrationOptions())
-        row = {"model": name, "plain_ms": round(plain, 1), "with_hooks_ms": round(times[0], 1),
-               "overhead": round(times[0] / plain, 3)}
+            times = {}
+            for graphs in (False, True):  # statistics eagerly / replayed from CUDA graphs
+                def loop(_m, graphs=graphs):
+                    t, _ = common.time_ms(lambda: model.model.apply_model(x, sigma, **kw), warmup=1, iters=5)
+                    times[graphs] = t
+                calibrate(model.model.diffusion_model, loop, CalibrationOptions(cuda_graphs=graphs))
+        row = {"model": name, "plain_ms": round(plain, 1), "with_hooks_ms": round(times[True], 1),
+               "overhead": round(times[True] / plain, 3), "with_hooks_no_graphs_ms": round(times[False], 1),
+               "overhead_no_graphs": round(times[False] / plain, 3)}
         results["rows"].append(row)
         print(row, flush=True)
         common.free(model)

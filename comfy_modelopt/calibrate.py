@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .stats import ActivationStats, CalibrationError, LayerStats, rows_for_budget
+from .stats import ActivationStats, CalibrationError, LayerStats, UpdateGraphs, rows_for_budget
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class CalibrationOptions:
     reservoir_bytes: int = 2 << 20     # sampled input rows kept per layer (bf16)
     seed: int = 0
     nonfinite: str = "error"           # "error": refuse NaN/Inf activations; "ignore": count them only
+    cuda_graphs: bool = True           # replay the per-call statistics of CUDA inputs (same values)
 
 
 def is_linear(module: torch.nn.Module) -> bool:
@@ -55,11 +56,13 @@ def calibrate(module: torch.nn.Module, forward_loop: Callable[[torch.nn.Module],
     if info:
         stats.info.update(info)
 
+    graphs = UpdateGraphs() if options.cuda_graphs else None
+
     def make_hook(layer_stats: LayerStats):
         def hook(_module, args, kwargs=None):
             x = args[0] if args else None
             if isinstance(x, torch.Tensor) and x.is_floating_point():
-                layer_stats.update(x)
+                layer_stats.update(x, graphs)
         return hook
 
     calls = [0]
@@ -75,6 +78,8 @@ def calibrate(module: torch.nn.Module, forward_loop: Callable[[torch.nn.Module],
     finally:
         for h in handles:
             h.remove()
+        if graphs is not None:
+            graphs.release()
         for s in stats.layers.values():
             s.finish()
     stats.forward_calls += calls[0]

@@ -469,6 +469,36 @@ def test_cli_refuses_stats_of_another_model(flux_file, tmp_path, capsys):
     assert not (tmp_path / "o.safetensors").exists()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: graph replay of the statistics")
+def test_graphed_statistics_equal_eager():
+    """The per-call statistics replayed from CUDA graphs equal the eager ones exactly, with
+    nonfinite inputs sanitized too; inputs over the size limit stay eager."""
+    from comfy_modelopt.stats import LayerStats, UpdateGraphs
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for sanitize in (False, True):
+        graphs = UpdateGraphs(max_input_bytes=64 * 96 * 2)
+        eager, graphed = LayerStats(96, 32, seed=1, sanitize=sanitize), LayerStats(96, 32, seed=1, sanitize=sanitize)
+        for i in range(4):
+            x = torch.randn(64 if i < 3 else 65, 96, generator=g, device="cuda", dtype=torch.float16) * (i + 1)
+            x[i, i] = float("inf") if sanitize else x[i, i]
+            eager.update(x)
+            graphed.update(x, graphs)
+        for s in (eager, graphed):
+            s.finish()
+        assert graphs.captures == 1 and graphs.replays == 3 and len(graphs.skipped) == 1  # 65 rows: too large
+        for name in ("amax", "channel_absmax", "channel_abssum", "hist", "reservoir"):
+            assert torch.equal(getattr(eager, name), getattr(graphed, name)), (sanitize, name)
+        assert eager.nonfinite == graphed.nonfinite == (4 if sanitize else 0)
+        graphs.release()
+    m = mlp().cuda()
+    xs = [torch.randn(3, 50, 64, device="cuda") for _ in range(3)]
+    a = calibrate(m, lambda mod: [mod(x) for x in xs], CalibrationOptions(cuda_graphs=False))
+    b = calibrate(m, lambda mod: [mod(x) for x in xs])
+    for name in a.layers:
+        assert torch.equal(a.layers[name].hist, b.layers[name].hist)
+        assert torch.equal(a.layers[name].channel_abssum, b.layers[name].channel_abssum)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: checks the hooks never wait for the GPU")
 def test_hooks_do_not_synchronise_on_cuda():
     m = mlp().cuda()
@@ -477,9 +507,10 @@ def test_hooks_do_not_synchronise_on_cuda():
     calibrate(m, lambda mod: mod(xs[0]), small)  # first call allocates (pinned staging too)
 
     def loop(mod):  # only the forward passes: finish() reads counts back once, after the loop
+        mod(xs[0])  # the first input of a shape captures its statistics graph (one synchronisation)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return [mod(x) for x in xs]
+            return [mod(x) for x in xs[1:]]
         finally:
             torch.cuda.set_sync_debug_mode("default")
     st = calibrate(m, loop, small)
