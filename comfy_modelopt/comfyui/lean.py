@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import logging
 import time
 import types
@@ -438,14 +439,31 @@ def rounding_noise(x, dtype=None):
     return (x.float() * (1 + noise * (eps / 2))).to(x.dtype)
 
 
+def _takes_options(m) -> bool:
+    try:
+        return "transformer_options" in inspect.signature(type(m).forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _block_regions(model) -> list:
     out = []
 
+    def add_one(m):
+        out.append(m)
+        # a layer that runs its own list of blocks, handing each its index in transformer_options
+        # (a UNet's SpatialTransformer and its transformer blocks): the blocks are regions too,
+        # so that their compiled code never sees the index (see CompiledBlocks)
+        for c in m.children():
+            if isinstance(c, torch.nn.ModuleList) and len(c) and all(_takes_options(b) for b in c):
+                out.extend(c)
+
     def add(m):
         if isinstance(m, torch.nn.Sequential):  # iterated by the model itself: its layers
-            out.extend(m.children())
+            for c in m.children():
+                add_one(c)
         else:
-            out.append(m)
+            add_one(m)
     for child in model.children():
         if isinstance(child, torch.nn.ModuleList):
             for m in child:
@@ -458,6 +476,7 @@ def _block_regions(model) -> list:
 
 # ====================================================================== compiled blocks
 _WEIGHT_LAYERS = (torch.nn.Linear, torch.nn.modules.conv._ConvNd)
+_PER_BLOCK_KEYS = ("block", "block_index", "transformer_index")  # per-block constants for patch lookups
 
 
 class CompiledBlocks:
@@ -499,7 +518,37 @@ class CompiledBlocks:
         for name, value in wanted.items():
             if hasattr(cfg, name) and getattr(cfg, name) < value:
                 setattr(cfg, name, value)
-        self.compiled = [torch.compile(m.forward, dynamic=False) for m in self.regions]
+        self.compiled = [self._region_forward(m, torch.compile(m.forward, dynamic=False)) for m in self.regions]
+
+    @staticmethod
+    def _region_forward(m, compiled):
+        """What a region runs while installed: its compiled forward, called without the per-block
+        keys of transformer_options.  ComfyUI hands every block its own ``block`` /
+        ``block_index`` for patch lookups; compiled code guards on such constants, so Dynamo
+        kept one compiled variant per block (70 for SDXL's transformer block) and scanned them on
+        every call.  Without patches (graphs are never captured with patches) the keys change
+        nothing, so they are left out; with patches the eager forward runs.  Opaque to an
+        enclosing compiled region (a SpatialTransformer calling its blocks)."""
+        if not _takes_options(m):
+            return compiled
+        eager = m.forward
+        # passed by keyword (blocks) or by position (a UNet's SpatialTransformer: layer(x, context, options))
+        params = [n for n in inspect.signature(type(m).forward).parameters if n != "self"]
+        position = params.index("transformer_options")
+
+        def forward(*args, **kwargs):
+            by_position = "transformer_options" not in kwargs and len(args) > position
+            topts = args[position] if by_position else kwargs.get("transformer_options")
+            if isinstance(topts, dict) and any(k in topts for k in _PER_BLOCK_KEYS):
+                if _nonempty(topts.get("patches")) or _nonempty(topts.get("patches_replace")):
+                    return eager(*args, **kwargs)
+                topts = {k: v for k, v in topts.items() if k not in _PER_BLOCK_KEYS}
+                if by_position:
+                    args = (*args[:position], topts, *args[position + 1:])
+                else:
+                    kwargs["transformer_options"] = topts
+            return compiled(*args, **kwargs)
+        return torch.compiler.disable(forward)
 
     def installed(self):
         blocks = self

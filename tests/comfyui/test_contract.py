@@ -172,3 +172,42 @@ def test_compiled_blocks_trace_every_family(source, family):
         ok = cb.validate(run, ref, lambda: patcher.model.apply_model(rounding_noise(x, torch.bfloat16), t, **kw))
     assert ok, cb.reason
     assert cb.checks[-1]["rel_l2"] < 1e-3  # CPU: fp8 computed dequantized, fusion changes little
+
+
+def test_compiled_blocks_compile_per_shape_not_per_block():
+    """ComfyUI hands every transformer block its own block / block_index / transformer_index
+    (patch lookups); compiled code guards on such constants, so Dynamo used to keep one variant
+    per block (70 for SDXL's transformer block) and scan them on every call.  The blocks are
+    regions of their own, called without those keys: one variant per input shape.  With patches
+    the eager forward runs and sees the keys."""
+    import comfy.sd
+    from comfy.ldm.modules.attention import BasicTransformerBlock
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from comfy_modelopt.comfyui.lean import CompiledBlocks
+    _, sd = models.build("sdxl", "small", seed=1, dtype=torch.float32)
+    patcher = comfy.sd.load_diffusion_model_state_dict(sd)
+    dm = patcher.model.diffusion_model
+    blocks = [m for m in dm.modules() if isinstance(m, BasicTransformerBlock)]
+    kw = inputs("sdxl")
+    x, t = kw.pop("x"), torch.tensor([0.7])
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        ref = patcher.model.apply_model(x, t, **kw)
+        cb = CompiledBlocks(dm)
+        assert set(map(id, blocks)) <= set(map(id, cb.regions))
+        with cb.installed():
+            out = patcher.model.apply_model(x, t, **kw)
+        assert float((out - ref).norm() / ref.norm()) < 1e-4
+        variants = len(_debug_get_cache_entry_list(BasicTransformerBlock.forward.__code__))
+        shapes = 2  # the small SDXL's transformer blocks run at two resolutions
+        assert len(blocks) > shapes and 1 <= variants <= shapes, (variants, len(blocks))
+
+        seen = []
+
+        def patch(q, k, v, extra_options):  # an attn1 patch that records what the block was told
+            seen.append(extra_options.get("block_index"))
+            return q, k, v
+        with cb.installed():
+            patcher.model.apply_model(x, t, **kw, transformer_options={"patches": {"attn1_patch": [patch]}})
+        assert len(seen) == len(blocks) and max(seen) > 0  # eager forward: the real indices
