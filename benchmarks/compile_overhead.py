@@ -6,10 +6,11 @@ Builds SDXL's UNet with ComfyUI's own classes at SDXL's full depth (70 transform
 spatial transformers) but tiny widths, so the GPU/CPU arithmetic is negligible and what is timed
 is host work: one forward eagerly and with ``CompiledBlocks`` installed (after compiling).  Also
 reports the compile time and how many compiled variants Dynamo keeps per function: the opaque
-weight layers split every block into separately compiled frames, and ComfyUI passes each block
-its own ``block_index``, so the transformer block's frame gets one variant per block, all
-scanned on every call.  A CUDA-graph replay runs none of this; a capture (once per sampling run,
-since the graphs are released after every run) runs it twice (a warm-up, then the capture).
+weight layers split every block into separately compiled frames, and before CompiledBlocks left
+ComfyUI's per-block keys (``block_index``, ...) out of the compiled calls the transformer block's
+frame got one variant per block (70), all scanned on every call; now one per input shape.  A
+CUDA-graph replay runs none of this; a capture (once per sampling run, since the graphs are
+released after every run) runs it twice (a warm-up, then the capture).
 """
 from __future__ import annotations
 

@@ -505,10 +505,10 @@ class CompiledBlocks:
             return
         # Dynamo keeps one cache entry per code object, shape and guard set.  The opaque layers
         # break the graph, so the frames that call them (a UNet's transformer block, its
-        # attention) are compiled on their own, and their guards include the per-call constants
-        # ComfyUI passes (transformer_options' block / block_index): at worst one entry per module
-        # instance.  Past the limit Dynamo silently runs the frame eager - measured on SDXL (70
-        # transformer blocks, limit 41): part of the model lost its fusion.
+        # attention) are compiled on their own; ComfyUI's per-block keys are kept out of them
+        # (_region_forward), but a model passing other per-block constants would still need one
+        # entry per module instance.  Past the limit Dynamo silently runs the frame eager -
+        # measured on SDXL (70 transformer blocks, limit 41): part of the model lost its fusion.
         cfg = torch._dynamo.config
         per_class = collections.Counter(type(m) for r in self.regions for m in r.modules()
                                         if not isinstance(m, _WEIGHT_LAYERS))
