@@ -485,7 +485,8 @@ class CompiledBlocks:
     Regions are the elements of every ``nn.ModuleList`` directly under the diffusion model
     (Flux's double/single blocks, DiT blocks); where an element (or a direct child) is an
     ``nn.Sequential`` that the model iterates itself - a UNet's ``TimestepEmbedSequential`` - its
-    layers (ResBlock, SpatialTransformer, ...) are.  Compiling block by block keeps compile time to
+    layers (ResBlock, SpatialTransformer, ...) are, and so are the blocks such a layer runs itself
+    (a SpatialTransformer's transformer blocks).  Compiling block by block keeps compile time to
     one trace per block class and shape, where a whole-model trace would unroll the loop.  The
     compiled function replaces the block's ``forward`` (instance attribute) only while installed,
     so the module objects, their types and the model's own iteration stay as they are.
