@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="convrot_w4a4 activation dtype")
     q.add_argument("--keep", action="append", default=[], metavar="PATTERN",
                    help="glob of layer names to keep 16-bit (repeatable)")
+    q.add_argument("--device", default="cpu",
+                   help="where the quantization math runs: cpu (default), cuda, cuda:N, or auto (a CUDA GPU "
+                        "if there is one); weights travel there one layer at a time")
     q.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     q.add_argument("--hash", action="store_true", help="record the source file's sha256 (reads it once more)")
     q.add_argument("--report", help="also write the per-layer report as JSON here")
@@ -91,15 +94,33 @@ def _recipe(a):
                   keep=tuple(a.keep), lowrank=a.lowrank, conv=a.conv)
 
 
+def _device(name: str):
+    """The compute device for ``--device`` (None: the CPU, no copies)."""
+    import torch
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else None
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name}: {e}") from None
+    if dev.type == "cpu":
+        return None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this torch build or machine has no CUDA GPU (use --device cpu)")
+    return dev
+
+
 def cmd_quantize(a) -> int:
     from .pipeline import quantize_file
+    device = _device(a.device)
     recipe = _recipe(a)
     stats = None
     if a.stats:
         from .stats import ActivationStats
         stats = ActivationStats.load(a.stats)
     report = quantize_file(a.src, a.output, recipe, stats=stats, overwrite=a.overwrite,
-                           hash_source=a.hash, progress=_Progress("quantizing", a.quiet))
+                           hash_source=a.hash, progress=_Progress(f"quantizing on {device or 'cpu'}", a.quiet),
+                           device=device)
     if a.table:
         print(report.table())
     print(report.summary())

@@ -57,6 +57,20 @@ class DictSource:
         return cls({k: (ST_DTYPES[v.dtype], tuple(v.shape)) for k, v in sd.items()}, sd.__getitem__, metadata)
 
 
+class DeviceSource:
+    """``source`` read onto ``device``: the quantization math (clipping and smoothing searches,
+    GPTQ, low-rank splits) runs there - on a GPU a Flux-size model takes about a minute instead
+    of 6-30 on a CPU - while the sink writes from the CPU.  Tensors copied unchanged skip the
+    round trip (``base``)."""
+
+    def __init__(self, source, device):
+        self.base, self.device = source, torch.device(device)
+        self.tensors, self.metadata, self.nbytes = source.tensors, source.metadata, source.nbytes
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.base.read(key).to(self.device)
+
+
 class FileSink:
     def __init__(self, path: str, overwrite: bool = False):
         self.path, self.overwrite, self.writer = path, overwrite, None
@@ -176,7 +190,7 @@ def _read_rows_scaled(source, key: str, folds: Folds) -> torch.Tensor:
 
 def _passthrough(source, key: str, folds: Folds, dtype: str) -> torch.Tensor:
     """Source tensor with its fold rescaling applied, in its planned output dtype."""
-    t = _read_rows_scaled(source, key, folds) if key in folds.rows else source.read(key)
+    t = _read_rows_scaled(source, key, folds) if key in folds.rows else getattr(source, "base", source).read(key)
     return t.to(TORCH_DTYPES[dtype])
 
 
@@ -307,8 +321,9 @@ def sha256_file(path: str, chunk: int = 1 << 24) -> str:
 
 
 def quantize_file(src: str, out: str, recipe: Recipe, stats=None, overwrite: bool = False,
-                  hash_source: bool = False, progress: Progress | None = None) -> QuantReport:
-    """Quantize checkpoint ``src`` into ``out`` (atomic; ``src`` is only read)."""
+                  hash_source: bool = False, progress: Progress | None = None, device=None) -> QuantReport:
+    """Quantize checkpoint ``src`` into ``out`` (atomic; ``src`` is only read), computing on
+    ``device`` (default: the CPU; weights travel there one layer at a time)."""
     if os.path.realpath(src) == os.path.realpath(out):
         raise ValueError(f"{out}: output would overwrite the input model; choose another path")
     if os.path.exists(out) and not overwrite:
@@ -317,8 +332,9 @@ def quantize_file(src: str, out: str, recipe: Recipe, stats=None, overwrite: boo
         info = {"name": os.path.basename(src), "bytes": f.size}
         if hash_source:
             info["sha256"] = sha256_file(src)
-        return quantize_source(FileSource(f), FileSink(out, overwrite), recipe, stats, info, progress)
+        source = FileSource(f) if device is None else DeviceSource(FileSource(f), device)
+        return quantize_source(source, FileSink(out, overwrite), recipe, stats, info, progress)
 
 
-__all__ = ["quantize_file", "quantize_source", "FileSource", "DictSource", "FileSink", "DictSink",
+__all__ = ["quantize_file", "quantize_source", "FileSource", "DictSource", "DeviceSource", "FileSink", "DictSink",
            "TORCH_DTYPES"]

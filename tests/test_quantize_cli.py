@@ -280,3 +280,51 @@ def test_conv_fp8_per_output_channel_for_our_loader(flux_file, tmp_path, capsys)
     assert run("quantize", flux_file, "-o", tmp_path / "f.safetensors", "--conv", "fp8", "-q") == 2
     assert "no convolution to quantize" in capsys.readouterr().err
     assert not (tmp_path / "f.safetensors").exists()
+
+
+def test_device_source_writes_the_same_file(flux_file, tmp_path):
+    """Quantizing through DeviceSource (here onto the CPU itself) writes the same tensors, and
+    tensors copied unchanged never take the trip to the device."""
+    from comfy_modelopt import pipeline
+    moved = []
+
+    class Spy(pipeline.DeviceSource):
+        def read(self, key):
+            moved.append(key)
+            return super().read(key)
+    for recipe in (Recipe("nvfp4"), Recipe("int8_tensorwise", convrot=True)):
+        a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+        quantize_file(flux_file, str(a), recipe, overwrite=True)
+        with SafetensorsFile(flux_file) as f:
+            pipeline.quantize_source(Spy(pipeline.FileSource(f), "cpu"), pipeline.FileSink(str(b), True), recipe)
+        ta, tb = read_all(a)[0], read_all(b)[0]
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+        quantized = {k[:-len(".comfy_quant")] + ".weight" for k in ta if k.endswith(".comfy_quant")}
+        assert set(moved) == quantized, set(moved) ^ quantized
+        moved.clear()
+
+
+def test_cli_device_option(flux_file, tmp_path, capsys):
+    out = tmp_path / "o.safetensors"
+    assert run("quantize", flux_file, "-o", out, "--device", "cpu", "-q") == 0
+    assert run("quantize", flux_file, "-o", out, "--device", "bogus", "--overwrite", "-q") == 2
+    assert "--device bogus" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert run("quantize", flux_file, "-o", out, "--device", "cuda", "--overwrite", "-q") == 2
+        assert "no CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: quantizing on the GPU")
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8_tensorwise", "nvfp4"])
+def test_quantize_on_cuda_matches_cpu(flux_file, tmp_path, fmt):
+    """The same file layout from the GPU, and per-layer errors as the CPU's (the clipping
+    searches may break near-ties differently: within 2%)."""
+    a, b = tmp_path / "cpu.safetensors", tmp_path / "cuda.safetensors"
+    ra = quantize_file(flux_file, str(a), Recipe(fmt))
+    rb = quantize_file(flux_file, str(b), Recipe(fmt), device="cuda")
+    ta, tb = read_all(a)[0], read_all(b)[0]
+    assert {k: (v.dtype, v.shape) for k, v in ta.items()} == {k: (v.dtype, v.shape) for k, v in tb.items()}
+    ea = {l.name: l.rel_err for l in ra.layers if l.rel_err >= 0}
+    eb = {l.name: l.rel_err for l in rb.layers if l.rel_err >= 0}
+    assert ea.keys() == eb.keys() and ea
+    assert all(abs(ea[n] - eb[n]) <= 0.02 * ea[n] + 1e-6 for n in ea), [(n, ea[n], eb[n]) for n in ea]
