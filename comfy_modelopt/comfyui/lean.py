@@ -245,6 +245,8 @@ class CudaGraphs:
     elsewhere is captured again).  Runs eagerly, logging why, when the model is partially
     loaded, when transformer options carry patches, or when capture fails."""
 
+    replays_skip_hooks = True  # module hooks (calibration statistics) run only while capturing
+
     def __init__(self, patcher, max_graphs: int = 8, compile_blocks: bool = False):
         self.patcher, self.max_graphs = patcher, max_graphs
         self.compiled = CompiledBlocks(patcher.model.diffusion_model) if compile_blocks else None

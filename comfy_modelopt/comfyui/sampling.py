@@ -2,6 +2,8 @@
 trajectory with the model's own sampling settings, while the core collects statistics."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 import comfy.model_management
@@ -26,6 +28,20 @@ def empty_latent(model, width: int, height: int) -> torch.Tensor:
     return comfy.sample.fix_empty_latent_channels(model, latent)
 
 
+def without_cuda_graphs(model):
+    """``model``, or a clone without this pack's CUDA-graph runtime: the statistics hooks run in
+    Python, and a graph replay would skip them (only the captured call of each input shape
+    would be counted)."""
+    # by marker, not class: the pack may be imported under more than one module name
+    if not getattr(model.model_options.get("model_function_wrapper"), "replays_skip_hooks", False):
+        return model
+    logging.info("[comfy-modelopt] calibration samples this MODEL without its CUDA graphs "
+                 "(a replay would skip the statistics hooks)")
+    clone = model.clone()
+    clone.model_options.pop("model_function_wrapper")
+    return clone
+
+
 def calibrate_by_sampling(model, clip, prompts: list[str], negative: str, steps: int, cfg: float,
                           sampler_name: str, scheduler: str, latent: torch.Tensor, seed: int,
                           guidance: float | None, options: CalibrationOptions,
@@ -35,6 +51,7 @@ def calibrate_by_sampling(model, clip, prompts: list[str], negative: str, steps:
         raise ValueError("no calibration prompts: give at least one prompt (one per line)")
     if clip is None:
         raise ValueError("the CLIP input is empty: connect the text encoder that belongs to this model")
+    model = without_cuda_graphs(model)
     negative_cond = encode(clip, negative, None)
     conds = [encode(clip, p, guidance) for p in prompts]
     total = len(prompts) * steps

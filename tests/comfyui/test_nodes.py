@@ -79,6 +79,22 @@ def test_calibration_covers_the_trajectory(env):
     assert not st.never_ran() and "calibrated 80/80" in env["summary"]
 
 
+def test_calibration_never_samples_through_cuda_graphs(env):
+    """A MODEL with this pack's CUDA graphs (runtime + cuda graphs, or the CUDA Graphs node) is
+    calibrated without them: a replay would skip the Python statistics hooks.  (Here on the CPU
+    the graph runner would only run eagerly - its call count shows whether it was used.)"""
+    graphed = env["nodes"].ModelOptCudaGraphs.execute(model=env["model"]).args[0]
+    runner = graphed.model_options["model_function_wrapper"]
+    with torch.inference_mode():
+        stats, _ = env["nodes"].ModelOptCalibrationHelper.execute(
+            model=graphed, clip=env["clip"], prompts="a red fox in snow", negative_prompt="", num_prompts=1,
+            steps=2, cfg=4.0, sampler_name="euler", scheduler="simple", width=64, height=64, seed=0,
+            guidance=0.0, samples_mib_per_layer=0.5, save_name="").args
+    assert runner.eager_calls == runner.replays == runner.captures == 0
+    assert stats.forward_calls == 2 and not stats.never_ran()
+    assert graphed.model_options["model_function_wrapper"] is runner  # the input MODEL keeps its graphs
+
+
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8_tensorwise", "nvfp4"])
 def test_quantized_model_is_stock_and_input_untouched(env, fmt):
     model = env["model"]
