@@ -530,8 +530,9 @@ class CompiledBlocks:
         ``block_index`` for patch lookups; compiled code guards on such constants, so Dynamo
         kept one compiled variant per block (70 for SDXL's transformer block) and scanned them on
         every call.  Without patches (graphs are never captured with patches) the keys change
-        nothing, so they are left out; with patches the eager forward runs.  Opaque to an
-        enclosing compiled region (a SpatialTransformer calling its blocks)."""
+        nothing, so they are left out; with patches the eager forward runs, and with a callable
+        in the options (an attention override might read the index) they are kept.  Opaque to
+        an enclosing compiled region (a SpatialTransformer calling its blocks)."""
         if not _takes_options(m):
             return compiled
         eager = m.forward
@@ -545,6 +546,10 @@ class CompiledBlocks:
             if isinstance(topts, dict) and any(k in topts for k in _PER_BLOCK_KEYS):
                 if _nonempty(topts.get("patches")) or _nonempty(topts.get("patches_replace")):
                     return eager(*args, **kwargs)
+                if any(callable(v) for v in topts.values()):
+                    # e.g. an optimized_attention_override, which may read the block's index:
+                    # compiled as it is (one variant per block, but the same behaviour)
+                    return compiled(*args, **kwargs)
                 topts = {k: v for k, v in topts.items() if k not in _PER_BLOCK_KEYS}
                 if by_position:
                     args = (*args[:position], topts, *args[position + 1:])

@@ -211,3 +211,14 @@ def test_compiled_blocks_compile_per_shape_not_per_block():
         with cb.installed():
             patcher.model.apply_model(x, t, **kw, transformer_options={"patches": {"attn1_patch": [patch]}})
         assert len(seen) == len(blocks) and max(seen) > 0  # eager forward: the real indices
+
+        indices = set()
+
+        @torch.compiler.disable
+        def override(func, *args, **kwargs):  # an attention override that reads the block index
+            indices.add(kwargs["transformer_options"].get("block_index"))
+            return func(*args, **kwargs)
+        with cb.installed():
+            out = patcher.model.apply_model(x, t, **kw, transformer_options={"optimized_attention_override": override})
+        assert float((out - ref).norm() / ref.norm()) < 1e-4
+        assert None not in indices and max(indices) > 0  # the options reached it with the real indices
