@@ -203,8 +203,8 @@ class UpdateGraphs:
     kernel launches of Python and dispatch (0.5 ms) against ~0.1 ms of GPU work.  A replay is one
     launch after one copy into the shape's static input.  Captured on the first input of a shape
     (a capture synchronises once); only inputs up to ``max_input_bytes`` (large ones are bound by
-    the GPU anyway) and static inputs up to ``budget_bytes`` in all; a failed capture leaves that
-    shape eager.  ``release()`` gives all memory back (calibrate() calls it when it ends)."""
+    the GPU anyway) and static inputs up to ``budget_bytes`` in all (at most a 16th of the GPU's
+    memory); a failed capture leaves that shape eager.  ``release()`` gives all memory back (calibrate() calls it when it ends)."""
 
     def __init__(self, max_input_bytes: int = 64 << 20, budget_bytes: int = 512 << 20):
         self.max_input_bytes, self.budget_bytes = max_input_bytes, budget_bytes
@@ -227,7 +227,9 @@ class UpdateGraphs:
             if nbytes > self.max_input_bytes:
                 self.skipped[key] = "large input: bound by the GPU"
                 return None
-            if self.static_bytes + nbytes > self.budget_bytes:
+            # never more than a 16th of the GPU (small cards calibrate near their limit)
+            budget = min(self.budget_bytes, torch.cuda.get_device_properties(x.device).total_memory // 16)
+            if self.static_bytes + nbytes > budget:
                 self.skipped[key] = "budget for static inputs spent"
                 return None
             try:
