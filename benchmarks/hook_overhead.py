@@ -42,8 +42,10 @@ def ops(results: dict) -> None:
             ls._sample(x)
             ls.rows += m
         idx = S._hist_index(x)
+        graphs = S.UpdateGraphs()
         steps = {
             "update (all)": lambda: ls.update(x),
+            "update, partials replayed from a CUDA graph": lambda: ls.update(x, graphs),
             "abs": lambda: x.abs(),
             "histogram index": lambda: S._hist_index(x),
             "histogram counts": lambda: S._bincount(idx),
@@ -55,6 +57,7 @@ def ops(results: dict) -> None:
         with torch.inference_mode():
             for name, fn in steps.items():
                 row[name] = round(common.time_ms(fn, warmup=2, iters=10)[0], 3)
+        graphs.release()
         results["rows"].append(row)
         print(row, flush=True)
 
