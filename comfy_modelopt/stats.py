@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cuda_streams import on_side_stream
+
 HIST_MANTISSA_BITS = 5                       # 32 bins per octave
 HIST_BINS = 1 << (8 + HIST_MANTISSA_BITS)    # bf16 exponent x top mantissa bits (incl. inf/nan)
 INF_NAN_BIN = HIST_BINS - (1 << HIST_MANTISSA_BITS)  # bf16 exponent 255 and up: inf and nan
@@ -204,7 +206,8 @@ class UpdateGraphs:
     launch after one copy into the shape's static input.  Captured on the first input of a shape
     (a capture synchronises once); only inputs up to ``max_input_bytes`` (large ones are bound by
     the GPU anyway) and static inputs up to ``budget_bytes`` in all (at most a 16th of the GPU's
-    memory); a failed capture leaves that shape eager.  ``release()`` gives all memory back (calibrate() calls it when it ends)."""
+    memory); a failed capture leaves that shape eager.  ``release()`` gives all memory back
+    (calibrate() calls it when it ends)."""
 
     def __init__(self, max_input_bytes: int = 64 << 20, budget_bytes: int = 512 << 20):
         self.max_input_bytes, self.budget_bytes = max_input_bytes, budget_bytes
@@ -247,11 +250,7 @@ class UpdateGraphs:
 
     def _capture(self, x: torch.Tensor, sanitize: bool):
         static = x.clone()
-        stream = torch.cuda.Stream(x.device)
-        stream.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(stream):  # warm-up outside the capture (lazy initialisations)
-            _partials(static, sanitize)
-        torch.cuda.current_stream(x.device).wait_stream(stream)
+        on_side_stream(lambda: _partials(static, sanitize), x.device)  # warm-up outside the capture
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()

@@ -40,6 +40,8 @@ import torch
 import comfy.model_management
 from comfy.patcher_extension import CallbacksMP, WrappersMP
 
+from ..cuda_streams import on_side_stream
+
 try:
     from comfy.quant_ops import QuantizedTensor
 except ImportError:  # pragma: no cover - ComfyUI without quant_ops cannot run quantized models
@@ -317,9 +319,9 @@ class CudaGraphs:
     def _blocker(self, args) -> str | None:
         # what the model carries first, the device last: a CPU test then sees every other reason
         topts = args["c"].get("transformer_options", {})
-        for key in ("patches", "patches_replace"):
-            if _nonempty(topts.get(key)):
-                return f"transformer_options carries {key}"
+        patched = _carried_patches(topts)
+        if patched:
+            return f"transformer_options carries {patched}"
         # ComfyUI's sampler copies the patcher's wrappers and callbacks into transformer_options
         # (sampler_helpers.prepare_model_patcher) - our own release callbacks too.  Only wrappers
         # that run inside the model evaluation would be frozen into a graph; patcher callbacks
@@ -389,7 +391,7 @@ class CudaGraphs:
                 return self.compiled is not None and self.compiled.validate(
                     run, ref, lambda: apply_model(rounding_noise(static_x, self._compute_dtype()), static_t,
                                                   **static_c))
-            use_compiled = _on_side_stream(warm_up)
+            use_compiled = on_side_stream(warm_up)
             self.warmed.add(sig)
             if use_compiled:
                 self.validated.add(sig)
@@ -399,9 +401,9 @@ class CudaGraphs:
             def warm_up_compiled():
                 with self.compiled.installed():
                     run()
-            _on_side_stream(warm_up_compiled)
+            on_side_stream(warm_up_compiled)
         elif cache is not None and cache.needs_fill():
-            _on_side_stream(run)  # refill the dequant cache (released on detach, or weights changed)
+            on_side_stream(run)  # refill the dequant cache (released on detach, or weights changed)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -414,17 +416,6 @@ class CudaGraphs:
         self.capture_seconds.append(round(time.perf_counter() - t0, 3))
         static_c.pop("transformer_options")
         return {"graph": graph, "static": _tensors(static_x, static_t, static_c), "out": out, "weights": weights}
-
-
-def _on_side_stream(fn):
-    """``fn()`` on a fresh stream ordered after the current one (and the current one after it):
-    work before a capture must not run on the stream being captured."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        result = fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    return result
 
 
 def _rel_l2(a, b) -> float:
@@ -441,11 +432,13 @@ def rounding_noise(x, dtype=None):
     return (x.float() * (1 + noise * (eps / 2))).to(x.dtype)
 
 
-def _takes_options(m) -> bool:
+def _options_position(m) -> int | None:
+    """Where ``m.forward`` takes ``transformer_options`` (positional index after self), or None."""
     try:
-        return "transformer_options" in inspect.signature(type(m).forward).parameters
+        params = [n for n in inspect.signature(type(m).forward).parameters if n != "self"]
     except (TypeError, ValueError):
-        return False
+        return None
+    return params.index("transformer_options") if "transformer_options" in params else None
 
 
 def _block_regions(model) -> list:
@@ -457,7 +450,7 @@ def _block_regions(model) -> list:
         # (a UNet's SpatialTransformer and its transformer blocks): the blocks are regions too,
         # so that their compiled code never sees the index (see CompiledBlocks)
         for c in m.children():
-            if isinstance(c, torch.nn.ModuleList) and len(c) and all(_takes_options(b) for b in c):
+            if isinstance(c, torch.nn.ModuleList) and len(c) and all(_options_position(b) is not None for b in c):
                 out.extend(c)
 
     def add(m):
@@ -533,18 +526,17 @@ class CompiledBlocks:
         nothing, so they are left out; with patches the eager forward runs, and with a callable
         in the options (an attention override might read the index) they are kept.  Opaque to
         an enclosing compiled region (a SpatialTransformer calling its blocks)."""
-        if not _takes_options(m):
+        # passed by keyword (blocks) or by position (a UNet's SpatialTransformer: layer(x, context, options))
+        position = _options_position(m)
+        if position is None:
             return compiled
         eager = m.forward
-        # passed by keyword (blocks) or by position (a UNet's SpatialTransformer: layer(x, context, options))
-        params = [n for n in inspect.signature(type(m).forward).parameters if n != "self"]
-        position = params.index("transformer_options")
 
         def forward(*args, **kwargs):
             by_position = "transformer_options" not in kwargs and len(args) > position
             topts = args[position] if by_position else kwargs.get("transformer_options")
             if isinstance(topts, dict) and any(k in topts for k in _PER_BLOCK_KEYS):
-                if _nonempty(topts.get("patches")) or _nonempty(topts.get("patches_replace")):
+                if _carried_patches(topts):
                     return eager(*args, **kwargs)
                 if any(callable(v) for v in topts.values()):
                     # e.g. an optimized_attention_override, which may read the block's index:
@@ -623,6 +615,11 @@ class CompiledBlocks:
         self.enabled, self.reason = False, reason
         logging.warning(f"[comfy-modelopt] compiled blocks turned off: {reason}")
         return False
+
+
+def _carried_patches(topts: dict) -> str | None:
+    """Which patch kind transformer_options carry (they run inside the blocks), else None."""
+    return next((key for key in ("patches", "patches_replace") if _nonempty(topts.get(key))), None)
 
 
 def _nonempty(v) -> bool:
