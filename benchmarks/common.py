@@ -21,6 +21,8 @@ architectures.setup_comfy()
 
 import comfy.model_management  # noqa: E402
 
+from comfy_modelopt.fileformat import (COMFY_QUANT, QUANT_METADATA, comfy_quant_tensor,  # noqa: E402
+                                       decode_quantization_metadata, encode_quantization_metadata)
 from comfy_modelopt.pipeline import DictSink, DictSource, quantize_source  # noqa: E402
 from comfy_modelopt.recipe import Recipe  # noqa: E402
 
@@ -169,11 +171,11 @@ def calibrated_fp8(base, sd: dict, x, sigma, kw, sigmas=(1.0, 0.5, 0.1)) -> tupl
 def naive_w8a8(q_sd: dict, metadata: dict) -> tuple[dict, dict]:
     """fp8 as naive converters write it: W8A8 without input_scale (ComfyUI then uses 1.0)."""
     q_sd = dict(q_sd)
-    layers = json.loads(metadata["_quantization_metadata"])["layers"]
+    layers = decode_quantization_metadata(metadata[QUANT_METADATA], QUANT_METADATA)
     for name, conf in layers.items():
         conf.pop("full_precision_matrix_mult", None)
-        q_sd[name + ".comfy_quant"] = torch.frombuffer(bytearray(json.dumps(conf).encode()), dtype=torch.uint8)
-    meta = dict(metadata, _quantization_metadata=json.dumps({"format_version": "1.0", "layers": layers}))
+        q_sd[name + COMFY_QUANT] = comfy_quant_tensor(conf)
+    meta = dict(metadata, **{QUANT_METADATA: encode_quantization_metadata(layers)})
     return q_sd, meta
 
 

@@ -8,8 +8,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .families import detect_family, diffusion_prefix
-from .pipeline import META_PREFIX
-from .plan import own_base
+from .errors import CheckpointError
+from .fileformat import (COMFY_QUANT, META_CALIBRATION, META_LOADER, META_RECIPE, META_REPORT, META_SOURCE,
+                         META_VERSION, QUANT_METADATA, decode_quantization_metadata, is_ours, json_meta,
+                         own_base, read_comfy_quant)
 from .report import QuantReport
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile
 
@@ -93,9 +95,10 @@ def _inspect(f: SafetensorsFile) -> InspectResult:
     prefix = diffusion_prefix(keys)
     rel = {k[len(prefix):]: t.shape for k, t in keys.items() if k.startswith(prefix)}
     family = detect_family(rel).name
-    layer_formats = _native_layers(f)
+    notes = []
+    layer_formats = _native_layers(f, notes)
     old_pack = [k for k in keys if k.rsplit(".", 1)[-1] in OLD_PACK_SUFFIXES[:4]]
-    if META_PREFIX + "version" in f.metadata:
+    if is_ours(f.metadata):
         kind = "comfy_modelopt"
     elif layer_formats:
         kind = "comfyui_native"
@@ -108,10 +111,10 @@ def _inspect(f: SafetensorsFile) -> InspectResult:
         layer_formats = {k.rsplit(".", 1)[0]: f"old:{precision}" for k in keys if k.endswith(".weight_q")}
     else:
         kind = "unquantized"
-    res = InspectResult(f.path, kind, family, prefix, f.size)
+    res = InspectResult(f.path, kind, family, prefix, f.size, notes=notes)
     _tally(f, layer_formats, res)
     if kind == "comfy_modelopt":
-        res.ours = _our_metadata(f.metadata)
+        res.ours = _our_metadata(f.metadata, f.name)
         if res.ours.get("loader"):
             res.kind = "comfy_modelopt_own"
     if kind == "old_modelopt_pack":
@@ -123,20 +126,20 @@ def _inspect(f: SafetensorsFile) -> InspectResult:
     return res
 
 
-def _native_layers(f: SafetensorsFile) -> dict:
-    """layer -> format from .comfy_quant tensors, else from _quantization_metadata."""
+def _native_layers(f: SafetensorsFile, notes: list) -> dict:
+    """layer -> format from .comfy_quant tensors, else from _quantization_metadata (a malformed
+    one is reported in ``notes``: ComfyUI reads the per-layer tensors first)."""
     layers = {}
     for key in f.tensors:
-        if key.endswith(".comfy_quant"):
-            conf = json.loads(bytes(f.read(key).tolist()).decode("utf-8"))
-            layers[key[:-12]] = _label(conf)
-    meta = f.metadata.get("_quantization_metadata")
+        if key.endswith(COMFY_QUANT):
+            layers[key[:-len(COMFY_QUANT)]] = _label(read_comfy_quant(f, key))
+    meta = f.metadata.get(QUANT_METADATA)
     if meta:
         try:
-            for name, conf in json.loads(meta).get("layers", {}).items():
+            for name, conf in decode_quantization_metadata(meta, f.name).items():
                 layers.setdefault(name, _label(conf))
-        except (json.JSONDecodeError, AttributeError):
-            pass
+        except CheckpointError as e:
+            notes.append(f"warning: {e}")
     return layers
 
 
@@ -156,9 +159,11 @@ def _old_precision(meta: dict) -> str:
     for key in ("_model_config", "quantization"):
         if key in meta:
             try:
-                return json.loads(meta[key]).get("precision", "?")
-            except (json.JSONDecodeError, AttributeError):
-                pass
+                doc = json.loads(meta[key])
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(doc, dict) and isinstance(doc.get("precision"), str):
+                return doc["precision"]
     return "?"
 
 
@@ -188,15 +193,17 @@ def _logical_numel(fmt: str, shape: tuple) -> int:
     return n * 2 if (own_base(fmt) or fmt).startswith(("nvfp4", "convrot_w4a4")) else n
 
 
-def _our_metadata(meta: dict) -> dict:
-    out = {"version": meta.get(META_PREFIX + "version")}
-    if META_PREFIX + "loader" in meta:
-        out["loader"] = meta[META_PREFIX + "loader"]
-    for key in ("recipe", "source", "calibration"):
-        if META_PREFIX + key in meta:
-            out[key] = json.loads(meta[META_PREFIX + key])
-    if META_PREFIX + "report" in meta:
-        rep = QuantReport.from_header(meta[META_PREFIX + "report"], out.get("recipe", {}))
+def _our_metadata(meta: dict, where: str) -> dict:
+    out = {"version": meta.get(META_VERSION)}
+    if META_LOADER in meta:
+        out["loader"] = meta[META_LOADER]
+    for name, key in (("recipe", META_RECIPE), ("source", META_SOURCE), ("calibration", META_CALIBRATION)):
+        value = json_meta(meta, key, where)
+        if value is not None:
+            out[name] = value
+    if META_REPORT in meta:
+        recipe = out.get("recipe") if isinstance(out.get("recipe"), dict) else {}
+        rep = QuantReport.from_header(meta[META_REPORT], recipe, where=f"{where}: {META_REPORT}")
         out["summary"] = rep.summary()
         out["family"] = rep.family
     return out

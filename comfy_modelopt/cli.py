@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import threading
 import time
 
 from . import __version__
+from .errors import ModelOptError, OutputError, one_line
 from .formats import FORMATS
 
 
@@ -111,9 +115,15 @@ def _device(name: str):
 
 
 def cmd_quantize(a) -> int:
-    from .pipeline import quantize_file
+    from .pipeline import check_not_input, quantize_file
+    from .safetensors_io import atomic_write_bytes, check_output_path
     device = _device(a.device)
     recipe = _recipe(a)
+    if a.report:  # the report is a user's file like the model: checked before any work
+        check_not_input(a.report, a.src, "report")
+        if os.path.abspath(a.report) == os.path.abspath(a.output):
+            raise OutputError(f"{a.report}: the report and the model cannot be the same file")
+        check_output_path(a.report, a.overwrite)
     stats = None
     if a.stats:
         from .stats import ActivationStats
@@ -126,8 +136,12 @@ def cmd_quantize(a) -> int:
     print(report.summary())
     print(f"wrote {a.output} in {report.seconds:.1f}s")
     if a.report:
-        with open(a.report, "w") as f:
-            json.dump(report.to_dict(), f, indent=1)
+        try:
+            atomic_write_bytes(a.report, json.dumps(report.to_dict(), indent=1).encode(), a.overwrite)
+        except OSError as e:
+            print(f"error: the model {a.output} was written and is complete, but the report {a.report} "
+                  f"was not ({e}); nothing half-written was left", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -147,23 +161,53 @@ def cmd_demo(a) -> int:
     return 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP: unwinds like Ctrl-C, so partial outputs are removed the same way."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum, frame):
+    raise Terminated(signum)
+
+
+def _install_signal_handlers() -> dict:
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            old[sig] = signal.signal(sig, _on_signal)
+    return old
+
+
 def main(argv=None) -> int:
+    """Exit codes: 0 done; 1 the model was written but the report was not; 2 an error (nothing
+    written); 130 / 128+N interrupted by Ctrl-C / signal N (nothing written)."""
     args = _parser().parse_args(argv)
     import torch
 
-    from .plan import PlanError
-    from .quantize import QuantizeError
-    from .safetensors_io import CheckpointError
     command = {"quantize": cmd_quantize, "inspect": cmd_inspect, "demo": cmd_demo}[args.command]
+    old = _install_signal_handlers()
     try:
         with torch.inference_mode():
             return command(args)
-    except KeyboardInterrupt:
-        print("\ninterrupted: nothing was written", file=sys.stderr)
-        return 130
-    except (CheckpointError, PlanError, QuantizeError, FileExistsError, FileNotFoundError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"\ninterrupted ({signal.Signals(signum).name}): nothing was written", file=sys.stderr)
+        return 128 + signum
+    except BrokenPipeError:  # `inspect ... | head`: the reader left, as with any CLI tool
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
+    except (ModelOptError, ValueError, OSError) as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from .fileformat import COMFY_QUANT, META_REPORT, SUFFIX_KEYS, read_comfy_quant
 from .formats import get_format
 from .pipeline import quantize_file
 from .recipe import Recipe
@@ -33,16 +34,14 @@ def verify_file(path: str, source: dict[str, torch.Tensor]) -> tuple[int, float,
     error against ``source`` weights; raises if a layer disagrees with the stored report."""
     errs = []
     with SafetensorsFile(path) as f:
-        report = json.loads(f.metadata["comfy_modelopt.report"])["layers"]
+        report = json.loads(f.metadata[META_REPORT])["layers"]
         for key in f.keys():
-            if not key.endswith(".comfy_quant"):
+            if not key.endswith(COMFY_QUANT):
                 continue
-            layer = key[: -len(".comfy_quant")]
-            conf = json.loads(bytes(f.read(key).tolist()))
+            layer = key[: -len(COMFY_QUANT)]
+            conf = read_comfy_quant(f, key)
             fmt = get_format(conf["format"])
-            stored = {s: f.read(layer + k) for s, k in (("", ".weight"), ("_scale", ".weight_scale"),
-                                                          ("_scale_2", ".weight_scale_2"))
-                      if layer + k in f}
+            stored = {s: f.read(layer + k) for s, k in SUFFIX_KEYS.items() if layer + k in f}
             w = source[layer + ".weight"].float()
             deq = fmt.from_stored(stored, conf, tuple(w.shape)).dequantize().float()
             err = float((deq - w).norm() / w.norm())

@@ -17,16 +17,18 @@ from typing import Callable
 import torch
 
 from . import __version__
+from .errors import ModelOptError, OutputError, QuantizeError
+from .fileformat import (META_CALIBRATION, META_FAMILY, META_LOADER, META_PREFIX, META_RECIPE, META_REPORT,
+                         META_SOURCE, META_VERSION, OWN_LOADER, QUANT_METADATA)
 from .folding import fold_groups, producer_rows
 from .formats import get_format
 from .plan import Plan, make_plan
 from .quantize import kept_report, quantize_conv, quantize_layer
 from .recipe import Recipe
 from .report import QuantReport
-from .safetensors_io import FLOAT_DTYPES, ITEMSIZE, TORCH_DTYPES, SafetensorsFile, StreamWriter
+from .safetensors_io import FLOAT_DTYPES, ITEMSIZE, TORCH_DTYPES, SafetensorsFile, StreamWriter, check_output_path
 from .smoothing import search_smoothing
 
-META_PREFIX = "comfy_modelopt."
 Progress = Callable[[int, int, str], None]
 
 
@@ -188,10 +190,48 @@ def _read_rows_scaled(source, key: str, folds: Folds) -> torch.Tensor:
     return t
 
 
-def _passthrough(source, key: str, folds: Folds, dtype: str) -> torch.Tensor:
-    """Source tensor with its fold rescaling applied, in its planned output dtype."""
+def _passthrough(source, key: str, folds: Folds, dtype: str, nonfinite: list | None = None) -> torch.Tensor:
+    """Source tensor with its fold rescaling applied, in its planned output dtype; float tensors
+    with NaN/Inf values are copied as they are and listed in ``nonfinite`` (key, count)."""
     t = _read_rows_scaled(source, key, folds) if key in folds.rows else getattr(source, "base", source).read(key)
+    if nonfinite is not None and t.is_floating_point() and t.numel():
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            nonfinite.append((key, bad))
     return t.to(TORCH_DTYPES[dtype])
+
+
+_NONFINITE_NOTE_ROOM = 600
+
+
+def _nonfinite_note(found: list) -> str:
+    shown = ", ".join(f"{k} ({n})" for k, n in found[:4])
+    more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+    return (f"warning: {len(found)} tensors copied unchanged hold NaN/Inf values: {shown}{more}"
+            )[:_NONFINITE_NOTE_ROOM - 20]
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the system can still give (Linux MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_memory(source, key: str, float32_copies: int = 0) -> None:
+    """Refuse a tensor whose read (plus ``float32_copies`` float32 working copies) would not fit
+    in memory, before allocating it: a clear error instead of the OOM killer or a traceback."""
+    dtype, shape = source.tensors[key]
+    need = ITEMSIZE[dtype] * _numel(shape) + 4 * _numel(shape) * float32_copies
+    have = available_memory()
+    if have is not None and need > have:
+        raise QuantizeError(f"{key}: {dtype}{list(shape)} needs about {need / 2**30:.1f} GiB of memory, "
+                            f"only {have / 2**30:.1f} GiB is available (free memory, or --keep this layer)")
 
 
 # ====================================================================== the pipeline
@@ -206,18 +246,18 @@ def _fit(text: str, width: int) -> str:
 def output_metadata(plan: Plan, report: QuantReport, source_meta: dict, source_info: dict,
                     stats_summary: str | None = None, report_width: int | None = None) -> dict[str, str]:
     meta = {k: v for k, v in source_meta.items()
-            if k != "_quantization_metadata" and not k.startswith(META_PREFIX)}
-    meta["_quantization_metadata"] = plan.quantization_metadata()
-    meta[META_PREFIX + "version"] = __version__
-    meta[META_PREFIX + "recipe"] = plan.recipe.to_json()
-    meta[META_PREFIX + "family"] = plan.family.name
+            if k != QUANT_METADATA and not k.startswith(META_PREFIX)}
+    meta[QUANT_METADATA] = plan.quantization_metadata()
+    meta[META_VERSION] = __version__
+    meta[META_RECIPE] = plan.recipe.to_json()
+    meta[META_FAMILY] = plan.family.name
     if plan.recipe.own_loader:
-        meta[META_PREFIX + "loader"] = "comfy-modelopt"  # stock ComfyUI cannot run these layers
-    meta[META_PREFIX + "source"] = json.dumps(source_info, sort_keys=True)
+        meta[META_LOADER] = OWN_LOADER  # stock ComfyUI cannot run these layers
+    meta[META_SOURCE] = json.dumps(source_info, sort_keys=True)
     if stats_summary is not None:
-        meta[META_PREFIX + "calibration"] = stats_summary
+        meta[META_CALIBRATION] = stats_summary
     text = report.header_json()
-    meta[META_PREFIX + "report"] = text if report_width is None else _fit(text, report_width)
+    meta[META_REPORT] = text if report_width is None else _fit(text, report_width)
     return meta
 
 
@@ -235,6 +275,10 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
         report.passthrough_bytes += nbytes
         report.passthrough_bytes_16bit += nbytes // ITEMSIZE[dtype] * 2 if dtype in FLOAT_DTYPES else nbytes
     _add_notes(plan, report, stats)
+    if plan.odd:
+        shown = ", ".join(f"{k} {list(sh)}" for k, sh in plan.odd[:3])
+        report.notes.append(f"{len(plan.odd)} tensors named like Linear weights are not 2-D and were copied "
+                            f"unchanged: {shown}{' ...' if len(plan.odd) > 3 else ''}")
     folds = Folds()
     if recipe.smoothing != "none":
         if stats is None:
@@ -244,11 +288,14 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
     summary = stats.summary_json() if stats is not None else None
     info = dict(source_info or {})
     per_layer = 120 + (220 if stats is not None else 0)
-    width = len(json.dumps(report.header_json())) + per_layer * len(plan.layers) + 300 * len(plan.convs) + 1024
+    width = (len(json.dumps(report.header_json())) + per_layer * len(plan.layers) + 300 * len(plan.convs)
+             + 1024 + _NONFINITE_NOTE_ROOM)
     sink.open(plan.entries(), output_metadata(plan, report, source.metadata, info, summary, width))
+    nonfinite = []
     try:
         for key, (dtype, _shape) in plan.passthrough.items():
-            sink.write(key, _passthrough(source, key, folds, dtype))
+            _check_memory(source, key)
+            sink.write(key, _passthrough(source, key, folds, dtype, nonfinite))
         by_name = {l.name: i for i, l in enumerate(plan.layers)}
         total = len(plan.layers) + len(plan.convs)  # convolutions count toward the bar too
         for done, layer in enumerate(plan.layers):
@@ -257,8 +304,9 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
             if progress:
                 progress(done, total, layer.name)
             key = layer.name + ".weight"
+            _check_memory(source, key, float32_copies=3 if layer.quantized else 0)
             if not layer.quantized:
-                sink.write(key, _passthrough(source, key, folds, layer.tensors[key][0]))
+                sink.write(key, _passthrough(source, key, folds, layer.tensors[key][0], nonfinite))
                 continue
             w = _read_rows_scaled(source, key, folds) if key in folds.rows else source.read(key)
             layer_stats = stats.layer(layer.rel) if stats is not None and stats.has(layer.rel) else None
@@ -282,6 +330,8 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
             report.layers.append(rep)
         if progress:
             progress(total, total, "")
+        if nonfinite:
+            report.notes.append(_nonfinite_note(nonfinite))
         report.seconds = time.perf_counter() - t0
         sink.close(output_metadata(plan, report, source.metadata, info, summary, width))
     except BaseException:
@@ -324,17 +374,32 @@ def quantize_file(src: str, out: str, recipe: Recipe, stats=None, overwrite: boo
                   hash_source: bool = False, progress: Progress | None = None, device=None) -> QuantReport:
     """Quantize checkpoint ``src`` into ``out`` (atomic; ``src`` is only read), computing on
     ``device`` (default: the CPU; weights travel there one layer at a time)."""
-    if os.path.realpath(src) == os.path.realpath(out):
-        raise ValueError(f"{out}: output would overwrite the input model; choose another path")
-    if os.path.exists(out) and not overwrite:
-        raise FileExistsError(f"{out} already exists (use --overwrite to replace it)")
+    check_not_input(out, src, "output")
+    check_output_path(out, overwrite)
+    if isinstance(stats, (str, os.PathLike)):
+        from .stats import ActivationStats
+        stats = ActivationStats.load(stats)
     with SafetensorsFile(src) as f:
         info = {"name": os.path.basename(src), "bytes": f.size}
         if hash_source:
             info["sha256"] = sha256_file(src)
         source = FileSource(f) if device is None else DeviceSource(FileSource(f), device)
-        return quantize_source(source, FileSink(out, overwrite), recipe, stats, info, progress)
+        try:
+            return quantize_source(source, FileSink(out, overwrite), recipe, stats, info, progress)
+        except ModelOptError as e:
+            if f.name in str(e):
+                raise
+            raise type(e)(f"{f.name}: {e}") from None
 
 
-__all__ = ["quantize_file", "quantize_source", "FileSource", "DictSource", "DeviceSource", "FileSink", "DictSink",
+def check_not_input(path, src, what: str) -> None:
+    """Refuse ``path`` when it is the input model (same file through any name or link)."""
+    same = os.path.realpath(path) == os.path.realpath(src)
+    if not same and os.path.exists(path) and os.path.exists(src):
+        same = os.path.samefile(path, src)
+    if same:
+        raise OutputError(f"{path}: the {what} would overwrite the input model; choose another path")
+
+
+__all__ = ["quantize_file", "check_not_input", "available_memory", "quantize_source", "FileSource", "DictSource", "DeviceSource", "FileSink", "DictSink",
            "TORCH_DTYPES"]

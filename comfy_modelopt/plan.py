@@ -6,47 +6,21 @@ so the whole output file can be laid out before any weight is read.
 from __future__ import annotations
 
 import fnmatch
-import json
+import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from .families import Family, detect_family, diffusion_prefix
+from .errors import PlanError
+from .fileformat import (COMFY_QUANT, INPUT_SCALE, LOWRANK_DOWN, LOWRANK_UP, QUANT_MARKERS, SMOOTH_SCALE, SUFFIX_KEYS, conv_conf,
+                         encode_comfy_quant, encode_quantization_metadata, own_format)
 from .formats import Format, get_format
 from .recipe import Recipe
 from .safetensors_io import FLOAT_DTYPES, ST_DTYPES
 
-SUFFIX_KEYS = {"": ".weight", "_scale": ".weight_scale", "_scale_2": ".weight_scale_2"}
-QUANT_MARKERS = (".comfy_quant", ".scale_weight", ".weight_q")
-# Formats only comfy-modelopt's loader runs.  Their names are not ComfyUI QUANT_ALGOS keys, so
-# stock ComfyUI refuses such a file instead of silently dropping the extra tensors.
-LOWRANK_PREFIX = "modelopt_lowrank_"
-# fp8 Conv2d weights (ComfyUI 0.29 quantizes only Linear layers): [O, I*kh*kw] float8_e4m3fn with
-# one float32 scale per output channel.  Stored 2-D on purpose: stock ComfyUI's load_state_dict
-# then fails on the shape ("size mismatch for <layer>.weight") instead of copying raw fp8 values
-# into a 16-bit convolution; our loader restores the 4-D shape from the layer config.
-CONV_FORMAT = "modelopt_conv_fp8"
 # convolutions ComfyUI's model detection reads (in/out channels, conv vs linear proj_in) or that
 # carry the first/last step of the network: never quantized
 CONV_KEEP = ("input_blocks.0.0", "out.2", "*.proj_in", "*.proj_out", "conv_in", "conv_out")
-
-
-def own_base(fmt: str) -> str | None:
-    """The stock base format of a low-rank format only our loader runs, else None (also for
-    ``CONV_FORMAT``, which has no stock counterpart)."""
-    return fmt[len(LOWRANK_PREFIX):] if fmt.startswith(LOWRANK_PREFIX) else None
-
-
-def stock_conf(conf: dict) -> dict | None:
-    """The stock ComfyUI layer config of an own-loader layer (what _lay_out wrote, undone), else
-    None."""
-    base = own_base(conf.get("format", ""))
-    if base is None:
-        return None
-    return dict({k: v for k, v in conf.items() if k != "rank"}, format=base)
-
-
-class PlanError(ValueError):
-    pass
 
 
 @dataclass
@@ -76,6 +50,7 @@ class Plan:
     layers: list[LayerPlan]
     passthrough: dict            # key -> (dtype, shape) copied unchanged
     convs: list = field(default_factory=list)  # ConvPlan: fp8 convolutions (own loader)
+    odd: list = field(default_factory=list)    # (key, shape): named like a Linear weight, not 2-D
 
     @property
     def quantized(self) -> list[LayerPlan]:
@@ -93,7 +68,7 @@ class Plan:
 
     def quantization_metadata(self) -> str:
         layers = {l.name: l.conf for l in self.quantized + self.convs}
-        return json.dumps({"format_version": "1.0", "layers": layers})
+        return encode_quantization_metadata(layers)
 
 
 @dataclass
@@ -114,10 +89,6 @@ class ConvPlan:
         return self.shape[1] * self.shape[2] * self.shape[3]
 
 
-def conv_conf(shape) -> dict:
-    return {"format": CONV_FORMAT, "shape": [int(d) for d in shape]}
-
-
 def _conv_plan(key: str, rel: str, dtype: str, shape: tuple, recipe: Recipe, family: Family) -> ConvPlan | None:
     """An fp8 plan for a Conv2d weight, or None to keep it (too small a kernel, kept by rule)."""
     if recipe.conv == "none" or len(shape) != 4 or shape[2] * shape[3] < 2 or dtype not in FLOAT_DTYPES:
@@ -128,13 +99,8 @@ def _conv_plan(key: str, rel: str, dtype: str, shape: tuple, recipe: Recipe, fam
     conv = ConvPlan(key[:-7], name, tuple(shape), dtype, conv_conf(shape))
     o = shape[0]
     conv.tensors = {key: ("F8_E4M3", (o, conv.k)), conv.name + ".weight_scale": ("F32", (o,)),
-                    conv.name + ".comfy_quant": ("U8", (len(comfy_quant_bytes(conv.conf)),))}
+                    conv.name + COMFY_QUANT: ("U8", (len(encode_comfy_quant(conv.conf)),))}
     return conv
-
-
-def comfy_quant_bytes(conf: dict) -> bytes:
-    """What ComfyUI writes for .comfy_quant (ops._quantized_weight_state_dict)."""
-    return json.dumps(conf).encode("utf-8")
 
 
 def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
@@ -178,10 +144,34 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
         layers.append(layer)
     if not layers:
         raise PlanError("no Linear weights found in the diffusion model")
+    _check_collisions(layers + convs, source)
     if recipe.conv != "none" and not convs:
         raise PlanError(f"conv={recipe.conv}: this {family.name} model has no convolution to quantize "
                         f"(kernels larger than 1x1, outside {', '.join(CONV_KEEP)})")
-    return Plan(recipe, family, prefix, layers, passthrough, convs)
+    return Plan(recipe, family, prefix, layers, passthrough, convs, _odd_weights(layers, passthrough, prefix))
+
+
+def _check_collisions(planned: list, source: Mapping[str, tuple]) -> None:
+    """A quantized layer's new tensors must not exist in the source already (a half-converted or
+    hand-edited file): refuse rather than write one and silently drop the other."""
+    for layer in planned:
+        if not layer.conf:
+            continue
+        for key in layer.tensors:
+            if key in source and key != layer.name + ".weight":
+                raise PlanError(f"{key}: the source already has this tensor, which quantizing {layer.name} "
+                                f"would write (a partly quantized file?); quantize from the 16-bit model "
+                                f"or --keep this layer")
+
+
+def _odd_weights(layers: list, passthrough: dict, prefix: str) -> list:
+    """Tensors named like this model's Linear weights (same name with the block numbers
+    ignored) that are not 2-D: copied unchanged, and reported."""
+    pattern = lambda rel: re.sub(r"\.\d+\.", ".#.", rel)  # noqa: E731
+    linear = {pattern(l.rel) for l in layers}
+    return [(k, shape) for k, (_, shape) in passthrough.items()
+            if k.startswith(prefix) and k.endswith(".weight") and len(shape) != 2
+            and pattern(k[len(prefix):][:-7]) in linear]
 
 
 def _decide(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict, family: Family, stats) -> None:
@@ -192,6 +182,9 @@ def _decide(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict, family: F
     rule = family.keep_reason(layer.rel)
     if rule:
         layer.reason = rule
+        return
+    if layer.n == 0 or layer.k == 0:
+        layer.reason = f"empty weight [{layer.n}, {layer.k}]"
         return
     if layer.src_dtype not in FLOAT_DTYPES:
         layer.reason = f"source dtype {layer.src_dtype} is not 16/32-bit float"
@@ -226,12 +219,12 @@ def _lay_out(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict) -> None:
     for suffix, (dtype, shape) in fmt.planned(layer.n, layer.k, **opts).items():
         layer.tensors[layer.name + SUFFIX_KEYS[suffix]] = (ST_DTYPES[dtype], shape)
     if layer.static_input:
-        layer.tensors[layer.name + ".input_scale"] = ("F32", ())
+        layer.tensors[layer.name + INPUT_SCALE] = ("F32", ())
     if recipe.lowrank:
         rank = min(recipe.lowrank, layer.n, layer.k)
-        layer.conf = dict(layer.conf, format=LOWRANK_PREFIX + fmt.name, rank=rank)
-        layer.tensors[layer.name + ".lowrank_down"] = ("BF16", (rank, layer.k))
-        layer.tensors[layer.name + ".lowrank_up"] = ("BF16", (layer.n, rank))
+        layer.conf = dict(layer.conf, format=own_format(fmt.name), rank=rank)
+        layer.tensors[layer.name + LOWRANK_DOWN] = ("BF16", (rank, layer.k))
+        layer.tensors[layer.name + LOWRANK_UP] = ("BF16", (layer.n, rank))
         if recipe.smoothing != "none":
-            layer.tensors[layer.name + ".smooth_scale"] = ("F32", (layer.k,))
-    layer.tensors[layer.name + ".comfy_quant"] = ("U8", (len(comfy_quant_bytes(layer.conf)),))
+            layer.tensors[layer.name + SMOOTH_SCALE] = ("F32", (layer.k,))
+    layer.tensors[layer.name + COMFY_QUANT] = ("U8", (len(encode_comfy_quant(layer.conf)),))

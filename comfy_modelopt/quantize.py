@@ -9,7 +9,10 @@ import torch
 
 from . import gptq as gptq_mod
 from .formats import FORMATS, Format, get_format, kitchen_reference
-from .plan import SUFFIX_KEYS, LayerPlan, comfy_quant_bytes
+from .errors import QuantizeError
+from .fileformat import (COMFY_QUANT, INPUT_SCALE, LOWRANK_DOWN, LOWRANK_UP, SMOOTH_SCALE, SUFFIX_KEYS,
+                         comfy_quant_tensor)
+from .plan import LayerPlan
 from .recipe import Recipe
 from .report import LayerReport
 from .safetensors_io import ITEMSIZE
@@ -18,10 +21,6 @@ from .scales import choose_input_scale, choose_weight_clip, input_fmax
 from .smoothing import output_error, search_smoothing
 
 SENSITIVITY_ROWS = 64
-
-
-class QuantizeError(RuntimeError):
-    """A layer that cannot be quantized; the message names it."""
 
 
 def check_finite(name: str, w: torch.Tensor) -> None:
@@ -85,9 +84,9 @@ def quantize_layer(w: torch.Tensor, layer: LayerPlan, recipe: Recipe, layer_stat
     lowrank = None
     if branch is not None:
         up, down = branch
-        tensors[layer.name + ".lowrank_up"], tensors[layer.name + ".lowrank_down"] = up, down
+        tensors[layer.name + LOWRANK_UP], tensors[layer.name + LOWRANK_DOWN] = up, down
         if pre_scale is not None:
-            tensors[layer.name + ".smooth_scale"] = pre_scale.float().cpu()
+            tensors[layer.name + SMOOTH_SCALE] = pre_scale.float().cpu()
         lowrank = up.float() @ down.float()
         deq, w = deq + lowrank, w_full
     report = LayerReport(layer.name, layer.conf["format"], _nbytes(layer.tensors), layer.n * layer.k * 2,
@@ -103,10 +102,9 @@ def quantize_layer(w: torch.Tensor, layer: LayerPlan, recipe: Recipe, layer_stat
         if recipe.sensitivity:
             report.sensitivity = sensitivity(w_ref, x_ref[:SENSITIVITY_ROWS], layer_stats, recipe)
     if input_scale is not None:
-        tensors[layer.name + ".input_scale"] = torch.tensor(input_scale, dtype=torch.float32)
+        tensors[layer.name + INPUT_SCALE] = torch.tensor(input_scale, dtype=torch.float32)
         report.input_scale = input_scale
-    tensors[layer.name + ".comfy_quant"] = torch.frombuffer(
-        bytearray(comfy_quant_bytes(layer.conf)), dtype=torch.uint8)
+    tensors[layer.name + COMFY_QUANT] = comfy_quant_tensor(layer.conf)
     report.notes = ", ".join(notes)
     return tensors, report
 
@@ -182,8 +180,7 @@ def quantize_conv(w: torch.Tensor, conv) -> tuple[dict, LayerReport]:
     q = (w2 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     deq = q.float() * scale[:, None]
     tensors = {conv.name + ".weight": q, conv.name + ".weight_scale": scale,
-               conv.name + ".comfy_quant": torch.frombuffer(bytearray(comfy_quant_bytes(conv.conf)),
-                                                            dtype=torch.uint8)}
+               conv.name + COMFY_QUANT: comfy_quant_tensor(conv.conf)}
     report = LayerReport(conv.name, conv.conf["format"], _nbytes(conv.tensors), w2.numel() * 2,
                          weight_only=True, rel_err=_rel(deq - w2, w2),
                          notes=f"conv {'x'.join(str(d) for d in w.shape[2:])}, fp8 per output channel")

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .plan import CONV_FORMAT, own_base
+from .errors import CheckpointError, one_line
+from .fileformat import CONV_FORMAT, own_base
 
 
 @dataclass
@@ -34,6 +35,29 @@ class LayerReport:
                 f'"input_scale":{_e(self.input_scale)},"weight_only":{json.dumps(self.weight_only)},'
                 f'"reason":{json.dumps(self.reason)},"notes":{json.dumps(self.notes)},'
                 f'"sensitivity":{json.dumps(self.sensitivity, sort_keys=True)}' + "}")
+
+
+_LAYER_TYPES = {"format": str, "bytes": int, "bytes_16bit": int, "reason": str, "weight_only": bool,
+                "rel_err": float, "out_err": float, "alpha": float, "input_scale": float, "notes": str,
+                "sensitivity": dict}
+
+
+def _layer_from_json(name: str, v) -> LayerReport:
+    if not isinstance(v, dict) or not set(v) <= set(_LAYER_TYPES) or "format" not in v:
+        raise TypeError(f"layer {name!r} is not a report entry")
+    for k, x in v.items():
+        want = _LAYER_TYPES[k]
+        ok = isinstance(x, (int, float)) and not isinstance(x, bool) if want is float else (
+            isinstance(x, want) and (want is bool or not isinstance(x, bool)))
+        if not ok:
+            raise TypeError(f"layer {name!r}: {k} must be {want.__name__}")
+    return LayerReport(name=name, **v)
+
+
+def _int(x) -> int:
+    if not isinstance(x, int) or isinstance(x, bool):
+        raise TypeError("byte totals must be integers")
+    return x
 
 
 def _e(x: float) -> str:
@@ -84,7 +108,8 @@ class QuantReport:
     def header_json(self) -> str:
         """Fixed-width JSON for the safetensors header (same length before and after the run)."""
         body = ",".join(f"{json.dumps(l.name)}:{l.header_json()}" for l in self.layers)
-        return ("{" + f'"family":{json.dumps(self.family)},"seconds":{_e(self.seconds)},'
+        # no wall time here: the same input and options give a byte-identical file
+        return ("{" + f'"family":{json.dumps(self.family)},'
                 f'"bytes":{self.total_bytes()},"bytes_16bit":{self.total_bytes_16bit()},'
                 f'"notes":{json.dumps(self.notes)},"layers":{{{body}}}' + "}")
 
@@ -94,12 +119,20 @@ class QuantReport:
         return d
 
     @classmethod
-    def from_header(cls, text: str, recipe: dict) -> "QuantReport":
-        d = json.loads(text)
-        layers = [LayerReport(name=k, **v) for k, v in d["layers"].items()]
-        rep = cls(d["family"], recipe, layers, seconds=d["seconds"], notes=d.get("notes", []))
-        rep.passthrough_bytes = d["bytes"] - sum(l.bytes for l in layers)
-        rep.passthrough_bytes_16bit = d["bytes_16bit"] - sum(l.bytes_16bit for l in layers)
+    def from_header(cls, text: str, recipe: dict, where: str = "report") -> "QuantReport":
+        """Parse ``header_json`` output; anything malformed is a CheckpointError naming ``where``."""
+        try:
+            d = json.loads(text)
+            layers = [_layer_from_json(k, v) for k, v in d["layers"].items()]
+            notes = d.get("notes", [])
+            if not (isinstance(d["family"], str) and isinstance(notes, list)
+                    and all(isinstance(n, str) for n in notes)):
+                raise TypeError("family/notes have the wrong type")
+            rep = cls(d["family"], recipe, layers, notes=notes)
+            rep.passthrough_bytes = _int(d["bytes"]) - sum(l.bytes for l in layers)
+            rep.passthrough_bytes_16bit = _int(d["bytes_16bit"]) - sum(l.bytes_16bit for l in layers)
+        except (ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{where}: malformed report ({type(e).__name__}: {one_line(e)[:160]})") from None
         return rep
 
     def summary(self) -> str:

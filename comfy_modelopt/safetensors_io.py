@@ -14,6 +14,8 @@ dtype rank descending then name, same JSON, same 8-byte padding).
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import json
 import math
 import os
@@ -22,6 +24,8 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
+
+from .errors import CheckpointError, OutputError, OutputExistsError, one_line
 
 # safetensors' Dtype enum order (ascending); files order tensors by rank descending, then name.
 DTYPE_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
@@ -39,11 +43,15 @@ ST_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
 ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in TORCH_DTYPES.items()}
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
-MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself enforces
-
-
-class CheckpointError(ValueError):
-    """A file that is not a readable safetensors checkpoint; the message names file and key."""
+# Bounds on what a header may make us parse or allocate.  safetensors itself allows a 100 MB
+# header; parsing one of tiny entries costs ~16x its size in memory and tens of seconds, while
+# the largest real diffusion checkpoints (video models, with our report) need ~2 MB.
+MAX_HEADER = 16 * 1024 * 1024
+MAX_TENSORS = 200_000
+MAX_DIM = 1 << 40                # no real tensor has a dimension near this
+MAX_NUMEL = 1 << 62              # what an int64 element count can hold
+INCOMPLETE = ("incomplete file (interrupted write): its header length was never written, so no "
+              "reader will load it; delete it and run the job again")
 
 
 @dataclass(frozen=True)
@@ -65,11 +73,14 @@ class SafetensorsFile:
     def __init__(self, path: str):
         self.path = os.fspath(path)
         self.name = os.path.basename(self.path)
+        self._fd = -1
+        if os.path.isdir(self.path):
+            raise CheckpointError(f"{self.path}: is a folder, not a .safetensors file")
         try:
             self.size = os.path.getsize(self.path)
+            self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:
             raise CheckpointError(f"{self.path}: cannot open ({e.strerror})") from None
-        self._fd = os.open(self.path, os.O_RDONLY)
         try:
             self.metadata, self.tensors, self.header_size = self._parse()
         except BaseException:
@@ -84,37 +95,55 @@ class SafetensorsFile:
         if self.size < 8:
             raise self._fail(f"not a safetensors file ({self.size} bytes, no header)")
         (n,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
-        if n > MAX_HEADER or n + 8 > self.size:
-            raise self._fail(f"not a safetensors file, or truncated: header length {n} "
-                             f"does not fit in {self.size} bytes")
+        if n == 0 and self.size > 8:
+            raise self._fail(INCOMPLETE)
+        if n + 8 > self.size:
+            raise self._fail(f"not a safetensors file, or truncated: header length {n} does not fit in "
+                             f"{self.size} bytes" + _pickle_hint(self._fd))
+        if n > MAX_HEADER:
+            raise self._fail(f"header of {n / 2**20:.1f} MiB is larger than the {MAX_HEADER >> 20} MiB "
+                             f"this tool reads (a diffusion model's header is a few MiB at most)")
         raw = os.pread(self._fd, n, 8)
+        if raw.count(b'"data_offsets"') > MAX_TENSORS:
+            raise self._fail(f"more than {MAX_TENSORS} tensors in the header: not a model this tool reads")
         try:
-            header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise self._fail(f"not a safetensors file: header is not JSON ({e})") from None
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        except _DuplicateKey as e:
+            raise self._fail(f"header names {str(e)[:200]!r} twice (safetensors forbids duplicate keys)") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise self._fail(f"not a safetensors file: header is not JSON ({one_line(e)[:200]})") from None
         if not isinstance(header, dict):
             raise self._fail("not a safetensors file: header is not a JSON object")
         metadata = header.pop("__metadata__", None) or {}
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise self._fail("__metadata__ must map strings to strings")
+        for k, v in metadata.items():
+            if not (_encodable(k) and _encodable(v)):
+                raise self._fail(f"__metadata__ entry {k[:80]!r} is not valid UTF-8 text")
         base = 8 + n
         tensors = {}
         for key, info in header.items():
+            if not _encodable(key):
+                raise self._fail(f"tensor name {key[:80]!r} is not valid UTF-8 text")
             tensors[key] = self._tensor_info(key, info, base)
         self._check_layout(tensors, base)
         return metadata, tensors, n
 
     def _tensor_info(self, key, info, base) -> TensorInfo:
-        try:
-            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise self._fail(f"{key}: malformed header entry {info!r}") from None
-        if dtype not in TORCH_DTYPES:
-            raise self._fail(f"{key}: unsupported dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise self._fail(f"{key}: bad shape {shape!r}")
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise self._fail(f"{key}: malformed header entry {one_line(repr(info))[:200]}")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in TORCH_DTYPES:
+            raise self._fail(f"{key}: unsupported dtype {one_line(repr(dtype))[:80]}")
+        if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < MAX_DIM for d in shape):
+            raise self._fail(f"{key}: bad shape {one_line(repr(shape))[:200]}")
+        if math.prod(d for d in shape if d) >= MAX_NUMEL:
+            raise self._fail(f"{key}: shape {shape} has more elements than any tensor can")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+            raise self._fail(f"{key}: bad data_offsets {one_line(repr(offsets))[:200]}")
+        start, end = offsets
         expected = math.prod(shape) * ITEMSIZE[dtype]
-        if not (isinstance(start, int) and isinstance(end, int)) or end - start != expected:
+        if start < 0 or end - start != expected:
             raise self._fail(f"{key}: header says {dtype}{shape} ({expected} bytes) but its "
                              f"data_offsets span [{start}, {end}]")
         return TensorInfo(key, dtype, tuple(shape), base + start, base + end)
@@ -140,7 +169,10 @@ class SafetensorsFile:
 
     def read(self, key: str) -> torch.Tensor:
         """The tensor ``key``, freshly allocated (never a view of a file mapping)."""
-        info = self.tensors[key]
+        try:
+            info = self.tensors[key]
+        except KeyError:
+            raise self._fail(f"no tensor {key!r}") from None
         buf = bytearray(info.nbytes)
         view = memoryview(buf)
         got = 0
@@ -154,7 +186,7 @@ class SafetensorsFile:
         return torch.frombuffer(buf, dtype=TORCH_DTYPES[info.dtype]).reshape(info.shape)
 
     def close(self) -> None:
-        if self._fd >= 0:
+        if getattr(self, "_fd", -1) >= 0:
             os.close(self._fd)
             self._fd = -1
 
@@ -169,6 +201,40 @@ class SafetensorsFile:
             self.close()
         except Exception:
             pass
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:  # lone surrogates from \ud800-style escapes
+        return False
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _pickle_hint(fd: int) -> str:
+    """A hint when the file starts like a pickle or zip (.ckpt/.pt/.bin): never unpickled here."""
+    head = os.pread(fd, 4, 0)
+    if head[:2] in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05") or head == b"PK\x03\x04":
+        return (" - it looks like a pickled PyTorch checkpoint (.ckpt/.pt), which this tool never "
+                "unpickles (unsafe); convert it to .safetensors with a tool you trust")
+    return ""
 
 
 # ====================================================================== writing
@@ -196,28 +262,43 @@ class StreamWriter:
     """Write a planned safetensors file tensor by tensor, atomically.
 
     ``entries`` maps every output key to (safetensors dtype, shape); ``metadata`` is the header
-    ``__metadata__``.  ``finalize_metadata`` (called at close) may replace metadata values whose
-    serialized length does not change (fixed-width numbers filled in after the run).
+    ``__metadata__``.  ``close(metadata)`` may replace metadata values whose serialized length
+    does not change (fixed-width numbers filled in after the run).
+
+    What no interruption can break:
+    - the data goes to a hidden ``.<name>.<random>.partial`` in the destination folder, renamed
+      into place only after every tensor arrived and was fsynced;
+    - until then its 8-byte header length is zero, so a partial left by ``kill -9`` or a power
+      cut is no safetensors file to any reader (``inspect`` calls it an incomplete file) even
+      when all its tensors happen to be written;
+    - the writer holds an exclusive ``flock`` on its partial; a later writer to the same target
+      removes partials whose lock it can take (their owner died), never a live run's;
+    - without ``overwrite`` the final step is link-or-fail: of two runs racing for one output
+      the later gets ``OutputExistsError`` instead of silently replacing the earlier's file;
+    - the file gets the mode a new file gets under the umask (an overwritten file keeps its own).
     """
 
     def __init__(self, path: str, entries: dict[str, tuple[str, tuple]],
                  metadata: dict[str, str] | None = None, overwrite: bool = False):
         self.path = os.path.abspath(os.fspath(path))
-        if os.path.exists(self.path) and not overwrite:
-            raise FileExistsError(f"{self.path} exists; pass overwrite to replace it")
+        self.overwrite = overwrite
+        folder = check_output_path(self.path, overwrite)
         self.entries = dict(entries)
         self.metadata = dict(metadata or {})
         self._header, self.offsets = header_bytes(self.entries, self.metadata)
         self._data_start = 8 + len(self._header)
         self.total_size = self._data_start + (max((e for _, e in self.offsets.values()), default=0))
         self._pending = set(self.entries)
-        folder = os.path.dirname(self.path)
-        fd, self.tmp_path = tempfile.mkstemp(prefix=f".{os.path.basename(self.path)}.",
-                                             suffix=".partial", dir=folder)
+        remove_stale_partials(self.path)
+        self._fd = -1
+        fd, self.tmp_path = tempfile.mkstemp(prefix=_partial_prefix(self.path), suffix=".partial", dir=folder)
         self._fd = fd
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.fchmod(fd, _target_mode(self.path))
             _reserve(fd, self.total_size, self.path)
-            os.pwrite(fd, struct.pack("<Q", len(self._header)) + self._header, 0)
+            # the length prefix stays zero until close(): see the class docstring
+            os.pwrite(fd, self._header, 8)
         except BaseException:
             self.abort()
             raise
@@ -237,7 +318,7 @@ class StreamWriter:
         self._pending.discard(key)
 
     def close(self, metadata: dict[str, str] | None = None) -> str:
-        """Check completeness, fill final metadata, fsync and rename into place."""
+        """Check completeness, fill final metadata, fsync, mark complete and move into place."""
         try:
             if self._pending:
                 missing = sorted(self._pending)
@@ -248,24 +329,49 @@ class StreamWriter:
                     raise RuntimeError("final metadata changed the header length")
                 os.pwrite(self._fd, header, 8)
                 self.metadata = dict(metadata)
-            os.fsync(self._fd)
+            os.fsync(self._fd)                       # every tensor is on disk ...
+            os.pwrite(self._fd, struct.pack("<Q", len(self._header)), 0)
+            os.fsync(self._fd)                       # ... before the file says it is whole
+            self._publish()
+            _fsync_dir(os.path.dirname(self.path))
             os.close(self._fd)
             self._fd = -1
-            os.replace(self.tmp_path, self.path)
-            _fsync_dir(os.path.dirname(self.path))
             return self.path
         except BaseException:
             self.abort()
             raise
 
+    def _publish(self) -> None:
+        if self.overwrite:
+            if os.path.isdir(self.path):
+                raise OutputError(f"{self.path} is a folder; choose a file name")
+            os.replace(self.tmp_path, self.path)
+            return
+        try:
+            os.link(self.tmp_path, self.path)       # fails if the target appeared meanwhile
+        except FileExistsError:
+            raise OutputExistsError(f"{self.path} appeared while this run was writing (another run?); "
+                                    f"nothing was replaced - use --overwrite to replace it") from None
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS,
+                               getattr(errno, "ENOTSUP", -1)):
+                raise
+            # filesystems without hard links: the narrow check-then-rename is the best there is
+            if os.path.lexists(self.path):
+                raise OutputExistsError(f"{self.path} appeared while this run was writing; nothing "
+                                        f"was replaced - use --overwrite to replace it") from None
+            os.rename(self.tmp_path, self.path)
+            return
+        os.unlink(self.tmp_path)
+
     def abort(self) -> None:
+        try:
+            os.unlink(self.tmp_path)
+        except (FileNotFoundError, AttributeError):
+            pass
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        try:
-            os.unlink(self.tmp_path)
-        except FileNotFoundError:
-            pass
 
     def __enter__(self):
         return self
@@ -275,14 +381,117 @@ class StreamWriter:
             self.abort()
 
 
+def check_output_path(path: str, overwrite: bool) -> str:
+    """Refuse an output we cannot or must not write, before any work; returns its folder."""
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    if not os.path.isdir(folder):
+        raise OutputError(f"{path}: folder {folder} does not exist (create it first)")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputError(f"{path}: folder {folder} is not writable")
+    if os.path.isdir(path):
+        raise OutputError(f"{path} is a folder; give a file name such as {os.path.join(path, 'model.safetensors')}")
+    if os.path.lexists(path) and not overwrite:
+        raise OutputExistsError(f"{path} already exists (use --overwrite to replace it)")
+    return folder
+
+
+def _partial_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}."
+
+
+def partials_of(path: str) -> list[str]:
+    """Hidden partial files of writers to ``path`` (live or dead)."""
+    folder, prefix = os.path.dirname(os.path.abspath(path)), _partial_prefix(path)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return [os.path.join(folder, n) for n in names if n.startswith(prefix) and n.endswith(".partial")]
+
+
+def remove_stale_partials(path: str) -> list[str]:
+    """Remove partials of ``path`` left by writers that died (kill -9, power cut): those whose
+    lock can be taken; a live writer holds its own.  Returns what was removed."""
+    removed = []
+    for p in partials_of(path):
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # a live writer
+        try:
+            if os.pread(fd, 8, 0) == bytes(8):  # ours, never completed
+                os.unlink(p)
+                removed.append(p)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def _target_mode(path: str) -> int:
+    """The mode the output gets: an existing file's own, else a new file's under the umask."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        return 0o666 & ~_umask()
+
+
+def atomic_write_bytes(path: str, data: bytes, overwrite: bool = False) -> str:
+    """Write a small file (a JSON report) with the same guarantees as ``StreamWriter``: temp
+    file, fsync, link-or-fail or replace, umask mode; nothing half-written on any failure."""
+    path = os.path.abspath(os.fspath(path))
+    folder = check_output_path(path, overwrite)
+    fd, tmp = tempfile.mkstemp(prefix=_partial_prefix(path), suffix=".partial", dir=folder)
+    try:
+        os.fchmod(fd, _target_mode(path))
+        _pwrite_all(fd, memoryview(data), 0)
+        os.fsync(fd)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise OutputExistsError(f"{path} already exists (use --overwrite to replace it)") from None
+            os.unlink(tmp)
+        _fsync_dir(folder)
+        return path
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    finally:
+        os.close(fd)
+
+
 def _reserve(fd: int, size: int, path: str) -> None:
     """Allocate the whole file up front: a full disk fails here, before any work."""
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
-        import errno
         if e.errno == errno.ENOSPC:
-            raise OSError(errno.ENOSPC, f"no space left for {path} ({size / 2**30:.2f} GiB needed)") from None
+            raise OutputError(errno.ENOSPC, f"no space left for {path} ({size / 2**30:.2f} GiB needed)") from None
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", -1)):
             raise
         os.ftruncate(fd, size)  # filesystems without fallocate

@@ -25,7 +25,6 @@ as for a 16-bit model (up to re-quantization).
 """
 from __future__ import annotations
 
-import json
 import types
 
 import torch
@@ -34,16 +33,13 @@ import comfy.model_management
 import comfy.sd
 import comfy.utils
 
-from ..plan import CONV_FORMAT, LOWRANK_PREFIX, comfy_quant_bytes, stock_conf
+from ..errors import CheckpointError
+from ..safetensors_io import SafetensorsFile
+from ..fileformat import (COMFY_QUANT, CONV_FORMAT, LOWRANK_PREFIX, LOWRANK_SUFFIXES, QUANT_METADATA,
+                          comfy_quant_tensor, decode_comfy_quant, decode_quantization_metadata,
+                          encode_quantization_metadata, needs_own_loader, stock_conf)
 
-EXTRA_SUFFIXES = (".lowrank_up", ".lowrank_down", ".smooth_scale")
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-
-
-def needs_own_loader(metadata: dict | None, keys) -> bool:
-    if metadata and metadata.get("comfy_modelopt.loader"):
-        return True
-    return any(k.endswith(".lowrank_up") for k in keys)
 
 
 def split_state_dict(sd: dict, metadata: dict | None) -> tuple[dict, dict, dict]:
@@ -54,9 +50,9 @@ def split_state_dict(sd: dict, metadata: dict | None) -> tuple[dict, dict, dict]
     sd = dict(sd)
     extras = {}
     placeholder = _placeholder_dtype(sd)
-    for key in [k for k in sd if k.endswith(".comfy_quant")]:
-        conf = json.loads(bytes(sd[key].tolist()).decode("utf-8"))
-        layer = key[: -len(".comfy_quant")]
+    for key in [k for k in sd if k.endswith(COMFY_QUANT)]:
+        conf = decode_comfy_quant(sd[key], key)
+        layer = key[: -len(COMFY_QUANT)]
         if conf.get("format") == CONV_FORMAT:
             shape = tuple(conf["shape"])
             del sd[key]
@@ -64,25 +60,20 @@ def split_state_dict(sd: dict, metadata: dict | None) -> tuple[dict, dict, dict]
                 q, scale = sd.pop(layer + ".weight"), sd.pop(layer + ".weight_scale")
                 q = q.view(shape)
             except (KeyError, RuntimeError) as e:
-                raise ValueError(f"{layer}: broken {CONV_FORMAT} layer ({type(e).__name__}: {e})") from None
+                raise CheckpointError(f"{layer}: broken {CONV_FORMAT} layer ({type(e).__name__}: {e})") from None
             sd[layer + ".weight"] = torch.zeros((), dtype=placeholder).expand(shape)
             extras[_relative(layer)] = {"conv_weight": q, "conv_scale": scale.float()}
             continue
         stock = stock_conf(conf)
         if stock is None:
             continue
-        sd[key] = torch.frombuffer(bytearray(comfy_quant_bytes(stock)), dtype=torch.uint8)
-        extras[_relative(layer)] = {s[1:]: sd.pop(layer + s) for s in EXTRA_SUFFIXES if layer + s in sd}
+        sd[key] = comfy_quant_tensor(stock)
+        extras[_relative(layer)] = {s[1:]: sd.pop(layer + s) for s in LOWRANK_SUFFIXES if layer + s in sd}
     meta = dict(metadata or {})
-    if "_quantization_metadata" in meta:
-        q = json.loads(meta["_quantization_metadata"])
-        layers = q.get("layers", {})
-        for name, conf in list(layers.items()):
-            if conf.get("format") == CONV_FORMAT:
-                del layers[name]
-            else:
-                layers[name] = stock_conf(conf) or conf
-        meta["_quantization_metadata"] = json.dumps(q)
+    if QUANT_METADATA in meta:
+        layers = decode_quantization_metadata(meta[QUANT_METADATA], QUANT_METADATA)
+        meta[QUANT_METADATA] = encode_quantization_metadata(
+            {name: stock_conf(conf) or conf for name, conf in layers.items() if conf["format"] != CONV_FORMAT})
     return sd, meta, extras
 
 
@@ -145,6 +136,8 @@ def _load(sd: dict, metadata: dict | None, **load_options):
 
 def load_file(path: str, **load_options):
     """A MODEL from a file; ComfyUI rebuilds copies by reading the file again."""
+    with SafetensorsFile(path):  # header and layout checked first: names an interrupted write, a bad key
+        pass
     sd, metadata = comfy.utils.load_torch_file(path, safe_load=True, return_metadata=True)
     patcher = load_state_dict(sd, metadata, **load_options)
     if patcher is not None:

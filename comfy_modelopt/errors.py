@@ -1,0 +1,40 @@
+"""The errors comfy-modelopt raises on purpose.
+
+Every one is a ``ModelOptError`` whose message is one line naming the file, layer or key at
+fault and, where there is one, what to do.  The CLI prints such a message and exits 2; anything
+else escaping is a bug (the fuzz tests in ``tests/test_hostile_files.py`` hold every reader to it).
+"""
+from __future__ import annotations
+
+
+class ModelOptError(Exception):
+    """Base of every deliberate comfy-modelopt error."""
+
+
+class CheckpointError(ModelOptError, ValueError):
+    """A file that is not a readable checkpoint (or statistics file); names the file and key."""
+
+
+class PlanError(ModelOptError, ValueError):
+    """A model (or a request) that cannot be planned: nothing to quantize, already quantized..."""
+
+
+class QuantizeError(ModelOptError, RuntimeError):
+    """A layer that cannot be quantized; the message names it."""
+
+
+class CalibrationError(ModelOptError, ValueError):
+    """Statistics that cannot be used; the message says which layer or file and why."""
+
+
+class OutputError(ModelOptError, OSError):
+    """An output path that cannot be written (exists, is the input, folder missing...)."""
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line (newlines and runs of spaces folded), for error messages."""
+    return " ".join(str(text).split())
+
+
+class OutputExistsError(OutputError, FileExistsError):
+    """The output exists and ``overwrite`` was not given (or another run created it first)."""
