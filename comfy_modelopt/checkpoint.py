@@ -9,14 +9,12 @@ from dataclasses import dataclass, field
 
 from .families import detect_family, diffusion_prefix
 from .errors import CheckpointError
-from .fileformat import (COMFY_QUANT, META_CALIBRATION, META_LOADER, META_RECIPE, META_REPORT, META_SOURCE,
+from .fileformat import (COMFY_QUANT, LAYER_SUFFIXES, META_CALIBRATION, META_LOADER, META_RECIPE, META_REPORT, META_SOURCE,
                          META_VERSION, QUANT_METADATA, decode_quantization_metadata, is_ours, json_meta,
                          own_base, read_comfy_quant)
 from .report import QuantReport
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile
 
-QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale",
-                  "comfy_quant", "lowrank_up", "lowrank_down", "smooth_scale")
 OLD_PACK_SUFFIXES = ("weight_q", "block_scale", "tensor_scale", "svd_u", "svd_s", "svd_v", "use_svd")
 OLD_PACK_META = ("_model_config", "unet_config", "model_type", "latent_format_cls", "precision")
 
@@ -173,7 +171,7 @@ def _tally(f: SafetensorsFile, layer_formats: dict, res: InspectResult) -> None:
         counts[fmt] += 1
     for key, t in f.tensors.items():
         layer, _, suffix = key.rpartition(".")
-        if layer in layer_formats and suffix in QUANT_SUFFIXES + OLD_PACK_SUFFIXES + ("scale_weight", "scale_input"):
+        if layer in layer_formats and suffix in LAYER_SUFFIXES + OLD_PACK_SUFFIXES + ("scale_weight", "scale_input"):
             fmt = layer_formats[layer]
             nbytes[fmt] += t.nbytes
             if suffix in ("weight", "weight_q"):

@@ -11,7 +11,8 @@ import time
 
 from . import __version__
 from .errors import ModelOptError, OutputError, one_line
-from .formats import FORMATS
+from .recipe import (CONV_CHOICES, CONVROT_GROUPSIZES, DEFAULT_CONVROT_GROUPSIZE, FORMAT_CHOICES,
+                     INPUT_SCALE_METHODS, LINEAR_DTYPES, SMOOTHING_METHODS, WEIGHT_SCALE_METHODS)
 
 
 class _Progress:
@@ -45,28 +46,28 @@ def _parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="quantize a diffusion-model checkpoint into ComfyUI's native format")
     q.add_argument("src", help="source .safetensors (diffusion model, or full checkpoint)")
     q.add_argument("-o", "--output", required=True, help="output .safetensors (written atomically)")
-    q.add_argument("--format", default="float8_e4m3fn", choices=sorted(FORMATS))
-    q.add_argument("--weight-scale", default="mse", choices=["absmax", "mse"],
+    q.add_argument("--format", default="float8_e4m3fn", choices=FORMAT_CHOICES)
+    q.add_argument("--weight-scale", default="mse", choices=WEIGHT_SCALE_METHODS,
                    help="weight scale: absmax, or MSE-optimal clipping search (default)")
     q.add_argument("--stats", help="activation statistics (.safetensors from calibration): "
                                    "static input scales (fp8 W8A8) and activation-aware searches")
-    q.add_argument("--input-scale", default="mse", choices=["max", "percentile", "mse"],
+    q.add_argument("--input-scale", default="mse", choices=INPUT_SCALE_METHODS,
                    help="with --stats: how activation scales are chosen (default mse)")
     q.add_argument("--percentile", type=float, default=99.99)
-    q.add_argument("--smoothing", default="none", choices=["none", "smoothquant", "awq"])
+    q.add_argument("--smoothing", default="none", choices=SMOOTHING_METHODS)
     q.add_argument("--smooth-alpha", type=float, default=0.5)
     q.add_argument("--gptq", action="store_true", help="error-compensated rounding (needs --stats)")
     q.add_argument("--lowrank", type=int, default=0, metavar="R",
                    help="nvfp4/convrot_w4a4: rank-R 16-bit branch + quantized residual (file needs "
                         "comfy-modelopt's loader; stock ComfyUI refuses it)")
-    q.add_argument("--conv", default="none", choices=["none", "fp8"],
+    q.add_argument("--conv", default="none", choices=CONV_CHOICES,
                    help="fp8: also store UNet convolutions (kernels > 1x1) as fp8 per output channel, "
                         "dequantized at run time (file needs comfy-modelopt's loader)")
     q.add_argument("--static-nvfp4-input", action="store_true",
                    help="nvfp4: store a calibrated input_scale instead of dynamic activation amax")
     q.add_argument("--convrot", action="store_true", help="int8_tensorwise: Hadamard rotation (ConvRot)")
-    q.add_argument("--convrot-groupsize", type=int, default=256)
-    q.add_argument("--linear-dtype", default="int4", choices=["int4", "int8"],
+    q.add_argument("--convrot-groupsize", type=int, default=DEFAULT_CONVROT_GROUPSIZE, choices=CONVROT_GROUPSIZES)
+    q.add_argument("--linear-dtype", default="int4", choices=LINEAR_DTYPES,
                    help="convrot_w4a4 activation dtype")
     q.add_argument("--keep", action="append", default=[], metavar="PATTERN",
                    help="glob of layer names to keep 16-bit (repeatable)")

@@ -25,6 +25,9 @@ COMFY_QUANT = ".comfy_quant"
 INPUT_SCALE = ".input_scale"
 QUANT_METADATA = "_quantization_metadata"
 QUANT_METADATA_VERSION = "1.0"
+# every per-layer key suffix (without the dot) a quantized layer of ours or ComfyUI's may carry
+LAYER_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "comfy_quant",
+                  "lowrank_up", "lowrank_down", "smooth_scale")
 # keys that mark a file as already quantized (ComfyUI native, legacy scaled fp8, old node pack)
 QUANT_MARKERS = (COMFY_QUANT, ".scale_weight", ".weight_q")
 # a .comfy_quant config is a few dozen bytes; anything near this is not a config

@@ -9,9 +9,16 @@ from dataclasses import asdict, dataclass, field, fields
 
 from .formats import FORMATS
 
-WEIGHT_SCALE_METHODS = ("absmax", "mse")
-INPUT_SCALE_METHODS = ("max", "percentile", "mse")
+# The one vocabulary of options: the CLI's choices and the nodes' combos come from here
+# (default first, as the nodes show them).
+FORMAT_CHOICES = tuple(FORMATS)
+WEIGHT_SCALE_METHODS = ("mse", "absmax")
+INPUT_SCALE_METHODS = ("mse", "percentile", "max")
 SMOOTHING_METHODS = ("none", "smoothquant", "awq")
+CONV_CHOICES = ("none", "fp8")
+LINEAR_DTYPES = ("int4", "int8")
+CONVROT_GROUPSIZES = (16, 64, 256, 1024)
+DEFAULT_CONVROT_GROUPSIZE = 256
 LOWRANK_FORMATS = ("nvfp4", "convrot_w4a4")
 
 
@@ -29,7 +36,7 @@ class Recipe:
     gptq: bool = False                 # error-compensated rounding (needs statistics)
     sensitivity: bool = True           # with statistics: per-layer output error of every format
     convrot: bool = False              # int8_tensorwise: Hadamard rotation (ConvRot)
-    convrot_groupsize: int = 256
+    convrot_groupsize: int = DEFAULT_CONVROT_GROUPSIZE
     linear_dtype: str = "int4"         # convrot_w4a4 activations: int4 or int8
     keep: tuple[str, ...] = field(default_factory=tuple)  # glob patterns forced to 16-bit
 
@@ -39,10 +46,10 @@ class Recipe:
         _check("weight_scale", self.weight_scale, WEIGHT_SCALE_METHODS)
         _check("input_scale", self.input_scale, INPUT_SCALE_METHODS)
         _check("smoothing", self.smoothing, SMOOTHING_METHODS)
-        _check("linear_dtype", self.linear_dtype, ("int4", "int8"))
+        _check("linear_dtype", self.linear_dtype, LINEAR_DTYPES)
         if self.convrot and self.format != "int8_tensorwise":
             raise ValueError("convrot applies to int8_tensorwise only (convrot_w4a4 always rotates)")
-        if self.convrot_groupsize not in (16, 64, 256, 1024):
+        if self.convrot_groupsize not in CONVROT_GROUPSIZES:
             raise ValueError(f"convrot_groupsize must be a power of 4 (16..1024), got {self.convrot_groupsize}")
         if not 0.0 < self.percentile <= 100.0:
             raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
@@ -51,7 +58,7 @@ class Recipe:
         if self.lowrank and self.format not in LOWRANK_FORMATS:
             raise ValueError(f"the low-rank branch is for 4-bit formats ({', '.join(LOWRANK_FORMATS)}), "
                              f"not {self.format}")
-        _check("conv", self.conv, ("none", "fp8"))
+        _check("conv", self.conv, CONV_CHOICES)
         object.__setattr__(self, "keep", tuple(self.keep))
 
     def format_options(self) -> dict:

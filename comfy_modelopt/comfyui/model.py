@@ -19,6 +19,7 @@ from comfy.model_patcher import get_key_weight
 
 from ..report import QuantReport
 from . import ownloader
+from ..fileformat import COMFY_QUANT
 from ..safetensors_io import ST_DTYPES, TORCH_DTYPES
 
 PREFIX = "diffusion_model."
@@ -49,7 +50,7 @@ class PatcherSource:
         store = _storage_dtype(patcher)
         for k, v in sd.items():
             rel = k[len(PREFIX):]
-            if type(v).__name__ == "QuantizedTensor" or k.endswith(".comfy_quant"):
+            if type(v).__name__ == "QuantizedTensor" or k.endswith(COMFY_QUANT):
                 raise NodeError("this MODEL is already quantized: connect the 16-bit model "
                                 "(e.g. from Load Diffusion Model with weight_dtype default)")
             dtype = ST_DTYPES[v.dtype]

@@ -20,7 +20,8 @@ from ..checkpoint import inspect_file
 from ..formats import FORMATS
 from ..pipeline import DictSink, quantize_source
 from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS
-from ..recipe import Recipe
+from ..recipe import (CONV_CHOICES, FORMAT_CHOICES, INPUT_SCALE_METHODS, SMOOTHING_METHODS, WEIGHT_SCALE_METHODS,
+                      Recipe)
 from ..safetensors_io import write_file
 from ..stats import ActivationStats
 from .lean import enable_cuda_graphs, enable_int8_attention, make_lean
@@ -218,19 +219,19 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                         "are baked in.",
             inputs=[
                 io.Model.Input("model"),
-                io.Combo.Input("format", options=list(FORMATS), default="float8_e4m3fn",
+                io.Combo.Input("format", options=list(FORMAT_CHOICES), default="float8_e4m3fn",
                                tooltip="fp8: Ada/Hopper+ (W8A8 with calibration, weight-only without); "
                                        "int8_tensorwise: Turing+; nvfp4/mxfp8: native on Blackwell, "
                                        "stored smaller everywhere; convrot_w4a4: 4-bit int4 MMA."),
                 CALIBRATION.Input("calibration", optional=True,
                                   tooltip="From Calibrate Model: static input scales (true fp8 W8A8), smoothing, "
                                           "activation-aware clipping, GPTQ, per-layer sensitivity."),
-                io.Combo.Input("weight_scale", options=["mse", "absmax"], default="mse",
+                io.Combo.Input("weight_scale", options=list(WEIGHT_SCALE_METHODS), default="mse",
                                tooltip="mse: search the clipping that minimises the error (on the layer's "
                                        "outputs when calibrated); absmax: naive."),
-                io.Combo.Input("input_scale", options=["mse", "percentile", "max"], default="mse", advanced=True,
+                io.Combo.Input("input_scale", options=list(INPUT_SCALE_METHODS), default="mse", advanced=True,
                                tooltip="How calibrated static activation scales are chosen (fp8, nvfp4)."),
-                io.Combo.Input("smoothing", options=["none", "smoothquant", "awq"], default="none",
+                io.Combo.Input("smoothing", options=list(SMOOTHING_METHODS), default="none",
                                tooltip="Needs calibration. Applied where it folds exactly into the "
                                        "stock file (SD1.x/SDXL/Wan attention and FF layers; fp8: LayerNorm folds only), else skipped and reported."),
                 io.Boolean.Input("gptq", default=False, advanced=True,
@@ -242,7 +243,7 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                              tooltip="nvfp4/convrot_w4a4: keep a rank-r 16-bit branch (SVDQuant-style) and "
                                      "quantize the residual. Files need this pack's loader (stock ComfyUI "
                                      "refuses them); smoothing then applies to every layer."),
-                io.Combo.Input("conv", options=["none", "fp8"], default="none", advanced=True, optional=True,
+                io.Combo.Input("conv", options=list(CONV_CHOICES), default="none", advanced=True, optional=True,
                                tooltip="fp8: also store UNet convolutions (3x3 and larger) as fp8 with one scale "
                                        "per output channel, dequantized at run time (SDXL: about a fifth of the "
                                        "weights). Files need this pack's loader (stock ComfyUI refuses them)."),

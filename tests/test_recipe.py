@@ -1,0 +1,58 @@
+"""The recipe: one vocabulary for the CLI, the nodes and the file, round-tripping through JSON."""
+import dataclasses
+import json
+
+import pytest
+
+from comfy_modelopt import cli
+from comfy_modelopt.recipe import (CONV_CHOICES, FORMAT_CHOICES, INPUT_SCALE_METHODS, LINEAR_DTYPES,
+                                   SMOOTHING_METHODS, WEIGHT_SCALE_METHODS, Recipe)
+
+NON_DEFAULT = Recipe(format="convrot_w4a4", weight_scale="absmax", input_scale="percentile", percentile=99.9,
+                     smoothing="awq", smooth_alpha=0.7, lowrank=16, gptq=True, sensitivity=False,
+                     convrot_groupsize=64, linear_dtype="int8", keep=("*.img_mlp.*", "final_layer.*"))
+
+
+@pytest.mark.parametrize("recipe", [Recipe(), NON_DEFAULT, Recipe("int8_tensorwise", convrot=True),
+                                    Recipe("float8_e4m3fn", conv="fp8", static_nvfp4_input=True)])
+def test_json_round_trip(recipe):
+    text = recipe.to_json()
+    back = Recipe.from_json(text)
+    assert back == recipe and back.to_json() == text
+    assert isinstance(back.keep, tuple)
+
+
+def test_every_field_survives():  # a new field that to_dict forgets fails here
+    d = json.loads(NON_DEFAULT.to_json())
+    assert set(d) == {f.name for f in dataclasses.fields(Recipe)}
+    assert all(getattr(NON_DEFAULT, k) == (tuple(v) if k == "keep" else v) for k, v in d.items())
+
+
+def test_unknown_fields_and_values_refused():
+    with pytest.raises(ValueError, match="unknown recipe fields: colour"):
+        Recipe.from_json('{"colour": "red"}')
+    with pytest.raises(ValueError, match="smoothing must be one of"):
+        Recipe.from_json('{"smoothing": "magic"}')
+
+
+def _choices(option):
+    sub = next(a for a in cli._parser()._actions if a.dest == "command").choices["quantize"]
+    return tuple(next(a for a in sub._actions if option in a.option_strings).choices)
+
+
+def test_cli_choices_are_the_recipes():
+    assert _choices("--format") == FORMAT_CHOICES
+    assert _choices("--weight-scale") == WEIGHT_SCALE_METHODS
+    assert _choices("--input-scale") == INPUT_SCALE_METHODS
+    assert _choices("--smoothing") == SMOOTHING_METHODS
+    assert _choices("--conv") == CONV_CHOICES
+    assert _choices("--linear-dtype") == LINEAR_DTYPES
+
+
+def test_cli_builds_the_recipe_it_was_given():
+    a = cli._parser().parse_args(["quantize", "s.safetensors", "-o", "o.safetensors", "--format", "convrot_w4a4",
+                                  "--weight-scale", "absmax", "--input-scale", "percentile", "--percentile", "99.9",
+                                  "--smoothing", "awq", "--smooth-alpha", "0.7", "--lowrank", "16", "--gptq",
+                                  "--convrot-groupsize", "64", "--linear-dtype", "int8", "--keep", "*.img_mlp.*",
+                                  "--keep", "final_layer.*"])
+    assert cli._recipe(a) == dataclasses.replace(NON_DEFAULT, sensitivity=True)
