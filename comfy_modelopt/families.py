@@ -110,13 +110,6 @@ def detect_family(shapes: Shapes) -> Family:
     return GENERIC
 
 
-def family_by_name(name: str) -> Family:
-    for fam in FAMILIES + (GENERIC,):
-        if fam.name == name:
-            return fam
-    raise ValueError(f"unknown family {name!r}; known: {', '.join(f.name for f in FAMILIES)}")
-
-
 def diffusion_prefix(keys) -> str:
     """The diffusion-model prefix of a full checkpoint, or '' for a bare diffusion model."""
     counts = {p: 0 for p in DIFFUSION_PREFIXES}

@@ -11,7 +11,6 @@ to the absmax scale: ``alpha == 1`` is the naive absmax encoding.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import comfy_kitchen as ck
@@ -37,15 +36,12 @@ class Format:
 
     name: str                 # ComfyUI QUANT_ALGOS key, written into .comfy_quant
     layout: str               # comfy-kitchen layout class name
-    bits: float               # nominal bits per weight (scales excluded)
-    packed: bool              # 4-bit packing halves shape[1]: detection keys must stay 16-bit
     native_sm: tuple          # NVIDIA compute capability from which ComfyUI computes it natively
     static_input_scale: bool  # ComfyUI honours a stored input_scale (fp8, nvfp4)
     needs_input_scale: bool   # without one ComfyUI would clip activations (fp8): store weight-only
     free_scale: str           # "tensor", "row" or "" : what a clip factor applies to
     k_multiple: int           # in_features must be a multiple of this (kernel rule)
     n_multiple: int = 1       # out_features rule
-    description: str = ""
 
     # ---------------------------------------------------------------- rules
     def shape_problem(self, n: int, k: int, convrot_groupsize: int = 256) -> str | None:
@@ -147,21 +143,11 @@ class Format:
     def _stored_params(self, tensors: dict, conf: dict) -> dict:
         return {"scale": tensors["_scale"]}
 
-    def bytes_for(self, n: int, k: int, **opts) -> int:
-        total = 0
-        for dtype, shape in self.planned(n, k, **opts).values():
-            total += math.prod(shape) * _itemsize(dtype)
-        return total
-
 
 def kitchen_reference():
     """kitchen's eager (reference) backend: the encoder every test checks against, on any device
     and for float32 inputs (its CUDA quantizers take only 16-bit inputs)."""
     return ck.use_backend("eager")
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _storage_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -411,24 +397,19 @@ class MxFp8Format(Format):
         return deq.reshape(x.shape)[:n, :k]
 
 
-FLOAT8_E4M3FN = Fp8Format(
-    "float8_e4m3fn", "TensorCoreFP8Layout", 8, False, (8, 9), True, True, "tensor", 16, 16,
-    "FP8 E4M3, per-tensor scale; W8A8 with a calibrated input_scale, else weight-only")
-FLOAT8_E5M2 = Fp8Format(
-    "float8_e5m2", "TensorCoreFP8Layout", 8, False, (8, 9), True, True, "tensor", 16, 16,
-    "FP8 E5M2 (wider range, 2 mantissa bits), per-tensor scale")
-INT8_TENSORWISE = Int8Format(
-    "int8_tensorwise", "TensorWiseINT8Layout", 8, False, (7, 5), False, False, "row", 16, 1,
-    "INT8 per-row weight scale, dynamic per-row int8 activations; optional ConvRot rotation")
-MXFP8 = MxFp8Format(
-    "mxfp8", "TensorCoreMXFP8Layout", 8.25, False, (10, 0), False, False, "", 32, 1,
-    "MXFP8: E4M3 values with one E8M0 scale per 32; dynamic activations")
-NVFP4 = NvFp4Format(
-    "nvfp4", "TensorCoreNVFP4Layout", 4.5, True, (10, 0), True, False, "tensor", 32, 1,
-    "NVFP4: E2M1 values, E4M3 scale per 16, fp32 global scale; dynamic or static activations")
-CONVROT_W4A4 = ConvRotW4A4Format(
-    "convrot_w4a4", "TensorCoreConvRotW4A4Layout", 4, True, (7, 5), False, False, "row", 64, 1,
-    "Hadamard-rotated signed int4 weights and activations (int4 MMA)", qmax=7, rotated=True)
+# fp8 E4M3: per-tensor scale; W8A8 with a calibrated input_scale, else weight-only
+FLOAT8_E4M3FN = Fp8Format("float8_e4m3fn", "TensorCoreFP8Layout", (8, 9), True, True, "tensor", 16, 16)
+# fp8 E5M2: wider range, 2 mantissa bits
+FLOAT8_E5M2 = Fp8Format("float8_e5m2", "TensorCoreFP8Layout", (8, 9), True, True, "tensor", 16, 16)
+# int8: per-row weight scale, dynamic per-row int8 activations; optional ConvRot rotation
+INT8_TENSORWISE = Int8Format("int8_tensorwise", "TensorWiseINT8Layout", (7, 5), False, False, "row", 16, 1)
+# MXFP8: E4M3 values with one E8M0 scale per 32; dynamic activations
+MXFP8 = MxFp8Format("mxfp8", "TensorCoreMXFP8Layout", (10, 0), False, False, "", 32, 1)
+# NVFP4: E2M1 values, E4M3 scale per 16, fp32 global scale; dynamic or static activations
+NVFP4 = NvFp4Format("nvfp4", "TensorCoreNVFP4Layout", (10, 0), True, False, "tensor", 32, 1)
+# Hadamard-rotated signed int4 weights and activations (int4 MMA)
+CONVROT_W4A4 = ConvRotW4A4Format("convrot_w4a4", "TensorCoreConvRotW4A4Layout", (7, 5), False, False, "row", 64, 1,
+                                 qmax=7, rotated=True)
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
     FLOAT8_E4M3FN, FLOAT8_E5M2, INT8_TENSORWISE, MXFP8, NVFP4, CONVROT_W4A4)}

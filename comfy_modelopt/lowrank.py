@@ -63,20 +63,3 @@ def top_right_singular(w: torch.Tensor, rank: int, seed: int = 0) -> torch.Tenso
         y = w @ z
     _, _, vh = torch.linalg.svd(y, full_matrices=False)  # order the subspace by singular value
     return (z @ vh.T)[:, :rank].T
-
-
-def lowrank_error(w: torch.Tensor, fmt: Format, rank: int, x: torch.Tensor | None = None,
-                  **opts) -> float:
-    """Relative error of (l1 @ l2 + Q(R)) against w; on outputs x @ W^T when x [m, K] is given."""
-    parts = lowrank_split(w, rank)
-    approx = parts.l1 @ parts.l2 + fmt.fake_quant(parts.residual, **opts)
-    diff, ref = approx - w, w
-    if x is not None:
-        diff, ref = x @ diff.T, x @ w.T
-    denom = float(ref.norm())
-    return float(diff.norm()) / denom if denom > 0 else 0.0
-
-
-def error_by_rank(w: torch.Tensor, fmt: Format, ranks=(0, 8, 16, 32, 64, 128), x=None, **opts
-                  ) -> dict[int, float]:
-    return {r: lowrank_error(w, fmt, r, x, **opts) for r in ranks}

@@ -9,7 +9,7 @@ from torch import nn
 from comfy_modelopt.calibrate import CalibrationOptions, calibrate
 from comfy_modelopt.formats import get_format
 from comfy_modelopt.gptq import fp8_column_quantizer, gptq, hessian, int8_column_quantizer
-from comfy_modelopt.lowrank import error_by_rank
+from comfy_modelopt.lowrank import lowrank_split
 from comfy_modelopt.pipeline import DictSink, DictSource, plan_folds, quantize_source
 from comfy_modelopt.plan import make_plan
 from comfy_modelopt.recipe import Recipe
@@ -237,6 +237,16 @@ def test_smoothing_lowers_nvfp4_output_error_on_outlier_layers(method):
         held_out = outlier_inputs(256, k, seed=seed)  # same outlier channels, new rows
         gains.append(1 - output_error(fmt, w, held_out, res.scales) / output_error(fmt, w, held_out, None))
     assert min(gains) >= 0.30, gains
+
+
+def error_by_rank(w, fmt, ranks):
+    """Relative error of (l1 @ l2 + Q(R)) against w, per rank."""
+    out = {}
+    for r in ranks:
+        parts = lowrank_split(w, r)
+        approx = parts.l1 @ parts.l2 + fmt.fake_quant(parts.residual)
+        out[r] = float((approx - w).norm() / w.norm())
+    return out
 
 
 def test_lowrank_error_falls_with_rank():

@@ -25,6 +25,8 @@ DETECTION_CRITICAL = {
     "hunyuan_video": ["txt_in.input_embedder", "final_layer.linear"],
     "ltxv": ["transformer_blocks.0.attn2.to_k", "patchify_proj"],
     "lumina2": ["cap_embedder.1", "x_embedder"],
+    "flux2": ["img_in", "txt_in"],
+    "chroma": ["img_in", "txt_in"],
 }
 
 
@@ -34,7 +36,12 @@ def keyset(family):
 
 
 def test_all_families_have_fixtures():
-    assert set(FAMILIES) == set(DETECTION_CRITICAL)
+    """Every family the package knows has a real key set and its detection-critical layers
+    listed here: a family added to families.py without them fails."""
+    from comfy_modelopt.families import FAMILIES as KNOWN
+    known = {f.name for f in KNOWN}
+    assert known == set(FAMILIES), f"key sets missing for {sorted(known - set(FAMILIES))} (make_keysets.py)"
+    assert known == set(DETECTION_CRITICAL), f"no detection-critical layers for {sorted(known - set(DETECTION_CRITICAL))}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

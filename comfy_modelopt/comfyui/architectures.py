@@ -78,6 +78,17 @@ LUMINA2_FULL = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "d
                 "n_layers": 26, "qk_norm": True, "n_heads": 24, "n_kv_heads": 8, "axes_dims": [32, 32, 32],
                 "axes_lens": [300, 512, 512], "rope_theta": 10000.0, "ffn_dim_multiplier": 4.0}
 
+# Flux.2 [dev] and Chroma as ComfyUI's model detection describes them (comfy/model_detection.py)
+FLUX2_FULL = {"image_model": "flux2", "axes_dim": [32, 32, 32, 32], "num_heads": 48, "mlp_ratio": 3.0, "theta": 2000,
+              "out_channels": 128, "global_modulation": True, "mlp_silu_act": True, "qkv_bias": False,
+              "ops_bias": False, "default_ref_method": "index", "ref_index_scale": 10.0, "txt_ids_dims": [3],
+              "patch_size": 1, "in_channels": 128, "hidden_size": 6144, "context_in_dim": 15360, "vec_in_dim": None,
+              "depth": 8, "depth_single_blocks": 48, "guidance_embed": True}
+CHROMA_FULL = {"image_model": "chroma", "axes_dim": [16, 56, 56], "num_heads": 24, "mlp_ratio": 4.0, "theta": 10000,
+               "qkv_bias": True, "txt_ids_dims": [], "patch_size": 2, "hidden_size": 3072, "context_in_dim": 4096,
+               "vec_in_dim": None, "depth": 19, "depth_single_blocks": 38, "in_channels": 64, "out_channels": 64,
+               "in_dim": 64, "out_dim": 3072, "hidden_dim": 5120, "n_layers": 5}
+
 CONFIGS = {
     "sd15": {"full": SD15_FULL, "small": SD15_SMALL},
     "sdxl": {"full": SDXL_FULL, "small": SDXL_SMALL},
@@ -88,6 +99,8 @@ CONFIGS = {
     "hunyuan_video": {"full": HUNYUAN_FULL},
     "ltxv": {"full": LTXV_FULL},
     "lumina2": {"full": LUMINA2_FULL},
+    "flux2": {"full": FLUX2_FULL},
+    "chroma": {"full": CHROMA_FULL},
 }
 
 

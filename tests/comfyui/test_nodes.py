@@ -165,6 +165,16 @@ def test_save_and_reload_identical(env):
         assert n == 71
     with pytest.raises(Exception, match="exists"):
         nodes.ModelOptSaveQuantized.execute(model=qmodel, filename="test/sd15-fp8", overwrite=False)
+    # the leftover of a killed save (header length never written) loads nowhere, with a clear word
+    data = bytearray(open(path, "rb").read())
+    data[:8] = bytes(8)
+    broken = os.path.join(os.path.dirname(path), "sd15-incomplete.safetensors")
+    with open(broken, "wb") as f:
+        f.write(data)
+    with pytest.raises(Exception, match=r"incomplete file \(interrupted write\)"):
+        nodes.ModelOptUNetLoader.execute(unet_name="test/sd15-incomplete.safetensors")
+    with pytest.raises(Exception):
+        comfy.sd.load_diffusion_model(broken)
 
 
 def test_errors_say_what_to_do(env):
