@@ -84,7 +84,9 @@ class SafetensorsFile:
         try:
             self.metadata, self.tensors, self.header_size = self._parse()
         except BaseException:
-            os.close(self._fd)
+            # close() marks the descriptor closed: __del__ must not close its number again
+            # later, when it may belong to another open file
+            self.close()
             raise
 
     # ------------------------------------------------------------------ header

@@ -169,3 +169,19 @@ def test_header_not_json(tmp_path):
     p.write_bytes(struct.pack("<Q", 5) + b"{nope")
     with pytest.raises(CheckpointError, match="header is not JSON"):
         SafetensorsFile(str(p))
+
+
+def test_failed_open_never_closes_another_files_descriptor(tmp_path):
+    """A header that fails to parse closes its descriptor once; collecting the failed reader
+    later must not close the same number again (by then another file may hold it)."""
+    import gc
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", 2) + b"[]")
+    good = stream(str(tmp_path / "good.safetensors"), sample_tensors())
+    with pytest.raises(CheckpointError) as failed:  # keeps the failed reader alive for now
+        SafetensorsFile(str(bad))
+    with SafetensorsFile(good) as f:  # takes the lowest free number: the one the failed reader had
+        del failed                    # the failed reader goes now, while this file is open
+        gc.collect()
+        for k in f.keys():
+            f.read(k)
