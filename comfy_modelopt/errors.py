@@ -31,10 +31,10 @@ class OutputError(ModelOptError, OSError):
     """An output path that cannot be written (exists, is the input, folder missing...)."""
 
 
+class OutputExistsError(OutputError, FileExistsError):
+    """The output exists and ``overwrite`` was not given (or another run created it first)."""
+
+
 def one_line(text: str) -> str:
     """``text`` on one line (newlines and runs of spaces folded), for error messages."""
     return " ".join(str(text).split())
-
-
-class OutputExistsError(OutputError, FileExistsError):
-    """The output exists and ``overwrite`` was not given (or another run created it first)."""

@@ -56,7 +56,6 @@ META_CALIBRATION = META_PREFIX + "calibration"  # JSON: statistics summary
 META_REPORT = META_PREFIX + "report"            # JSON: QuantReport.header_json()
 META_STATS = META_PREFIX + "stats"              # statistics files: their JSON description
 OWN_LOADER = "comfy-modelopt"
-JSON_META = (META_RECIPE, META_SOURCE, META_CALIBRATION)
 
 
 def own_base(fmt: str) -> str | None:
@@ -99,7 +98,7 @@ def decode_comfy_quant(data, where: str) -> dict:
         if data.dtype != torch.uint8 or data.dim() != 1:
             raise CheckpointError(f"{where}: must be a 1-D uint8 tensor, got {data.dtype} "
                                   f"{list(data.shape)}")
-        data = data.numpy().tobytes()
+        data = data.cpu().numpy().tobytes()
     if len(data) > MAX_COMFY_QUANT_BYTES:
         raise CheckpointError(f"{where}: {len(data)} bytes, too large for a layer config")
     try:

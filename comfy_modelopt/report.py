@@ -47,8 +47,10 @@ def _layer_from_json(name: str, v) -> LayerReport:
         raise TypeError(f"layer {name!r} is not a report entry")
     for k, x in v.items():
         want = _LAYER_TYPES[k]
-        ok = isinstance(x, (int, float)) and not isinstance(x, bool) if want is float else (
-            isinstance(x, want) and (want is bool or not isinstance(x, bool)))
+        if want is bool:
+            ok = isinstance(x, bool)
+        else:  # JSON numbers: an int is a fine float; a bool is neither
+            ok = isinstance(x, (int, float) if want is float else want) and not isinstance(x, bool)
         if not ok:
             raise TypeError(f"layer {name!r}: {k} must be {want.__name__}")
     return LayerReport(name=name, **v)

@@ -334,7 +334,7 @@ class StreamWriter:
             os.fsync(self._fd)                       # every tensor is on disk ...
             os.pwrite(self._fd, struct.pack("<Q", len(self._header)), 0)
             os.fsync(self._fd)                       # ... before the file says it is whole
-            self._publish()
+            _publish(self.tmp_path, self.path, self.overwrite)
             _fsync_dir(os.path.dirname(self.path))
             os.close(self._fd)
             self._fd = -1
@@ -342,29 +342,6 @@ class StreamWriter:
         except BaseException:
             self.abort()
             raise
-
-    def _publish(self) -> None:
-        if self.overwrite:
-            if os.path.isdir(self.path):
-                raise OutputError(f"{self.path} is a folder; choose a file name")
-            os.replace(self.tmp_path, self.path)
-            return
-        try:
-            os.link(self.tmp_path, self.path)       # fails if the target appeared meanwhile
-        except FileExistsError:
-            raise OutputExistsError(f"{self.path} appeared while this run was writing (another run?); "
-                                    f"nothing was replaced - use --overwrite to replace it") from None
-        except OSError as e:
-            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS,
-                               getattr(errno, "ENOTSUP", -1)):
-                raise
-            # filesystems without hard links: the narrow check-then-rename is the best there is
-            if os.path.lexists(self.path):
-                raise OutputExistsError(f"{self.path} appeared while this run was writing; nothing "
-                                        f"was replaced - use --overwrite to replace it") from None
-            os.rename(self.tmp_path, self.path)
-            return
-        os.unlink(self.tmp_path)
 
     def abort(self) -> None:
         try:
@@ -395,6 +372,32 @@ def check_output_path(path: str, overwrite: bool) -> str:
     if os.path.lexists(path) and not overwrite:
         raise OutputExistsError(f"{path} already exists (use --overwrite to replace it)")
     return folder
+
+
+def _publish(tmp_path: str, path: str, overwrite: bool) -> None:
+    """Move a finished temp file into place: replace with ``overwrite``, else link-or-fail, so
+    a file that appeared meanwhile (another run) is never replaced."""
+    if overwrite:
+        if os.path.isdir(path):
+            raise OutputError(f"{path} is a folder; choose a file name")
+        os.replace(tmp_path, path)
+        return
+    try:
+        os.link(tmp_path, path)       # fails if the target appeared meanwhile
+    except FileExistsError:
+        raise OutputExistsError(f"{path} appeared while this run was writing (another run?); "
+                                f"nothing was replaced - use --overwrite to replace it") from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS,
+                           getattr(errno, "ENOTSUP", -1)):
+            raise
+        # filesystems without hard links: the narrow check-then-rename is the best there is
+        if os.path.lexists(path):
+            raise OutputExistsError(f"{path} appeared while this run was writing; nothing "
+                                    f"was replaced - use --overwrite to replace it") from None
+        os.rename(tmp_path, path)
+        return
+    os.unlink(tmp_path)
 
 
 def _partial_prefix(path: str) -> str:
@@ -467,14 +470,7 @@ def atomic_write_bytes(path: str, data: bytes, overwrite: bool = False) -> str:
         os.fchmod(fd, _target_mode(path))
         _pwrite_all(fd, memoryview(data), 0)
         os.fsync(fd)
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                raise OutputExistsError(f"{path} already exists (use --overwrite to replace it)") from None
-            os.unlink(tmp)
+        _publish(tmp, path, overwrite)
         _fsync_dir(folder)
         return path
     except BaseException:

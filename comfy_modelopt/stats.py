@@ -503,7 +503,7 @@ def _read_layer(f, name: str, s: LayerStats) -> None:
         if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
             raise CalibrationError(f"{where}: {part} holds NaN, Inf or negative values (a corrupted "
                                    f"statistics file); calibrate again")
-    if float(s.amax) != float(s.channel_absmax.max()) if s.k else False:
+    if s.k and float(s.amax) != float(s.channel_absmax.max()):
         raise CalibrationError(f"{where}: amax {float(s.amax):g} disagrees with its channels' max "
                                f"{float(s.channel_absmax.max()):g}")
     key = f"{name}::reservoir"
