@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from comfy_modelopt.formats import get_format  # noqa: E402
-from comfy_modelopt.gptq import SUPPORTED, fp8_column_quantizer, gptq, hessian, int8_column_quantizer  # noqa: E402
+from comfy_modelopt.gptq import gptq, hessian  # noqa: E402
 from comfy_modelopt.lowrank import lowrank_split  # noqa: E402
 from comfy_modelopt.scales import choose_weight_clip  # noqa: E402
 from comfy_modelopt.smoothing import search_smoothing  # noqa: E402
@@ -52,7 +52,7 @@ def outliers(m, k, seed, channels):
 def act_scale(fmt, x_absmax):
     if not fmt.needs_input_scale:
         return None
-    return float(x_absmax.max()) / float(torch.finfo(torch.float8_e4m3fn).max)
+    return float(x_absmax.max()) / fmt.input_fmax()
 
 
 def out_err(fmt, w_deq_search, x, ref, s=None, input_scale=None):
@@ -95,16 +95,12 @@ def run_layer(name, n, k, fmt_name, quick):
         ws = w if s is None else w * s
         record(f"{method}" + (f" (a={sm.alpha:.1f})" if s is not None else " (no gain)"), t0,
                fmt.fake_rows(fmt.search_space(ws)), s)
-    if fmt_name in SUPPORTED and not quick:
+    rounding = fmt.gptq_rounding(w, None)
+    if rounding is not None and not quick:
         t0 = time.perf_counter()
-        h = hessian(cal)
-        if fmt_name.startswith("float8"):
-            scale = float(fmt.weight_scale(w, None))
-            q = gptq(w, h, fp8_column_quantizer(scale, torch.float8_e4m3fn))
-        else:
-            q = gptq(w, h, int8_column_quantizer(w.abs().amax(1) / 127))
+        q = gptq(w, hessian(cal), rounding[0])
         record("gptq", t0, q)
-    if fmt_name in ("nvfp4", "convrot_w4a4"):
+    if fmt.lowrank:
         for rank in (32,) if quick else (16, 64):
             t0 = time.perf_counter()
             sm = search_smoothing(w, cal, xabs, xmean, fmt, "awq")

@@ -15,7 +15,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from comfy_modelopt.comfyui import architectures  # noqa: E402
+import architectures  # noqa: E402
 
 architectures.setup_comfy()
 
@@ -112,7 +112,7 @@ def kernel_ms(fn, iters: int = 2) -> float | None:
 def graph_fn(patcher, x, sigma, kw, compile_blocks=False):
     """``apply_model`` on these inputs through a ``CudaGraphs`` runner (as ComfyUI's sampler calls
     the model-function wrapper); returns (call, runner)."""
-    from comfy_modelopt.comfyui.lean import CudaGraphs
+    from comfy_modelopt.comfyui.cuda_graphs import CudaGraphs
     runner = CudaGraphs(patcher, compile_blocks=compile_blocks)
     topts = dict(patcher.model_options.get("transformer_options", {}))
     args = {"input": x, "timestep": sigma, "c": dict(kw, transformer_options=topts)}

@@ -35,8 +35,8 @@ from common import DEVICE, torch  # noqa: E402
 import comfy.ops  # noqa: E402
 from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel  # noqa: E402
 
-from comfy_modelopt.comfyui import architectures  # noqa: E402
-from comfy_modelopt.comfyui.lean import CompiledBlocks  # noqa: E402
+import architectures  # noqa: E402
+from comfy_modelopt.comfyui.compiled_blocks import CompiledBlocks  # noqa: E402
 
 # SDXL's depth (transformer_depth, heads of 8 channels) at widths where arithmetic costs nothing
 TINY_SDXL = dict(architectures.SDXL_FULL, model_channels=32, context_dim=64, num_head_channels=8, adm_in_channels=64)

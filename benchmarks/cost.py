@@ -23,7 +23,7 @@ from common import CUDA, DEVICE, torch  # noqa: E402
 import comfy.sample  # noqa: E402
 
 from comfy_modelopt.calibrate import CalibrationOptions, calibrate  # noqa: E402
-from comfy_modelopt.comfyui import architectures  # noqa: E402
+import architectures  # noqa: E402
 from comfy_modelopt.recipe import Recipe  # noqa: E402
 
 FULL = {"flux": dict(family="flux", size="full", res=1024, txt=512, dtype=torch.bfloat16, cfg=1.0),

@@ -16,7 +16,7 @@ import common  # noqa: E402
 from common import DEVICE, torch  # noqa: E402
 
 from comfy_modelopt.calibrate import CalibrationOptions, calibrate  # noqa: E402
-from comfy_modelopt.comfyui import architectures  # noqa: E402
+import architectures  # noqa: E402
 
 FULL = {"flux": ("flux", "full", 1, 1024, 512, torch.bfloat16, "flux"),
         "sdxl": ("sdxl", "full", 2, 1024, 77, torch.float16, "sdxl")}

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from comfy_modelopt.comfyui import architectures  # noqa: E402
+import architectures  # noqa: E402
 
 architectures.setup_comfy()
 import comfy.model_management  # noqa: E402

@@ -33,7 +33,7 @@ import common  # noqa: E402
 from common import DEVICE, torch  # noqa: E402
 
 from comfy_modelopt.calibrate import CalibrationOptions, calibrate  # noqa: E402
-from comfy_modelopt.comfyui import architectures  # noqa: E402
+import architectures  # noqa: E402
 from comfy_modelopt.recipe import Recipe  # noqa: E402
 
 SIGMAS_EVAL = [1.0, 0.8, 0.5, 0.2, 0.05]

@@ -21,13 +21,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from comfy_modelopt.comfyui import architectures  # noqa: E402
+import architectures  # noqa: E402
 
 architectures.setup_comfy()
 import comfy.sample  # noqa: E402
 
 import common  # noqa: E402
-from comfy_modelopt.comfyui.lean import enable_cuda_graphs, make_lean, rounding_noise  # noqa: E402
+from comfy_modelopt.comfyui.compiled_blocks import rounding_noise  # noqa: E402
+from comfy_modelopt.comfyui.cuda_graphs import CudaGraphs  # noqa: E402
+from comfy_modelopt.comfyui.lean import make_lean  # noqa: E402
+from comfy_modelopt.comfyui.runtime import apply_runtime  # noqa: E402
 
 EAGER_NOISE = "lean, input rounded once more per call (eager's own noise)"
 
@@ -79,15 +82,15 @@ def main(argv=None):
     runs = ["stock", "lean", "lean + cuda graphs", "lean + compiled blocks + cuda graphs", EAGER_NOISE]
     for runtime in runs:
         q = common.load_stock(q_sd, meta)
-        runner = None
-        if runtime != "stock":
-            make_lean(q)
         if runtime == EAGER_NOISE:
+            make_lean(q)
             dtype = q.model.get_dtype_inference()
             q.set_model_unet_function_wrapper(
                 lambda apply_model, args: apply_model(rounding_noise(args["input"], dtype), args["timestep"], **args["c"]))
-        if "cuda graphs" in runtime:
-            q, runner = enable_cuda_graphs(q, compile_blocks="compiled" in runtime)
+        else:  # as the nodes install it
+            q, _ = apply_runtime(q, runtime)
+        runner = q.model_options.get("model_function_wrapper")
+        runner = runner if isinstance(runner, CudaGraphs) else None
         # graph runtimes run twice: the first run captures (and compiles), ComfyUI's cleanup then
         # releases the graphs, and the second run shows the steady state a user sees
         for attempt in range(2 if runner is not None else 1):

@@ -24,7 +24,7 @@ import common  # noqa: E402
 from common import CUDA, DEVICE, torch  # noqa: E402
 
 from comfy_modelopt.calibrate import CalibrationOptions, calibrate  # noqa: E402
-from comfy_modelopt.comfyui import architectures  # noqa: E402
+import architectures  # noqa: E402
 from comfy_modelopt.comfyui.lean import make_lean  # noqa: E402
 from comfy_modelopt.recipe import Recipe  # noqa: E402
 
@@ -116,7 +116,7 @@ def compiled_rows(patcher, label, x, sigma, kw, ref, rows, base_ms, exact_ref=No
 
 def int8_attention_rows(patcher, label, x, sigma, kw, ref, rows, base_ms):
     """The same model with kitchen's INT8 attention (opt-in runtime), under CUDA graphs."""
-    from comfy_modelopt.comfyui.lean import enable_int8_attention, int8_attention_available
+    from comfy_modelopt.comfyui.attention import enable_int8_attention, int8_attention_available
     if not CUDA or not int8_attention_available(DEVICE):
         return
     clone = enable_int8_attention(patcher)
@@ -210,8 +210,8 @@ def run_variant(variant, sd, x, sigma, kw, ref, base_ms, stats, rows):
 
 def lean_dequantized(patcher) -> bool:
     """Whether any layer of this model is computed dequantized here (nvfp4/mxfp8 before Blackwell)."""
-    from comfy_modelopt.comfyui.lean import _native_formats
-    native = _native_formats(patcher.load_device)
+    from comfy_modelopt.comfyui.lean import native_formats
+    native = native_formats(patcher.load_device)
     return any(getattr(m, "quant_format", None) not in (None, *native) for m in patcher.model.diffusion_model.modules())
 
 

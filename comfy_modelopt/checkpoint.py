@@ -12,6 +12,7 @@ from .errors import CheckpointError
 from .fileformat import (COMFY_QUANT, LAYER_SUFFIXES, META_CALIBRATION, META_LOADER, META_RECIPE, META_REPORT, META_SOURCE,
                          META_VERSION, QUANT_METADATA, decode_quantization_metadata, is_ours, json_meta,
                          own_base, read_comfy_quant)
+from .formats import values_per_element
 from .report import QuantReport
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile
 
@@ -186,9 +187,9 @@ def _tally(f: SafetensorsFile, layer_formats: dict, res: InspectResult) -> None:
     res.bytes_by_format = dict(nbytes)
 
 
-def _logical_numel(fmt: str, shape: tuple) -> int:
-    n = math.prod(shape)
-    return n * 2 if (own_base(fmt) or fmt).startswith(("nvfp4", "convrot_w4a4")) else n
+def _logical_numel(label: str, shape: tuple) -> int:
+    name = label.split(" ")[0].split("+")[0]  # see _label
+    return math.prod(shape) * values_per_element(own_base(name) or name)
 
 
 def _our_metadata(meta: dict, where: str) -> dict:

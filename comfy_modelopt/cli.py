@@ -11,7 +11,7 @@ import time
 
 from . import __version__
 from .errors import ModelOptError, OutputError, one_line
-from .recipe import (CONV_CHOICES, CONVROT_GROUPSIZES, DEFAULT_CONVROT_GROUPSIZE, FORMAT_CHOICES,
+from .recipe import (CONV_CHOICES, CONVROT_GROUPSIZES, DEFAULT_CONVROT_GROUPSIZE, DEFAULT_FORMAT, FORMAT_CHOICES,
                      INPUT_SCALE_METHODS, LINEAR_DTYPES, SMOOTHING_METHODS, WEIGHT_SCALE_METHODS)
 
 
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="quantize a diffusion-model checkpoint into ComfyUI's native format")
     q.add_argument("src", help="source .safetensors (diffusion model, or full checkpoint)")
     q.add_argument("-o", "--output", required=True, help="output .safetensors (written atomically)")
-    q.add_argument("--format", default="float8_e4m3fn", choices=FORMAT_CHOICES)
+    q.add_argument("--format", default=DEFAULT_FORMAT, choices=FORMAT_CHOICES)
     q.add_argument("--weight-scale", default="mse", choices=WEIGHT_SCALE_METHODS,
                    help="weight scale: absmax, or MSE-optimal clipping search (default)")
     q.add_argument("--stats", help="activation statistics (.safetensors from calibration): "

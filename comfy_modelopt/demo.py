@@ -15,18 +15,16 @@ import time
 import torch
 
 from .fileformat import COMFY_QUANT, META_REPORT, SUFFIX_KEYS, read_comfy_quant
-from .formats import get_format
+from .formats import FORMATS, get_format
 from .pipeline import quantize_file
-from .recipe import Recipe
+from .recipe import CONVROT_FORMATS, Recipe
 from .safetensors_io import SafetensorsFile
 from .synthetic import flux_layout, tensor_for, write_checkpoint
 
 DEMO_LAYOUT = dict(hidden=256, depth=2, depth_single=2, context_in=512, vec_in=256)
-DEMO_RECIPES = (
-    Recipe("float8_e4m3fn"), Recipe("float8_e5m2"), Recipe("int8_tensorwise"),
-    Recipe("int8_tensorwise", convrot=True), Recipe("mxfp8"), Recipe("nvfp4"),
-    Recipe("convrot_w4a4"),
-)
+# every format, and the ConvRot variant of those that offer one
+DEMO_RECIPES = tuple(r for name in FORMATS for r in (
+    (Recipe(name), Recipe(name, convrot=True)) if name in CONVROT_FORMATS else (Recipe(name),)))
 
 
 def verify_file(path: str, source: dict[str, torch.Tensor]) -> tuple[int, float, float]:

@@ -1,10 +1,17 @@
 """Quantization formats, one per ComfyUI ``QUANT_ALGOS`` key.
 
-Each Format knows three things:
+A Format is the only owner of what its format can do; no other module tests a format's name.
+It knows:
 - ``shape_problem``: whether a ``[N, K]`` Linear weight can use it (kernel and layout rules);
-- ``encode``: the on-disk tensors, produced by comfy-kitchen (never re-implemented here);
-- ``fake_quant``: a fast torch re-statement of the same rounding, used only to *search* scales.
-  The tests hold it equal to kitchen's quantize -> dequantize round trip.
+- ``encode``: the on-disk tensors, produced by comfy-kitchen (never re-implemented here), and
+  ``conf``: its ``.comfy_quant`` fields;
+- ``fake_quant`` / ``fake_act``: a fast torch re-statement of the same rounding of weights and
+  activations, used only to *search* scales; the tests hold it equal to kitchen's round trip;
+- its capabilities: the recipe options it reads (``options``), its activation limit for a
+  static input scale (``input_fmax``) and how that scale is searched (``input_search``),
+  GPTQ (``gptq_rounding``), a low-rank branch (``lowrank``), whether one scale covers the
+  whole weight (``one_weight_scale``), and how ComfyUI runs it (``native_sm``, ``native_gate``,
+  ``lean_kernel``).
 
 A scale choice is a clip factor ``alpha`` (a 0-d tensor, or one value per output row) relative
 to the absmax scale: ``alpha == 1`` is the naive absmax encoding.
@@ -18,6 +25,8 @@ import comfy_kitchen.tensor as ck_tensor
 import torch
 from comfy_kitchen.tensor import QuantizedTensor
 from comfy_kitchen.tensor.int8_utils import _build_hadamard, _rotate_weight
+
+from . import gptq
 
 # kitchen's own layout classes, held directly: ComfyUI re-registers some layout names with its
 # subclasses (e.g. "TensorCoreFP8Layout" becomes its E4M3 class without a dtype argument), so
@@ -42,10 +51,18 @@ class Format:
     free_scale: str           # "tensor", "row" or "" : what a clip factor applies to
     k_multiple: int           # in_features must be a multiple of this (kernel rule)
     n_multiple: int = 1       # out_features rule
+    options: tuple = ()       # Recipe fields this format reads (Recipe.format_options)
+    lowrank: bool = False     # can carry a 16-bit low-rank branch (comfy-modelopt's loader)
+    one_weight_scale: bool = False  # one scale for the whole weight (fp8): rescaling some rows
+    #                                 of it (a smoothing fold into a producer) costs precision
+    values_per_element: int = 1     # weight values packed into one stored element (4-bit: 2)
+    input_search: str = ""    # static input scale searched on the "histogram" or a "sample"
+    native_gate: str = ""     # comfy.model_management predicate for native compute ("": always)
+    lean_kernel: str = ""     # the lean runtime's direct kernel ("": dequantize, or stock)
 
     # ---------------------------------------------------------------- rules
-    def shape_problem(self, n: int, k: int, convrot_groupsize: int = 256) -> str | None:
-        """Why a [n, k] weight cannot use this format, or None."""
+    def shape_problem(self, n: int, k: int, **opts) -> str | None:
+        """Why a [n, k] weight cannot use this format with ``opts`` (its recipe options), or None."""
         if k % self.k_multiple:
             return f"{self.name} needs in_features % {self.k_multiple} == 0, got {k}"
         if n % self.n_multiple:
@@ -103,6 +120,19 @@ class Format:
 
     def _meta_extra(self, meta: torch.Tensor) -> dict:
         return {}
+
+    # ---------------------------------------------------------------- capabilities
+    def input_fmax(self) -> float | None:
+        """What ComfyUI divides the activation clip value by to get ``input_scale``; None when
+        the format cannot store a static input scale."""
+        return None
+
+    def gptq_rounding(self, w: torch.Tensor, alpha: torch.Tensor | None, **opts):
+        """GPTQ support: ``(quantize_columns, scale)`` - a column rounder with the scales fixed by
+        clip factor ``alpha``, and the explicit scale that re-encodes the rounded weight exactly
+        - or None where error compensation cannot hold (block scales recomputed by the encoder,
+        rounding in a rotated basis)."""
+        return None
 
     # ---------------------------------------------------------------- search
     def search_space(self, w: torch.Tensor, **opts) -> torch.Tensor:
@@ -176,8 +206,19 @@ def _clip_rows(w: torch.Tensor, alpha: torch.Tensor | None) -> torch.Tensor:
 # ==================================================================== fp8 per-tensor
 @dataclass(frozen=True)
 class Fp8Format(Format):
+    @property
+    def dtype(self) -> torch.dtype:
+        return _FP8_DTYPES[self.name]
+
     def fmax(self) -> float:
-        return torch.finfo(_FP8_DTYPES[self.name]).max
+        return torch.finfo(self.dtype).max
+
+    def input_fmax(self):
+        return float(self.fmax())
+
+    def gptq_rounding(self, w, alpha, **opts):
+        scale = float(self.weight_scale(w, alpha))
+        return gptq.fp8_column_quantizer(scale, self.dtype), torch.tensor(scale)
 
     def layout_kwargs(self, **opts) -> dict:
         return {"dtype": _FP8_DTYPES[self.name]}
@@ -227,7 +268,7 @@ class RowwiseIntFormat(Format):
     def _rotates(self, opts) -> bool:
         return self.rotated or bool(opts.get("convrot"))
 
-    def shape_problem(self, n, k, convrot_groupsize=256, convrot=False):
+    def shape_problem(self, n, k, convrot_groupsize=256, convrot=False, **opts):
         problem = super().shape_problem(n, k)
         if problem is None and (self.rotated or convrot) and k % convrot_groupsize:
             problem = f"{self.name} with ConvRot needs in_features % {convrot_groupsize} == 0, got {k}"
@@ -275,6 +316,15 @@ class RowwiseIntFormat(Format):
 
 @dataclass(frozen=True)
 class Int8Format(RowwiseIntFormat):
+    def gptq_rounding(self, w, alpha, convrot=False, **opts):
+        if convrot:  # rounding happens in the rotated basis
+            return None
+        absmax = w.abs().amax(dim=1)
+        if alpha is not None:
+            absmax = absmax * alpha.to(w.device)
+        row_scale = (absmax / 127.0).clamp(min=1e-30)
+        return gptq.int8_column_quantizer(row_scale), row_scale
+
     def _explicit(self, scale):
         # kitchen's tensorwise quantizer broadcasts an [N, 1] scale: per-row with given scales
         return {"scale": scale.reshape(-1, 1).float(), "per_channel": False}
@@ -334,6 +384,9 @@ def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class NvFp4Format(Format):
+    def input_fmax(self):  # the activation global scale: amax / (6 * 448)
+        return F4_E2M1_MAX * F8_E4M3_MAX
+
     def _stored_params(self, tensors, conf):
         return {"scale": tensors["_scale_2"], "block_scale": tensors["_scale"].view(torch.float8_e4m3fn)}
 
@@ -397,18 +450,25 @@ class MxFp8Format(Format):
         return deq.reshape(x.shape)[:n, :k]
 
 
+_FP8_KW = dict(layout="TensorCoreFP8Layout", native_sm=(8, 9), static_input_scale=True, needs_input_scale=True,
+            free_scale="tensor", k_multiple=16, n_multiple=16, one_weight_scale=True, input_search="histogram",
+            native_gate="supports_fp8_compute", lean_kernel="fp8_scaled_mm")
 # fp8 E4M3: per-tensor scale; W8A8 with a calibrated input_scale, else weight-only
-FLOAT8_E4M3FN = Fp8Format("float8_e4m3fn", "TensorCoreFP8Layout", (8, 9), True, True, "tensor", 16, 16)
+FLOAT8_E4M3FN = Fp8Format("float8_e4m3fn", **_FP8_KW)
 # fp8 E5M2: wider range, 2 mantissa bits
-FLOAT8_E5M2 = Fp8Format("float8_e5m2", "TensorCoreFP8Layout", (8, 9), True, True, "tensor", 16, 16)
+FLOAT8_E5M2 = Fp8Format("float8_e5m2", **_FP8_KW)
 # int8: per-row weight scale, dynamic per-row int8 activations; optional ConvRot rotation
-INT8_TENSORWISE = Int8Format("int8_tensorwise", "TensorWiseINT8Layout", (7, 5), False, False, "row", 16, 1)
+INT8_TENSORWISE = Int8Format("int8_tensorwise", "TensorWiseINT8Layout", (7, 5), False, False, "row", 16, 1,
+                             options=("convrot", "convrot_groupsize"), lean_kernel="int8_linear")
 # MXFP8: E4M3 values with one E8M0 scale per 32; dynamic activations
-MXFP8 = MxFp8Format("mxfp8", "TensorCoreMXFP8Layout", (10, 0), False, False, "", 32, 1)
+MXFP8 = MxFp8Format("mxfp8", "TensorCoreMXFP8Layout", (10, 0), False, False, "", 32, 1,
+                    native_gate="supports_mxfp8_compute")
 # NVFP4: E2M1 values, E4M3 scale per 16, fp32 global scale; dynamic or static activations
-NVFP4 = NvFp4Format("nvfp4", "TensorCoreNVFP4Layout", (10, 0), True, False, "tensor", 32, 1)
+NVFP4 = NvFp4Format("nvfp4", "TensorCoreNVFP4Layout", (10, 0), True, False, "tensor", 32, 1, lowrank=True,
+                    values_per_element=2, input_search="sample", native_gate="supports_nvfp4_compute")
 # Hadamard-rotated signed int4 weights and activations (int4 MMA)
 CONVROT_W4A4 = ConvRotW4A4Format("convrot_w4a4", "TensorCoreConvRotW4A4Layout", (7, 5), False, False, "row", 64, 1,
+                                 options=("convrot_groupsize", "linear_dtype"), lowrank=True, values_per_element=2,
                                  qmax=7, rotated=True)
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
@@ -420,3 +480,9 @@ def get_format(name: str) -> Format:
         return FORMATS[name]
     except KeyError:
         raise ValueError(f"unknown format {name!r}; choose one of: {', '.join(FORMATS)}") from None
+
+
+def values_per_element(name: str) -> int:
+    """Weight values per stored element of format ``name`` (1 for names that are not formats)."""
+    fmt = FORMATS.get(name)
+    return fmt.values_per_element if fmt is not None else 1

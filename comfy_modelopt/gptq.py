@@ -3,18 +3,16 @@ before rounding and that kitchen re-encodes exactly from the rounded values.
 
 Columns are rounded one at a time; the rounding error of each is spread over the columns not
 yet rounded, weighted by the inverse Hessian of the layer's output error (H = X^T X from the
-calibration inputs).  Supported here: fp8 per-tensor scale and int8 per-row scale.  Not for
-nvfp4/mxfp8 (their block scales are recomputed by the encoder from each block's maximum, which
-error compensation moves) nor ConvRot formats (rounding happens in the rotated basis).
+calibration inputs).  Which formats can use it, and with which column rounder, is theirs to
+say (``Format.gptq_rounding``): fp8 per-tensor and int8 per-row scales can; block-scaled
+formats cannot (the encoder recomputes block scales from each block's maximum, which error
+compensation moves), nor ConvRot (rounding happens in the rotated basis).
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
-
-SUPPORTED = ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise")
-
 
 def hessian(x: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     """H = X^T X / m + damp * mean(diag) * I, in float64."""

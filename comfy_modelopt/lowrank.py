@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import Format
 
 
 @dataclass

@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -20,14 +19,12 @@ from . import __version__
 from .errors import ModelOptError, OutputError, QuantizeError
 from .fileformat import (META_CALIBRATION, META_FAMILY, META_LOADER, META_PREFIX, META_RECIPE, META_REPORT,
                          META_SOURCE, META_VERSION, OWN_LOADER, QUANT_METADATA)
-from .folding import fold_groups, producer_rows
-from .formats import get_format
+from .folding import Folds, plan_folds, read_rows_scaled
 from .plan import Plan, make_plan
 from .quantize import kept_report, quantize_conv, quantize_layer
 from .recipe import Recipe
 from .report import QuantReport
 from .safetensors_io import FLOAT_DTYPES, ITEMSIZE, TORCH_DTYPES, SafetensorsFile, StreamWriter, check_output_path
-from .smoothing import search_smoothing
 
 Progress = Callable[[int, int, str], None]
 
@@ -121,79 +118,10 @@ def _numel(shape) -> int:
     return n
 
 
-# ====================================================================== smoothing folds
-@dataclass
-class Folds:
-    consumer: dict = field(default_factory=dict)   # layer name -> s [K]
-    rows: dict = field(default_factory=dict)       # tensor key -> (row slice, 1/s): producer outputs
-    notes: dict = field(default_factory=dict)      # layer name -> note
-
-
-def plan_folds(plan: Plan, source, stats, recipe: Recipe, progress: Progress | None = None) -> Folds:
-    """Search smoothing scales for every exact fold group and record what to rescale."""
-    folds = Folds()
-    p = plan.prefix
-    rel_layers = {l.rel: l for l in plan.layers}
-    rel_tensors = {k[len(p):] for k in source.tensors if k.startswith(p)}
-    groups = fold_groups(plan.family.name, rel_layers, rel_tensors)
-    fmt = get_format(recipe.format)
-    opts = recipe.format_options()
-    for i, g in enumerate(groups):
-        if progress:
-            progress(i, len(groups), "smoothing " + g.consumers[0])
-        first = g.consumers[0]
-        if not stats.has(first) or not stats.layer(first).has_sample():
-            continue
-        if g.kind != "norm" and fmt.name.startswith("float8") and rel_layers[g.producer].quantized:
-            # dividing a quantized producer's rows by s shrinks some rows far below the one
-            # per-tensor fp8 scale they share, and the consumer's search cannot see that error
-            # (an SD block, tests/test_calibration.py: 1.28x the unsmoothed error with these
-            # folds, 0.88x without; full SDXL in docs/benchmarks.md)
-            for c in g.consumers:
-                folds.notes[p + c] = (f"{recipe.smoothing}: not folded into {g.producer} (quantized with one "
-                                      f"per-tensor fp8 scale)")
-            continue
-        st = stats.layer(first)
-        w = torch.cat([_read_rows_scaled(source, p + c + ".weight", folds) for c in g.consumers])
-        dev = w.device
-        res = search_smoothing(w, st.sample().to(dev), st.channel_absmax.float().to(dev),
-                               st.channel_mean_abs().to(dev), fmt, recipe.smoothing,
-                               static_input=rel_layers[first].static_input, **opts)
-        if res.scales is None:
-            for c in g.consumers:
-                folds.notes[p + c] = f"{recipe.smoothing}: no gain"
-            continue
-        inv = 1.0 / res.scales
-        for c in g.consumers:
-            folds.consumer[p + c] = res.scales
-            folds.notes[p + c] = (f"{recipe.smoothing} a={res.alpha:.1f} folded into {g.producer} "
-                                  f"(out err {res.base_error:.4f}->{res.error:.4f})")
-        if g.kind == "norm":
-            for suffix in (".weight", ".bias"):
-                folds.rows[p + g.producer + suffix] = (slice(None), inv)
-        else:
-            layer = rel_layers[g.producer]
-            rows = producer_rows(g.kind, layer.n)
-            folds.rows[p + g.producer + ".weight"] = (rows, inv)
-            if p + g.producer + ".bias" in source.tensors:
-                folds.rows[p + g.producer + ".bias"] = (rows, inv)
-    return folds
-
-
-def _read_rows_scaled(source, key: str, folds: Folds) -> torch.Tensor:
-    t = source.read(key).float()
-    if key in folds.rows:
-        rows, inv = folds.rows[key]
-        inv = inv.to(t.device)
-        t = t.clone()
-        t[rows] = t[rows] * (inv.reshape(-1, 1) if t.dim() == 2 else inv)
-    return t
-
-
 def _passthrough(source, key: str, folds: Folds, dtype: str, nonfinite: list | None = None) -> torch.Tensor:
     """Source tensor with its fold rescaling applied, in its planned output dtype; float tensors
     with NaN/Inf values are copied as they are and listed in ``nonfinite`` (key, count)."""
-    t = _read_rows_scaled(source, key, folds) if key in folds.rows else getattr(source, "base", source).read(key)
+    t = read_rows_scaled(source, key, folds) if key in folds.rows else getattr(source, "base", source).read(key)
     if nonfinite is not None and t.is_floating_point() and t.numel():
         bad = int((~torch.isfinite(t)).sum())
         if bad:
@@ -308,9 +236,9 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
             if not layer.quantized:
                 sink.write(key, _passthrough(source, key, folds, layer.tensors[key][0], nonfinite))
                 continue
-            w = _read_rows_scaled(source, key, folds) if key in folds.rows else source.read(key)
+            w = read_rows_scaled(source, key, folds) if key in folds.rows else source.read(key)
             layer_stats = stats.layer(layer.rel) if stats is not None and stats.has(layer.rel) else None
-            tensors, rep = quantize_layer(w, layer, recipe, layer_stats, smooth=folds.consumer.get(layer.name))
+            tensors, rep = quantize_layer(w, layer, plan, layer_stats, smooth=folds.consumer.get(layer.name))
             del w
             if recipe.smoothing != "none" and not recipe.own_loader:
                 fold_note = folds.notes.get(layer.name, "smoothing skipped: no exact fold into a stock "
@@ -341,7 +269,7 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
 
 
 def _add_notes(plan: Plan, report: QuantReport, stats) -> None:
-    fmt = get_format(plan.recipe.format)
+    fmt = plan.fmt
     if plan.family.name == "unknown":
         kept = [l.rel for l in plan.kept if "unknown rule" in l.reason]
         report.notes.append("unknown model family: generic rules kept 16-bit: "
@@ -359,6 +287,23 @@ def _add_notes(plan: Plan, report: QuantReport, stats) -> None:
         if never and not fmt.needs_input_scale:
             report.notes.append(f"{len(never)} layers never ran during calibration (weight-only "
                                 f"searches for them), e.g. {never[0]}")
+
+
+def quantize(state_dict: dict[str, torch.Tensor], recipe: Recipe, stats=None, metadata: dict | None = None,
+             progress: Progress | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str], QuantReport]:
+    """Quantize an in-memory state dict (a diffusion model's, any prefix ComfyUI knows):
+    returns the output state dict (CPU tensors, ``state_dict`` itself untouched), the
+    safetensors metadata a file of it needs, and the report.
+
+    ``stats``: ``ActivationStats`` (or a path to a statistics file) for static input scales,
+    smoothing and GPTQ; without it the weights are quantized from their values alone."""
+    if isinstance(stats, (str, os.PathLike)):
+        from .stats import ActivationStats
+        stats = ActivationStats.load(stats)
+    sink = DictSink()
+    report = quantize_source(DictSource.from_state_dict(state_dict, metadata), sink, recipe, stats,
+                             progress=progress)
+    return sink.tensors, sink.metadata, report
 
 
 # ====================================================================== files
@@ -401,5 +346,5 @@ def check_not_input(path, src, what: str) -> None:
         raise OutputError(f"{path}: the {what} would overwrite the input model; choose another path")
 
 
-__all__ = ["quantize_file", "check_not_input", "available_memory", "quantize_source", "FileSource", "DictSource", "DeviceSource", "FileSink", "DictSink",
-           "TORCH_DTYPES"]
+__all__ = ["quantize", "quantize_file", "check_not_input", "available_memory", "quantize_source", "FileSource",
+           "DictSource", "DeviceSource", "FileSink", "DictSink", "TORCH_DTYPES"]

@@ -34,6 +34,7 @@ class LayerPlan:
     reason: str = ""             # why kept, or why weight-only
     weight_only: bool = False    # stored quantized, computed dequantized (no input_scale)
     static_input: bool = False   # writes input_scale
+    rank: int = 0                # rank of the 16-bit low-rank branch (0: none)
     conf: dict | None = None     # .comfy_quant JSON
     tensors: dict = field(default_factory=dict)  # output key -> (safetensors dtype, shape)
 
@@ -51,6 +52,8 @@ class Plan:
     passthrough: dict            # key -> (dtype, shape) copied unchanged
     convs: list = field(default_factory=list)  # ConvPlan: fp8 convolutions (own loader)
     odd: list = field(default_factory=list)    # (key, shape): named like a Linear weight, not 2-D
+    fmt: Format | None = None    # the recipe's format, resolved
+    opts: dict = field(default_factory=dict)   # its options (Recipe.format_options)
 
     @property
     def quantized(self) -> list[LayerPlan]:
@@ -148,7 +151,8 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
     if recipe.conv != "none" and not convs:
         raise PlanError(f"conv={recipe.conv}: this {family.name} model has no convolution to quantize "
                         f"(kernels larger than 1x1, outside {', '.join(CONV_KEEP)})")
-    return Plan(recipe, family, prefix, layers, passthrough, convs, _odd_weights(layers, passthrough, prefix))
+    return Plan(recipe, family, prefix, layers, passthrough, convs, _odd_weights(layers, passthrough, prefix),
+                fmt, opts)
 
 
 def _check_collisions(planned: list, source: Mapping[str, tuple]) -> None:
@@ -189,7 +193,7 @@ def _decide(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict, family: F
     if layer.src_dtype not in FLOAT_DTYPES:
         layer.reason = f"source dtype {layer.src_dtype} is not 16/32-bit float"
         return
-    problem = fmt.shape_problem(layer.n, layer.k, **_shape_opts(fmt, opts))
+    problem = fmt.shape_problem(layer.n, layer.k, **opts)
     if problem:
         layer.reason = problem
         return
@@ -207,13 +211,6 @@ def _decide(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict, family: F
     layer.static_input = fmt.needs_input_scale or (fmt.static_input_scale and recipe.static_nvfp4_input)
 
 
-def _shape_opts(fmt: Format, opts: dict) -> dict:
-    out = {"convrot_groupsize": opts.get("convrot_groupsize", 256)}
-    if fmt.name == "int8_tensorwise":
-        out["convrot"] = opts.get("convrot", False)
-    return out
-
-
 def _lay_out(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict) -> None:
     layer.conf = fmt.conf(weight_only=layer.weight_only, **opts)
     for suffix, (dtype, shape) in fmt.planned(layer.n, layer.k, **opts).items():
@@ -221,7 +218,7 @@ def _lay_out(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict) -> None:
     if layer.static_input:
         layer.tensors[layer.name + INPUT_SCALE] = ("F32", ())
     if recipe.lowrank:
-        rank = min(recipe.lowrank, layer.n, layer.k)
+        layer.rank = rank = min(recipe.lowrank, layer.n, layer.k)
         layer.conf = dict(layer.conf, format=own_format(fmt.name), rank=rank)
         layer.tensors[layer.name + LOWRANK_DOWN] = ("BF16", (rank, layer.k))
         layer.tensors[layer.name + LOWRANK_UP] = ("BF16", (layer.n, rank))

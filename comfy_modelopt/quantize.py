@@ -1,23 +1,27 @@
-"""One layer: choose (smoothing, clip, rounding) then encode with kitchen; and the report.
+"""One layer in three steps: ``choose`` (smoothing, low-rank branch, input scale, weight clip),
+``encode`` (GPTQ rounding where it applies, then kitchen), ``measure`` (the layer's report).
 
-``quantize_layer`` turns one float weight into its output tensors and a LayerReport.  The
-whole-model pipeline that streams a source through it lives in ``pipeline``.
+``quantize_layer`` runs them on one float weight of a plan.  The whole-model pipeline that
+streams a source through it lives in ``pipeline``.
 """
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass, field
 
-from . import gptq as gptq_mod
-from .formats import FORMATS, Format, get_format, kitchen_reference
+import torch
+from comfy_kitchen.tensor import QuantizedTensor
+
+from . import gptq
+from .formats import FORMATS, Format, kitchen_reference
 from .errors import QuantizeError
 from .fileformat import (COMFY_QUANT, INPUT_SCALE, LOWRANK_DOWN, LOWRANK_UP, SMOOTH_SCALE, SUFFIX_KEYS,
                          comfy_quant_tensor)
-from .plan import LayerPlan
+from .plan import LayerPlan, Plan
 from .recipe import Recipe
 from .report import LayerReport
 from .safetensors_io import ITEMSIZE
 from .lowrank import lowrank_split
-from .scales import choose_input_scale, choose_weight_clip, input_fmax
+from .scales import ClipChoice, choose_input_scale, choose_weight_clip
 from .smoothing import output_error, search_smoothing
 
 SENSITIVITY_ROWS = 64
@@ -30,21 +34,51 @@ def check_finite(name: str, w: torch.Tensor) -> None:
                             f"quantize a broken layer (fix the source, or --keep this layer)")
 
 
-def quantize_layer(w: torch.Tensor, layer: LayerPlan, recipe: Recipe, layer_stats=None,
+@dataclass
+class LayerChoice:
+    """What was chosen for one layer before encoding it."""
+    w: torch.Tensor                     # what is encoded: smoothed, minus the low-rank branch
+    x: torch.Tensor | None              # sampled inputs in the same (smoothed) basis
+    smoothed: torch.Tensor              # the whole smoothed weight (the branch included)
+    clip: ClipChoice
+    input_scale: float | None = None    # static input_scale
+    pre_scale: torch.Tensor | None = None   # own-loader smooth_scale (1/s) [K]
+    branch: tuple | None = None         # (up [N, r], down [r, K]) bf16 low-rank branch
+    notes: list = field(default_factory=list)
+
+
+def quantize_layer(w: torch.Tensor, layer: LayerPlan, plan: Plan, layer_stats=None,
                    smooth: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], LayerReport]:
     """Output tensors (by output key) and the report for one planned, quantized layer.
 
     ``smooth`` [K]: smoothing scales already folded into the producer of this layer's input;
     the stored weight is ``w * smooth``."""
-    fmt = get_format(layer.format)
-    opts = recipe.format_options()
     w = w.to(torch.float32)
     check_finite(layer.name, w)
     x = layer_stats.sample().to(w.device) if (layer_stats is not None and layer_stats.has_sample()) else None
-    notes = []
-    w_ref, x_ref = w, x
-    pre_scale = None
-    if recipe.lowrank and recipe.smoothing != "none" and x is not None:
+    choice = choose(w, x, layer, plan, layer_stats, smooth)
+    encoded, qt = encode(choice, plan)
+    with kitchen_reference():
+        deq = qt.dequantize().to(torch.float32)
+    tensors = {layer.name + SUFFIX_KEYS[s]: t for s, t in encoded.items()}
+    if choice.branch is not None:
+        tensors[layer.name + LOWRANK_UP], tensors[layer.name + LOWRANK_DOWN] = choice.branch
+        if choice.pre_scale is not None:
+            tensors[layer.name + SMOOTH_SCALE] = choice.pre_scale.float().cpu()
+    if choice.input_scale is not None:
+        tensors[layer.name + INPUT_SCALE] = torch.tensor(choice.input_scale, dtype=torch.float32)
+    tensors[layer.name + COMFY_QUANT] = comfy_quant_tensor(layer.conf)
+    return tensors, measure(w, x, deq, choice, layer, plan, layer_stats)
+
+
+# ---------------------------------------------------------------------- choose
+def choose(w: torch.Tensor, x: torch.Tensor | None, layer: LayerPlan, plan: Plan, layer_stats,
+           smooth: torch.Tensor | None) -> LayerChoice:
+    """Smoothing, low-rank branch, static input scale and weight clip for float32 ``w`` [N, K]
+    with sampled inputs ``x`` [m, K] (or None)."""
+    fmt, opts, recipe = plan.fmt, plan.opts, plan.recipe
+    notes, pre_scale = [], None
+    if layer.rank and recipe.smoothing != "none" and x is not None:
         # own-loader files carry smoothing per layer (smooth_scale multiplies the input)
         found = search_smoothing(w, x, layer_stats.channel_absmax.float().to(w.device),
                                  layer_stats.channel_mean_abs().to(w.device), fmt, recipe.smoothing, **opts)
@@ -55,87 +89,76 @@ def quantize_layer(w: torch.Tensor, layer: LayerPlan, recipe: Recipe, layer_stat
         smooth = smooth.to(w.device)
         w = w * smooth
         x = x / smooth if x is not None else None
-    branch = None
-    if recipe.lowrank:
-        parts = lowrank_split(w, min(recipe.lowrank, layer.n, layer.k))
+    branch, smoothed = None, w
+    if layer.rank:
+        parts = lowrank_split(w, layer.rank)
         # contiguous, as a reloaded file holds them: the same strides give bit-identical matmuls
         branch = (parts.l1.to(torch.bfloat16).contiguous(), parts.l2.to(torch.bfloat16).contiguous())
-        w_full, w = w, parts.residual
+        w = parts.residual
         notes.append(f"low-rank r={parts.l1.shape[1]}")
-
-    input_scale = None
-    if layer.static_input:
-        input_scale = _input_scale(layer_stats, fmt, recipe, smooth)
-
+    input_scale = _input_scale(layer_stats, fmt, recipe, smooth) if layer.static_input else None
     # output-aware clipping for per-tensor scales; per-row scales chosen on a few hundred sampled
     # rows overfit them (measured: worse on fresh inputs), so rows use the weight objective
     clip = choose_weight_clip(w, fmt, recipe.weight_scale, xs=x if fmt.free_scale == "tensor" else None, **opts)
-    if recipe.gptq and x is not None and fmt.name in gptq_mod.SUPPORTED and not opts.get("convrot"):
-        encoded, qt = _gptq_encode(w, fmt, clip.alpha, x, opts)
-        notes.append("gptq")
-    else:
-        encoded, qt = fmt.encode(w, clip.alpha, **opts)
-        if recipe.gptq and x is not None:
-            notes.append(f"gptq n/a for {fmt.name}{'+convrot' if opts.get('convrot') else ''}")
-    with kitchen_reference():
-        deq = qt.dequantize().to(torch.float32)
-
-    tensors = {layer.name + SUFFIX_KEYS[s]: t for s, t in encoded.items()}
-    lowrank = None
-    if branch is not None:
-        up, down = branch
-        tensors[layer.name + LOWRANK_UP], tensors[layer.name + LOWRANK_DOWN] = up, down
-        if pre_scale is not None:
-            tensors[layer.name + SMOOTH_SCALE] = pre_scale.float().cpu()
-        lowrank = up.float() @ down.float()
-        deq, w = deq + lowrank, w_full
-    report = LayerReport(layer.name, layer.conf["format"], _nbytes(layer.tensors), layer.n * layer.k * 2,
-                         reason=layer.reason, weight_only=layer.weight_only,
-                         rel_err=_rel(deq - w, w), alpha=clip.mean_alpha)
-    if x is not None:
-        act = fmt.fake_act(x, input_scale if not layer.weight_only else None, **opts)
-        if lowrank is None:
-            q_out = act @ fmt.search_space(deq, **opts).T
-        else:  # the branch sees the (smoothed) 16-bit input; only the residual GEMM is quantized
-            q_out = act @ fmt.search_space(deq - lowrank, **opts).T + x @ lowrank.T
-        report.out_err = _rel(q_out - x_ref @ w_ref.T, x_ref @ w_ref.T)
-        if recipe.sensitivity:
-            report.sensitivity = sensitivity(w_ref, x_ref[:SENSITIVITY_ROWS], layer_stats, recipe)
-    if input_scale is not None:
-        tensors[layer.name + INPUT_SCALE] = torch.tensor(input_scale, dtype=torch.float32)
-        report.input_scale = input_scale
-    tensors[layer.name + COMFY_QUANT] = comfy_quant_tensor(layer.conf)
-    report.notes = ", ".join(notes)
-    return tensors, report
+    return LayerChoice(w, x, smoothed, clip, input_scale, pre_scale, branch, notes)
 
 
 def _input_scale(layer_stats, fmt: Format, recipe: Recipe, smooth) -> float:
     if smooth is None:
-        return choose_input_scale(layer_stats, fmt, recipe)
+        sample = layer_stats.sample() if recipe.input_scale == "mse" and layer_stats.has_sample() else None
+        return choose_input_scale(fmt, recipe.input_scale, layer_stats.amax_value(), layer_stats.hist,
+                                  sample, recipe.percentile)
     # the histogram describes the unsmoothed input: after smoothing use its exact amax
     amax = float((layer_stats.channel_absmax.float().cpu() / smooth.cpu()).max())
-    return max(amax, 1e-12) / input_fmax(fmt)
+    return max(amax, 1e-12) / fmt.input_fmax()
 
 
-def _gptq_encode(w, fmt: Format, alpha, x, opts):
-    h = gptq_mod.hessian(x)
-    if fmt.name.startswith("float8"):
-        scale = float(fmt.weight_scale(w, alpha))
-        q = gptq_mod.gptq(w, h, gptq_mod.fp8_column_quantizer(scale, _fp8(fmt)))
-        return fmt.encode(q, scale=torch.tensor(scale), **opts)
-    absmax = w.abs().amax(dim=1)
-    if alpha is not None:
-        absmax = absmax * alpha.to(w.device)
-    row_scale = (absmax / 127.0).clamp(min=1e-30)
-    q = gptq_mod.gptq(w, h, gptq_mod.int8_column_quantizer(row_scale))
-    return fmt.encode(q, scale=row_scale, **opts)
+# ---------------------------------------------------------------------- encode
+def encode(choice: LayerChoice, plan: Plan) -> tuple[dict[str, torch.Tensor], QuantizedTensor]:
+    """kitchen's encoding of the chosen weight (GPTQ-rounded first where the recipe asks and the
+    format can): on-disk tensors by key suffix, and the QuantizedTensor."""
+    fmt, opts, w, x = plan.fmt, plan.opts, choice.w, choice.x
+    if plan.recipe.gptq and x is not None:
+        rounding = fmt.gptq_rounding(w, choice.clip.alpha, **opts)
+        if rounding is not None:
+            quantize_columns, scale = rounding
+            choice.notes.append("gptq")
+            return fmt.encode(gptq.gptq(w, gptq.hessian(x), quantize_columns), scale=scale, **opts)
+        choice.notes.append(f"gptq n/a for {fmt.name}{'+convrot' if opts.get('convrot') else ''}")
+    return fmt.encode(w, choice.clip.alpha, **opts)
 
 
-def _fp8(fmt: Format) -> torch.dtype:
-    return torch.float8_e5m2 if fmt.name == "float8_e5m2" else torch.float8_e4m3fn
+# ---------------------------------------------------------------------- measure
+def measure(w: torch.Tensor, x: torch.Tensor | None, deq: torch.Tensor, choice: LayerChoice,
+            layer: LayerPlan, plan: Plan, layer_stats) -> LayerReport:
+    """The layer's report: weight error, and with sampled inputs ``x`` (unsmoothed, as ``w``)
+    the output error of what ComfyUI will compute, and the per-format sensitivity."""
+    fmt, opts = plan.fmt, plan.opts
+    lowrank = None
+    if choice.branch is not None:
+        up, down = choice.branch
+        lowrank = up.float() @ down.float()
+        deq = deq + lowrank
+    report = LayerReport(layer.name, layer.conf["format"], _nbytes(layer.tensors), layer.n * layer.k * 2,
+                         reason=layer.reason, weight_only=layer.weight_only,
+                         rel_err=_rel(deq - choice.smoothed, choice.smoothed), alpha=choice.clip.mean_alpha)
+    if x is not None:
+        xs = choice.x
+        act = fmt.fake_act(xs, choice.input_scale if not layer.weight_only else None, **opts)
+        if lowrank is None:
+            q_out = act @ fmt.search_space(deq, **opts).T
+        else:  # the branch sees the (smoothed) 16-bit input; only the residual GEMM is quantized
+            q_out = act @ fmt.search_space(deq - lowrank, **opts).T + xs @ lowrank.T
+        report.out_err = _rel(q_out - x @ w.T, x @ w.T)
+        if plan.recipe.sensitivity:
+            report.sensitivity = sensitivity(w, x[:SENSITIVITY_ROWS], layer_stats)
+    if choice.input_scale is not None:
+        report.input_scale = choice.input_scale
+    report.notes = ", ".join(choice.notes)
+    return report
 
 
-def sensitivity(w: torch.Tensor, x: torch.Tensor, layer_stats, recipe: Recipe) -> dict[str, float]:
+def sensitivity(w: torch.Tensor, x: torch.Tensor, layer_stats) -> dict[str, float]:
     """Relative output error of this layer on sampled inputs, per candidate format (absmax
     scales; fp8 with its calibrated static input scale)."""
     out = {}

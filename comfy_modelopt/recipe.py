@@ -12,6 +12,7 @@ from .formats import FORMATS
 # The one vocabulary of options: the CLI's choices and the nodes' combos come from here
 # (default first, as the nodes show them).
 FORMAT_CHOICES = tuple(FORMATS)
+DEFAULT_FORMAT = "float8_e4m3fn"
 WEIGHT_SCALE_METHODS = ("mse", "absmax")
 INPUT_SCALE_METHODS = ("mse", "percentile", "max")
 SMOOTHING_METHODS = ("none", "smoothquant", "awq")
@@ -19,12 +20,13 @@ CONV_CHOICES = ("none", "fp8")
 LINEAR_DTYPES = ("int4", "int8")
 CONVROT_GROUPSIZES = (16, 64, 256, 1024)
 DEFAULT_CONVROT_GROUPSIZE = 256
-LOWRANK_FORMATS = ("nvfp4", "convrot_w4a4")
+LOWRANK_FORMATS = tuple(name for name, f in FORMATS.items() if f.lowrank)
+CONVROT_FORMATS = tuple(name for name, f in FORMATS.items() if "convrot" in f.options)
 
 
 @dataclass(frozen=True)
 class Recipe:
-    format: str = "float8_e4m3fn"
+    format: str = DEFAULT_FORMAT
     weight_scale: str = "mse"          # absmax | mse (clip search on the weight, or on outputs with stats)
     input_scale: str = "mse"           # with activation statistics: max | percentile | mse
     percentile: float = 99.99          # for input_scale="percentile"
@@ -35,7 +37,7 @@ class Recipe:
     conv: str = "none"                 # none | fp8: Conv2d weights fp8 per out-channel (needs our loader)
     gptq: bool = False                 # error-compensated rounding (needs statistics)
     sensitivity: bool = True           # with statistics: per-layer output error of every format
-    convrot: bool = False              # int8_tensorwise: Hadamard rotation (ConvRot)
+    convrot: bool = False              # formats with a "convrot" option (int8): Hadamard rotation
     convrot_groupsize: int = DEFAULT_CONVROT_GROUPSIZE
     linear_dtype: str = "int4"         # convrot_w4a4 activations: int4 or int8
     keep: tuple[str, ...] = field(default_factory=tuple)  # glob patterns forced to 16-bit
@@ -47,8 +49,8 @@ class Recipe:
         _check("input_scale", self.input_scale, INPUT_SCALE_METHODS)
         _check("smoothing", self.smoothing, SMOOTHING_METHODS)
         _check("linear_dtype", self.linear_dtype, LINEAR_DTYPES)
-        if self.convrot and self.format != "int8_tensorwise":
-            raise ValueError("convrot applies to int8_tensorwise only (convrot_w4a4 always rotates)")
+        if self.convrot and self.format not in CONVROT_FORMATS:
+            raise ValueError(f"convrot applies to {', '.join(CONVROT_FORMATS)} only, not {self.format}")
         if self.convrot_groupsize not in CONVROT_GROUPSIZES:
             raise ValueError(f"convrot_groupsize must be a power of 4 (16..1024), got {self.convrot_groupsize}")
         if not 0.0 < self.percentile <= 100.0:
@@ -62,12 +64,8 @@ class Recipe:
         object.__setattr__(self, "keep", tuple(self.keep))
 
     def format_options(self) -> dict:
-        """Options passed to the Format's encode/plan/conf for every layer."""
-        if self.format == "int8_tensorwise":
-            return {"convrot": self.convrot, "convrot_groupsize": self.convrot_groupsize}
-        if self.format == "convrot_w4a4":
-            return {"convrot_groupsize": self.convrot_groupsize, "linear_dtype": self.linear_dtype}
-        return {}
+        """The fields the Format reads (``Format.options``), passed to its encode/plan/conf."""
+        return {name: getattr(self, name) for name in FORMATS[self.format].options}
 
     @property
     def own_loader(self) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .formats import Format
+from .stats import hist_centers, hist_percentile
 
 # Per-tensor searches look at a row subset of at most this many elements, then confirm on all.
 SEARCH_ELEMENTS = 1 << 22
@@ -110,52 +111,57 @@ ACT_CLIP_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 ACT_CLIP_PERCENTILES = (99.0, 99.9, 99.99, 99.999)
 
 
-def input_fmax(fmt: Format) -> float:
-    """What ComfyUI divides the activation clip value by to get input_scale."""
-    if fmt.name == "nvfp4":  # the activation global scale: amax / (6 * 448)
-        return 6.0 * 448.0
-    return float(torch.finfo(_fp8_dtype(fmt)).max)
-
-
-def _fp8_dtype(fmt: Format) -> torch.dtype:
-    return torch.float8_e5m2 if fmt.name == "float8_e5m2" else torch.float8_e4m3fn
-
-
-def choose_input_scale(layer_stats, fmt: Format, recipe) -> float:
-    """Static input_scale from the statistics: max, percentile, or the MSE-optimal clip."""
-    amax = layer_stats.amax_value()
+def choose_input_scale(fmt: Format, method: str, amax: float, hist: torch.Tensor | None = None,
+                       sample: torch.Tensor | None = None, percentile: float = 99.99) -> float:
+    """Static input_scale of a layer whose inputs reached ``amax``, from their |x| histogram
+    ``hist`` (``stats.HIST_BINS`` counts) and sampled rows ``sample`` [m, K]: the clip value is
+    the max, a percentile, or the MSE-optimal one (searched the format's way)."""
     if amax <= 0.0:
         return 1.0  # the layer only ever saw zeros: any scale is exact
-    fmax = input_fmax(fmt)
-    if recipe.input_scale == "max":
+    fmax = fmt.input_fmax()
+    if method == "max":
         clip = amax
-    elif recipe.input_scale == "percentile":
-        clip = layer_stats.percentile(recipe.percentile)
+    elif method == "percentile":
+        clip = hist_percentile(hist, amax, percentile)
+    elif method == "mse":
+        clip = _mse_activation_clip(fmt, amax, hist, sample)
     else:
-        clip = _mse_activation_clip(layer_stats, fmt, amax, fmax)
+        raise ValueError(f"unknown input scale method {method!r} (max, percentile or mse)")
     return max(clip, 1e-12) / fmax
 
 
-def activation_clip_candidates(layer_stats, amax: float) -> list[float]:
+def activation_clip_candidates(hist: torch.Tensor, amax: float) -> list[float]:
     cands = {amax * f for f in ACT_CLIP_FRACTIONS}
-    cands |= {layer_stats.percentile(p) for p in ACT_CLIP_PERCENTILES}
+    cands |= {hist_percentile(hist, amax, p) for p in ACT_CLIP_PERCENTILES}
     return sorted(c for c in cands if c > 0)
 
 
-def _mse_activation_clip(layer_stats, fmt: Format, amax: float, fmax: float) -> float:
-    cands = activation_clip_candidates(layer_stats, amax)
-    if fmt.name == "nvfp4":
-        if not layer_stats.has_sample():
-            return amax
-        x = layer_stats.sample()
-        errs = [float(squared_error(fmt, x, None, torch.tensor(c)).sum()) for c in cands]  # CPU sample
-    else:
-        from .stats import hist_centers
-        counts = layer_stats.hist.double().cpu()
-        values = hist_centers().clamp(max=amax)
-        used = counts > 0
-        counts, values = counts[used], values[used]
-        errs = [fp8_hist_error(values, counts, c / fmax, fmax, _fp8_dtype(fmt)) for c in cands]
+def _histogram_errors(fmt: Format, cands: list, amax: float, hist, sample) -> list[float] | None:
+    """Clip errors on the histogram (per-tensor fp8: the error of a value depends on it alone)."""
+    counts = hist.double().cpu()
+    values = hist_centers().clamp(max=amax)
+    used = counts > 0
+    counts, values = counts[used], values[used]
+    fmax = fmt.input_fmax()
+    return [fp8_hist_error(values, counts, c / fmax, fmax, fmt.dtype) for c in cands]
+
+
+def _sample_errors(fmt: Format, cands: list, amax: float, hist, sample) -> list[float] | None:
+    """Clip errors on the sampled rows (block-scaled: a value's error depends on its block)."""
+    if sample is None:
+        return None
+    return [float(squared_error(fmt, sample, None, torch.tensor(c)).sum()) for c in cands]
+
+
+# how each format's static input scale is searched (Format.input_search)
+INPUT_SEARCHES = {"histogram": _histogram_errors, "sample": _sample_errors}
+
+
+def _mse_activation_clip(fmt: Format, amax: float, hist, sample) -> float:
+    cands = activation_clip_candidates(hist, amax)
+    errs = INPUT_SEARCHES[fmt.input_search](fmt, cands, amax, hist, sample)
+    if errs is None:
+        return amax
     return cands[min(range(len(cands)), key=errs.__getitem__)]
 
 

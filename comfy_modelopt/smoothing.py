@@ -60,14 +60,10 @@ def output_error(fmt: Format, w: torch.Tensor, x: torch.Tensor, s: torch.Tensor 
     ws, xs = (w, x) if s is None else (w * s, x / s)
     scale = None
     if input_amax is not None and fmt.needs_input_scale:
-        scale = max(input_amax, 1e-12) / float(torch.finfo(_fp8(fmt)).max)
+        scale = max(input_amax, 1e-12) / fmt.input_fmax()
     q_out = fmt.fake_act(xs, scale, **opts) @ fmt.fake_rows(fmt.search_space(ws, **opts)).T
     denom = float(ref.norm())
     return float((q_out - ref).norm()) / denom if denom > 0 else 0.0
-
-
-def _fp8(fmt: Format) -> torch.dtype:
-    return torch.float8_e5m2 if fmt.name == "float8_e5m2" else torch.float8_e4m3fn
 
 
 def search_smoothing(w: torch.Tensor, x: torch.Tensor, x_absmax: torch.Tensor, x_meanabs: torch.Tensor,

@@ -35,7 +35,7 @@ INF_NAN_BIN = HIST_BINS - (1 << HIST_MANTISSA_BITS)  # bf16 exponent 255 and up:
 FORMAT_VERSION = 2  # 2: bf16-bit-pattern histogram
 
 
-from .errors import CalibrationError, CheckpointError, one_line
+from .errors import CalibrationError, one_line
 from .fileformat import META_STATS
 
 
@@ -57,6 +57,15 @@ def hist_edges() -> torch.Tensor:
 def hist_centers() -> torch.Tensor:
     """Middle of every histogram bin (bin 0 holds zeros and the smallest subnormals)."""
     return _bin_value(torch.arange(HIST_BINS), 0.5)
+
+
+def hist_percentile(hist: torch.Tensor, amax: float, p: float) -> float:
+    """Upper edge of the bin of histogram ``hist`` holding the p-th percentile of |x|, never
+    above ``amax``."""
+    cum = torch.cumsum(hist.double().cpu(), 0)
+    target = cum[-1] * (p / 100.0)
+    i = int(torch.searchsorted(cum, target.reshape(1)).clamp(max=HIST_BINS - 1))
+    return min(float(hist_edges()[i]), amax)
 
 
 @dataclass
@@ -145,11 +154,7 @@ class LayerStats:
 
     def percentile(self, p: float) -> float:
         """Upper edge of the bin holding the p-th percentile of |x| (never above amax)."""
-        counts = self.hist.double().cpu()
-        cum = torch.cumsum(counts, 0)
-        target = cum[-1] * (p / 100.0)
-        i = int(torch.searchsorted(cum, target.reshape(1)).clamp(max=HIST_BINS - 1))
-        return min(float(hist_edges()[i]), self.amax_value())
+        return hist_percentile(self.hist, self.amax_value(), p)
 
     def to(self, device) -> "LayerStats":
         for name in ("amax", "channel_absmax", "channel_abssum", "hist", "reservoir"):

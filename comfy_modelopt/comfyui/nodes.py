@@ -17,31 +17,20 @@ from comfy_api.latest import ComfyExtension, io
 
 from ..calibrate import CalibrationOptions
 from ..checkpoint import inspect_file
-from ..formats import FORMATS
 from ..pipeline import DictSink, quantize_source
 from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS
-from ..recipe import (CONV_CHOICES, FORMAT_CHOICES, INPUT_SCALE_METHODS, SMOOTHING_METHODS, WEIGHT_SCALE_METHODS,
+from ..recipe import (CONV_CHOICES, DEFAULT_FORMAT, FORMAT_CHOICES, INPUT_SCALE_METHODS, SMOOTHING_METHODS, WEIGHT_SCALE_METHODS,
                       Recipe)
 from ..safetensors_io import write_file
 from ..stats import ActivationStats
-from .lean import enable_cuda_graphs, enable_int8_attention, make_lean
+from .cuda_graphs import enable_cuda_graphs
+from .runtime import DEFAULT_RUNTIME, DEQUANT_CACHE_TOOLTIP, RUNTIME_TOOLTIP, RUNTIMES, apply_runtime, gpu_note
 from . import ownloader
 from .model import NodeError, PatcherSource, artifact_of, build_quantized_model, compute_device, log
 from .sampling import calibrate_by_sampling, empty_latent
 
 CALIBRATION = io.Custom("MODELOPT_CALIBRATION")
 CATEGORY = "modelopt"
-RUNTIMES = ["lean", "lean + cuda graphs", "lean + compiled blocks + cuda graphs",
-            "lean + cuda graphs + int8 attention", "stock"]
-RUNTIME_TOOLTIP = ("lean: the same kernels as stock ComfyUI without its per-layer Python dispatch "
-                   "(bit-exact for fp8/int8); + cuda graphs: replay whole model evaluations (falls "
-                   "back to eager when offloading or patched; best for UNets like SDXL); + compiled "
-                   "blocks: the graphs run TorchInductor-fused norms/modulation/activations between "
-                   "the GEMMs (fastest per step, best for DiTs like Flux; needs Triton; compiles on the "
-                   "first step, checked against eager, turned off with a logged reason if it differs; "
-                   "recapturing costs ~1 s per run on SDXL); + int8 attention: kitchen's "
-                   "SageAttention-style INT8 attention (changes attention numerics); "
-                   "stock: ComfyUI's own layers.")
 CALIBRATION_FOLDER = "modelopt_calibration"
 OLD_UNET_FOLDER = "modelopt_unet"
 
@@ -59,49 +48,6 @@ def _node_id(cls) -> str | None:
 
 def _pattern_lines(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.replace(",", "\n").splitlines() if p.strip())
-
-
-DEQUANT_CACHE_TOOLTIP = ("GiB of VRAM for 16-bit copies of the weights this GPU cannot compute natively "
-                         "(nvfp4/mxfp8 before Blackwell): those layers then skip dequantizing on every call "
-                         "(same output). 0 = off. ComfyUI is told to keep that much free; the copies go "
-                         "when the model leaves the GPU. Needs a lean runtime.")
-
-
-def apply_runtime(patcher, runtime: str, dequant_cache_gib: float = 0.0) -> tuple:
-    """Lean layers and/or CUDA graphs on a model this pack created; returns (model, note)."""
-    if runtime == "stock":
-        return patcher, "runtime: stock ComfyUI layers" + (
-            " (dequant cache ignored: it needs a lean runtime)" if dequant_cache_gib > 0 else "")
-    n = make_lean(patcher, dequant_cache_bytes=int(dequant_cache_gib * 2**30))
-    note = f"runtime: lean ({n} quantized layers on direct kernel calls)"
-    cache = getattr(patcher.model, "_modelopt_dequant_cache", None)
-    if cache is not None:
-        note += (f" + dequantized-weight cache of up to {cache.budget / 2**30:.2f} GiB" if cache.budget
-                 else " (dequant cache unused: every layer runs natively on this GPU)")
-    if runtime.endswith("int8 attention"):
-        try:
-            patcher = enable_int8_attention(patcher)
-            note += " + INT8 attention"
-        except ValueError as e:
-            note += f" (INT8 attention not enabled: {e})"
-    if "cuda graphs" in runtime:
-        compiled = "compiled blocks" in runtime
-        patcher, _ = enable_cuda_graphs(patcher, compile_blocks=compiled)
-        note += " + CUDA graph replay" + (" over compiled blocks" if compiled else "")
-    return patcher, note
-
-
-def gpu_note(fmt_name: str) -> str:
-    """What the current GPU does with the format (ComfyUI's own gates)."""
-    fmt = FORMATS[fmt_name]
-    dev = compute_device()
-    if dev.type != "cuda":
-        return f"{fmt_name}: no CUDA GPU here; ComfyUI computes it dequantized (smaller, not faster)"
-    sm = torch.cuda.get_device_capability(dev)
-    if tuple(sm) >= tuple(fmt.native_sm):
-        return f"{fmt_name}: runs natively on this GPU (SM {sm[0]}.{sm[1]})"
-    return (f"{fmt_name}: needs SM {fmt.native_sm[0]}.{fmt.native_sm[1]}+ to run natively; on this GPU "
-            f"(SM {sm[0]}.{sm[1]}) ComfyUI dequantizes it on every step: smaller, not faster")
 
 
 # ====================================================================== calibrate
@@ -219,7 +165,7 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                         "are baked in.",
             inputs=[
                 io.Model.Input("model"),
-                io.Combo.Input("format", options=list(FORMAT_CHOICES), default="float8_e4m3fn",
+                io.Combo.Input("format", options=list(FORMAT_CHOICES), default=DEFAULT_FORMAT,
                                tooltip="fp8: Ada/Hopper+ (W8A8 with calibration, weight-only without); "
                                        "int8_tensorwise: Turing+; nvfp4/mxfp8: native on Blackwell, "
                                        "stored smaller everywhere; convrot_w4a4: 4-bit int4 MMA."),
@@ -251,7 +197,7 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                                  tooltip="nvfp4: store a calibrated input_scale instead of dynamic activation amax."),
                 io.String.Input("keep", multiline=True, default="",
                                 tooltip="Layer-name patterns to keep in 16-bit, one per line, e.g. *.img_mlp.*"),
-                io.Combo.Input("runtime", options=RUNTIMES, default="lean", tooltip=RUNTIME_TOOLTIP),
+                io.Combo.Input("runtime", options=list(RUNTIMES), default=DEFAULT_RUNTIME, tooltip=RUNTIME_TOOLTIP),
                 io.Float.Input("dequant_cache_gib", default=0.0, min=0.0, max=1024.0, step=0.5, advanced=True,
                                optional=True, tooltip=DEQUANT_CACHE_TOOLTIP),
             ],
@@ -263,8 +209,6 @@ class ModelOptQuantizeUNet(io.ComfyNode):
     def execute(cls, model, format, weight_scale, input_scale, smoothing, gptq, convrot, static_nvfp4_input,
                 keep, runtime="lean", lowrank=0, conv="none", calibration=None,
                 dequant_cache_gib=0.0) -> io.NodeOutput:
-        if convrot and format != "int8_tensorwise":
-            raise NodeError("convrot applies to int8_tensorwise only (convrot_w4a4 is always rotated)")
         if (smoothing != "none" or gptq) and calibration is None:
             raise NodeError(f"{'smoothing' if smoothing != 'none' else 'gptq'} needs calibration: connect "
                             "Calibrate Model (or Load Calibration) to the calibration input")
@@ -358,7 +302,7 @@ class ModelOptUNetLoader(io.ComfyNode):
             description="Loads a quantized diffusion model (diffusion_models or the older modelopt_unet "
                         "folder), checks its comfy-modelopt metadata and shows its report.",
             inputs=[io.Combo.Input("unet_name", options=_unet_files()),
-                    io.Combo.Input("runtime", options=RUNTIMES, default="lean", tooltip=RUNTIME_TOOLTIP),
+                    io.Combo.Input("runtime", options=list(RUNTIMES), default=DEFAULT_RUNTIME, tooltip=RUNTIME_TOOLTIP),
                     io.Float.Input("dequant_cache_gib", default=0.0, min=0.0, max=1024.0, step=0.5, advanced=True,
                                    optional=True, tooltip=DEQUANT_CACHE_TOOLTIP)],
             outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report")],

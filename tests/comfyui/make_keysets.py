@@ -8,8 +8,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-from comfy_modelopt.comfyui import architectures as models  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+import architectures as models  # noqa: E402
 
 
 def main():

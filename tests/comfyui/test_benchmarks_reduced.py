@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from comfy_modelopt.comfyui import architectures as models
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))  # architectures.py
+import architectures as models  # noqa: E402
 
 if not models.COMFYUI_PATH:
     pytest.skip("COMFYUI_PATH is not set: benchmark smoke runs SKIPPED", allow_module_level=True)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from comfy_modelopt.comfyui import architectures as models  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))  # architectures.py
+import architectures as models  # noqa: E402
 
 if not models.COMFYUI_PATH:
     pytest.skip("COMFYUI_PATH is not set: ComfyUI contract tests SKIPPED (point it at a ComfyUI "
@@ -153,7 +154,8 @@ def test_compiled_blocks_trace_every_family(source, family):
     """The compiled-blocks runtime traces each family's blocks with the quantized layers opaque,
     and the result matches eager (here on the CPU: Inductor's C++ backend; the same Dynamo graphs
     run as Triton kernels on a GPU)."""
-    from comfy_modelopt.comfyui.lean import CompiledBlocks, make_lean, rounding_noise
+    from comfy_modelopt.comfyui.compiled_blocks import CompiledBlocks, rounding_noise
+    from comfy_modelopt.comfyui.lean import make_lean
     src, folder, _, _ = source(family)
     out = str(folder / f"{family}-fp8-compiled.safetensors")
     assert cli.main(["quantize", src, "-o", out, "--format", "float8_e4m3fn", "--weight-scale", "absmax",
@@ -184,7 +186,7 @@ def test_compiled_blocks_compile_per_shape_not_per_block():
     from comfy.ldm.modules.attention import BasicTransformerBlock
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from comfy_modelopt.comfyui.lean import CompiledBlocks
+    from comfy_modelopt.comfyui.compiled_blocks import CompiledBlocks
     _, sd = models.build("sdxl", "small", seed=1, dtype=torch.float32)
     patcher = comfy.sd.load_diffusion_model_state_dict(sd)
     dm = patcher.model.diffusion_model

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from comfy_modelopt.comfyui import architectures as models  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))  # architectures.py
+import architectures as models  # noqa: E402
 
 if not models.COMFYUI_PATH:
     pytest.skip("COMFYUI_PATH is not set: ComfyUI node tests SKIPPED (point it at a ComfyUI v0.29+ tree)",
@@ -28,9 +29,12 @@ from comfy_modelopt.safetensors_io import SafetensorsFile, write_file  # noqa: E
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+PACK = "comfy_modelopt_nodepack"
+
+
 def load_pack():
     """Import the node pack the way ComfyUI's loader does (folder __init__.py as a package)."""
-    name = "comfy_modelopt_nodepack"
+    name = PACK
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "__init__.py"),
                                                       submodule_search_locations=[ROOT])
@@ -38,6 +42,12 @@ def load_pack():
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[name + ".comfy_modelopt.comfyui.nodes"]
+
+
+def pack_module(name: str):
+    """A module of the pack as ComfyUI loaded it (its own copy of comfy_modelopt.comfyui.*)."""
+    load_pack()
+    return sys.modules[PACK + ".comfy_modelopt.comfyui." + name]
 
 
 def save(path, sd):
@@ -199,7 +209,8 @@ def test_errors_say_what_to_do(env):
 @pytest.mark.parametrize("fmt", ["int8_tensorwise", "nvfp4", "float8_e4m3fn"])
 def test_lean_runtime_equals_stock(env, fmt):
     """Lean layers call the kernels the stock dispatch ends in: identical outputs."""
-    lean_mod = env["nodes"].make_lean
+    lean_runtime = pack_module("lean")
+    lean_mod = lean_runtime.make_lean
     stock, _ = quantize(env, format=fmt, runtime="stock")
     lean, _ = quantize(env, format=fmt, runtime="stock")
     assert lean_mod(lean) == 71
@@ -213,12 +224,11 @@ def test_lean_runtime_equals_stock(env, fmt):
         for m in list(stock.model.diffusion_model.modules()) + list(lean.model.diffusion_model.modules()):
             if getattr(m, "quant_format", None) == fmt:
                 m._full_precision_mm = False
-        from comfy_modelopt.comfyui import lean as lean_runtime
         for m in lean.model.diffusion_model.modules():
             if getattr(m, "quant_format", None) == fmt:
                 m._modelopt_lean = False
-        orig = lean_runtime._native_formats
-        lean_runtime._native_formats = lambda d: orig(d) | {"float8_e4m3fn"}
+        orig = lean_runtime.native_formats
+        lean_runtime.native_formats = lambda d: orig(d) | {"float8_e4m3fn"}
         try:
             lean2, _ = quantize(env, format=fmt, runtime="stock")
             for m in lean2.model.diffusion_model.modules():
@@ -226,7 +236,7 @@ def test_lean_runtime_equals_stock(env, fmt):
                     m._full_precision_mm = False
             assert lean_mod(lean2) == 71
         finally:
-            lean_runtime._native_formats = orig
+            lean_runtime.native_formats = orig
         with torch.inference_mode():
             a = stock.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)
             b = lean2.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)
@@ -279,25 +289,25 @@ def test_cuda_graphs_released_after_each_run_and_on_detach(env):
 def test_compiled_blocks_validated_against_eager(env):
     """Inductor-compiled blocks: same output as eager within eager's own rounding noise, model
     restored afterwards; a compiled output that differs turns compilation off with the reason."""
-    lean = sys.modules["comfy_modelopt_nodepack.comfy_modelopt.comfyui.lean"]
+    blocks = pack_module("compiled_blocks")
     model, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
     dm = model.model.diffusion_model
     before = {id(m): m.__dict__.get("forward") for m in dm.modules()}
-    cb = lean.CompiledBlocks(dm)
+    cb = blocks.CompiledBlocks(dm)
     assert len(cb.regions) >= 6 and not any(isinstance(m, torch.nn.Linear) for m in cb.regions)
     g = torch.Generator().manual_seed(0)
     x, c = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 8, 768, generator=g)
     with torch.inference_mode():
         run = lambda: model.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)  # noqa: E731
         ref = run()
-        ok = cb.validate(run, ref, lambda: model.model.apply_model(lean.rounding_noise(x, torch.bfloat16),
+        ok = cb.validate(run, ref, lambda: model.model.apply_model(blocks.rounding_noise(x, torch.bfloat16),
                                                                    torch.tensor([0.5]), c_crossattn=c))
         assert ok, cb.reason
         check = cb.checks[-1]
         assert 0 < check["eager_rounding_noise"] and check["rel_l2"] <= check["limit"] <= cb.max_tol
         assert {id(m): m.__dict__.get("forward") for m in dm.modules()} == before  # nothing left installed
         assert torch.equal(run(), ref)
-        bad = lean.CompiledBlocks(dm)
+        bad = blocks.CompiledBlocks(dm)
         assert not bad.validate(run, ref * 1.5) and not bad.enabled
         assert "differs from eager by 0.333" in bad.reason
 
@@ -495,7 +505,7 @@ def test_cuda_graphs_capture_in_real_sampling():
     values honoured, captured again after ComfyUI's cleanup."""
     import comfy.model_management
 
-    from comfy_modelopt.comfyui.lean import enable_cuda_graphs  # not the pack: its import needs PyAV
+    from comfy_modelopt.comfyui.cuda_graphs import enable_cuda_graphs  # not the pack: its import needs PyAV
     sd, run = _sdxl_small_runs()
     model = comfy.sd.load_diffusion_model_state_dict(sd)
     clone, runner = enable_cuda_graphs(model)
@@ -516,10 +526,10 @@ def test_cuda_graphs_refill_the_dequant_cache():
     cache was released; output bit-exact with the same model without a cache."""
     import comfy.model_management
 
-    from comfy_modelopt.comfyui import lean, ownloader
+    from comfy_modelopt.comfyui import cuda_graphs, lean, ownloader
     from comfy_modelopt.pipeline import DictSink, DictSource, quantize_source
     from comfy_modelopt.recipe import Recipe
-    if "nvfp4" in lean._native_formats(comfy.model_management.get_torch_device()):
+    if "nvfp4" in lean.native_formats(comfy.model_management.get_torch_device()):
         pytest.skip("nvfp4 runs natively on this GPU: nothing is computed dequantized")
     sd, run = _sdxl_small_runs()
     sink = DictSink()  # quantized on the GPU: kitchen's CPU nvfp4 encoder takes about a minute here
@@ -530,7 +540,7 @@ def test_cuda_graphs_refill_the_dequant_cache():
     lean.make_lean(cached, dequant_cache_bytes=1 << 40)
     cache = cached.model._modelopt_dequant_cache
     n = sum(getattr(m, "quant_format", None) == "nvfp4" for m in cached.model.diffusion_model.modules())
-    (gp, rp), (gc, rc) = lean.enable_cuda_graphs(plain), lean.enable_cuda_graphs(cached)
+    (gp, rp), (gc, rc) = cuda_graphs.enable_cuda_graphs(plain), cuda_graphs.enable_cuda_graphs(cached)
     ref = run(gp, 1)
     assert torch.equal(run(gc, 1), ref) and cache.fills == n and rc.captures == 1 and rc.warned == set()
     comfy.model_management.unload_all_models()  # detach: the cache goes with the weights

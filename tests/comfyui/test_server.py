@@ -20,7 +20,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from comfy_modelopt.comfyui import architectures as models  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))  # architectures.py
+import architectures as models  # noqa: E402
 
 if not models.COMFYUI_PATH:
     pytest.skip("COMFYUI_PATH is not set: ComfyUI server tests SKIPPED (point it at a ComfyUI v0.29+ tree)",

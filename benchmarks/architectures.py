@@ -1,5 +1,8 @@
 """ComfyUI's own model classes at real (or small) configurations, with deterministic random
-weights: the models of the contract tests, the benchmarks and the key-set fixtures.
+weights: the models of the benchmarks, the ComfyUI contract tests and the key-set fixtures.
+
+Support code for those, not part of the package: the benchmark scripts import it from their own
+folder, and tests/comfyui/conftest.py puts that folder on the import path.
 
 Each family is described by the config ComfyUI's detection produces for it
 (``detect_unet_config``); ``build`` turns it into the model ComfyUI would construct.  Outside a
@@ -26,7 +29,7 @@ def setup_comfy():
     from comfy.cli_args import args
     if not torch.cuda.is_available():
         args.cpu = True
-    import comfy.model_management  # noqa: F401
+    import comfy.model_management  # noqa: F401  (initialises ComfyUI's device state)
 
 
 _UNET = {'use_checkpoint': False, 'image_size': 32, 'out_channels': 4, 'use_spatial_transformer': True,

@@ -1,0 +1,47 @@
+"""kitchen's INT8 attention (SageAttention-style, Hadamard-rotated Q/K) as ComfyUI's
+``optimized_attention_override``."""
+from __future__ import annotations
+
+import comfy_kitchen as ck
+import torch
+
+
+def int8_attention_available(device) -> bool:
+    try:
+        return bool(ck.int8_attention_is_available(torch.device(device)))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def int8_attention_override(func, *args, **kwargs):
+    """``optimized_attention_override``: kitchen's INT8 attention (SageAttention-style, Hadamard-
+    rotated Q/K) for unmasked 64/128/256-dim heads on CUDA; anything else goes to ComfyUI's choice."""
+    q, k, v, heads = args[:4]
+    mask = kwargs.get("mask", args[4] if len(args) > 4 else None)
+    if mask is not None or q.device.type != "cuda" or kwargs.get("enable_gqa") or \
+            q.dtype not in (torch.float16, torch.bfloat16):
+        return func(*args, **kwargs)
+    if kwargs.get("skip_reshape", False):
+        b, _, _, d = q.shape
+    else:
+        b, _, hd = q.shape
+        d = hd // heads
+        q, k, v = (t.view(b, -1, heads, d).transpose(1, 2) for t in (q, k, v))
+    if d not in (64, 128, 256):
+        return func(*args, **kwargs)
+    out = ck.int8_attention(q, k, v, scale=kwargs.get("scale"))
+    if not kwargs.get("skip_output_reshape", False):
+        out = out.transpose(1, 2).reshape(b, -1, heads * d)
+    return out
+
+
+def enable_int8_attention(patcher):
+    """A clone of ``patcher`` whose attention runs kitchen's INT8 kernel where it applies."""
+    if not int8_attention_available(patcher.load_device):
+        raise ValueError("kitchen's INT8 attention kernel is not available on this device")
+    clone = patcher.clone()
+    topts = clone.model_options.setdefault("transformer_options", {})
+    if "optimized_attention_override" in topts:
+        raise ValueError("this MODEL already overrides attention")
+    topts["optimized_attention_override"] = int8_attention_override
+    return clone

@@ -1,0 +1,229 @@
+"""Compiled blocks: the repeated transformer blocks of a model compiled by TorchInductor, for
+use under CUDA-graph capture (``cuda_graphs``).
+
+The 16-bit, memory-bound work between the GEMMs - norms, modulation, gated residuals, RoPE,
+concatenations, the activation function - is fused into fewer kernels, while every
+weight-holding layer stays opaque to the compiler (the quantized layers' tensor subclasses are
+not traceable, and a GEMM gains nothing from tracing).  Inductor output is never trusted: the
+first evaluation of every input signature is run both ways and compared, and a difference beyond
+3x eager's own rounding noise (``CompiledBlocks.validate``) turns compilation off for the model,
+logged.
+"""
+from __future__ import annotations
+
+import collections
+import inspect
+import logging
+
+import torch
+
+
+def _rel_l2(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def rounding_noise(x, dtype=None):
+    """``x`` with relative noise of half the epsilon of ``dtype`` (the model's compute dtype;
+    default ``x``'s own): one more rounding to that dtype, reproducibly."""
+    g = torch.Generator(device=x.device).manual_seed(0)
+    noise = torch.randn(x.shape, generator=g, device=x.device, dtype=torch.float32)
+    eps = torch.finfo(dtype or x.dtype).eps
+    return (x.float() * (1 + noise * (eps / 2))).to(x.dtype)
+
+
+def _options_position(m) -> int | None:
+    """Where ``m.forward`` takes ``transformer_options`` (positional index after self), or None."""
+    try:
+        params = [n for n in inspect.signature(type(m).forward).parameters if n != "self"]
+    except (TypeError, ValueError):
+        return None
+    return params.index("transformer_options") if "transformer_options" in params else None
+
+
+def _block_regions(model) -> list:
+    out = []
+
+    def add_one(m):
+        out.append(m)
+        # a layer that runs its own list of blocks, handing each its index in transformer_options
+        # (a UNet's SpatialTransformer and its transformer blocks): the blocks are regions too,
+        # so that their compiled code never sees the index (see CompiledBlocks)
+        for c in m.children():
+            if isinstance(c, torch.nn.ModuleList) and len(c) and all(_options_position(b) is not None for b in c):
+                out.extend(c)
+
+    def add(m):
+        if isinstance(m, torch.nn.Sequential):  # iterated by the model itself: its layers
+            for c in m.children():
+                add_one(c)
+        else:
+            add_one(m)
+    for child in model.children():
+        if isinstance(child, torch.nn.ModuleList):
+            for m in child:
+                add(m)
+        elif isinstance(child, torch.nn.Sequential) and any(isinstance(c, torch.nn.Sequential) or
+                                                             len(list(c.children())) for c in child.children()):
+            add(child)  # e.g. a UNet's middle block
+    return out
+
+
+_WEIGHT_LAYERS = (torch.nn.Linear, torch.nn.modules.conv._ConvNd)
+_PER_BLOCK_KEYS = ("block", "block_index", "transformer_index")  # per-block constants for patch lookups
+
+
+class CompiledBlocks:
+    """TorchInductor-compiled forwards of a model's blocks, installed on demand.
+
+    Regions are the elements of every ``nn.ModuleList`` directly under the diffusion model
+    (Flux's double/single blocks, DiT blocks); where an element (or a direct child) is an
+    ``nn.Sequential`` that the model iterates itself - a UNet's ``TimestepEmbedSequential`` - its
+    layers (ResBlock, SpatialTransformer, ...) are, and so are the blocks such a layer runs itself
+    (a SpatialTransformer's transformer blocks).  Compiling block by block keeps compile time to
+    one trace per block class and shape, where a whole-model trace would unroll the loop.  The
+    compiled function replaces the block's ``forward`` (instance attribute) only while installed,
+    so the module objects, their types and the model's own iteration stay as they are.
+    Weight-holding layers (Linear, Conv) are made opaque with ``torch.compiler.disable``: the lean
+    kernels and the stock fallback run as they are (a quantized weight is a tensor subclass the
+    compiler cannot trace, and a GEMM gains nothing from tracing)."""
+
+    def __init__(self, diffusion_model, tol: float = 0.02, max_tol: float = 0.25):
+        self.tol, self.max_tol = tol, max_tol
+        self.enabled, self.reason = True, None
+        self.checks: list = []  # one dict per validated input signature
+        self.regions = [m for m in _block_regions(diffusion_model) if not isinstance(m, _WEIGHT_LAYERS)]
+        self.opaque = [m for m in diffusion_model.modules() if isinstance(m, _WEIGHT_LAYERS)]
+        self._wrappers: dict = {}
+        if not self.regions:
+            self.enabled, self.reason = False, "no blocks (nn.ModuleList) to compile"
+            return
+        # Dynamo keeps one cache entry per code object, shape and guard set.  The opaque layers
+        # break the graph, so the frames that call them (a UNet's transformer block, its
+        # attention) are compiled on their own; ComfyUI's per-block keys are kept out of them
+        # (_region_forward), but a model passing other per-block constants would still need one
+        # entry per module instance.  Past the limit Dynamo silently runs the frame eager -
+        # measured on SDXL (70 transformer blocks, limit 41): part of the model lost its fusion.
+        cfg = torch._dynamo.config
+        per_class = collections.Counter(type(m) for r in self.regions for m in r.modules()
+                                        if not isinstance(m, _WEIGHT_LAYERS))
+        limit = max(8, len(self.regions), max(per_class.values(), default=0)) + 8
+        wanted = {"recompile_limit": limit, "cache_size_limit": limit,
+                  "accumulated_recompile_limit": max(256, 4 * sum(per_class.values()))}
+        for name, value in wanted.items():
+            if hasattr(cfg, name) and getattr(cfg, name) < value:
+                setattr(cfg, name, value)
+        self.compiled = [self._region_forward(m, torch.compile(m.forward, dynamic=False)) for m in self.regions]
+
+    @staticmethod
+    def _region_forward(m, compiled):
+        """What a region runs while installed: its compiled forward, called without the per-block
+        keys of transformer_options.  ComfyUI hands every block its own ``block`` /
+        ``block_index`` for patch lookups; compiled code guards on such constants, so Dynamo
+        kept one compiled variant per block (70 for SDXL's transformer block) and scanned them on
+        every call.  Without patches (graphs are never captured with patches) the keys change
+        nothing, so they are left out; with patches the eager forward runs, and with a callable
+        in the options (an attention override might read the index) they are kept.  Opaque to
+        an enclosing compiled region (a SpatialTransformer calling its blocks)."""
+        # passed by keyword (blocks) or by position (a UNet's SpatialTransformer: layer(x, context, options))
+        position = _options_position(m)
+        if position is None:
+            return compiled
+        eager = m.forward
+
+        def forward(*args, **kwargs):
+            by_position = "transformer_options" not in kwargs and len(args) > position
+            topts = args[position] if by_position else kwargs.get("transformer_options")
+            if isinstance(topts, dict) and any(k in topts for k in _PER_BLOCK_KEYS):
+                if _carried_patches(topts):
+                    return eager(*args, **kwargs)
+                if any(callable(v) for v in topts.values()):
+                    # e.g. an optimized_attention_override, which may read the block's index:
+                    # compiled as it is (one variant per block, but the same behaviour)
+                    return compiled(*args, **kwargs)
+                topts = {k: v for k, v in topts.items() if k not in _PER_BLOCK_KEYS}
+                if by_position:
+                    args = (*args[:position], topts, *args[position + 1:])
+                else:
+                    kwargs["transformer_options"] = topts
+            return compiled(*args, **kwargs)
+        return torch.compiler.disable(forward)
+
+    def installed(self):
+        blocks = self
+
+        class _Swap:
+            def __enter__(self):
+                self.mods = blocks.regions + blocks.opaque
+                self.saved = [m.__dict__.get("forward") for m in self.mods]
+                for m, c in zip(blocks.regions, blocks.compiled):
+                    m.forward = c
+                for m, f in zip(blocks.opaque, self.saved[len(blocks.regions):]):
+                    m.forward = blocks._opaque_forward(m, f)
+                return self
+
+            def __exit__(self, *exc):
+                for m, f in zip(self.mods, self.saved):
+                    if f is None:
+                        del m.forward
+                    else:
+                        m.forward = f
+                return False
+        return _Swap()
+
+    def _opaque_forward(self, m, own):
+        """The module's (lean or stock) forward hidden from Dynamo; the same wrapper object each
+        time, so the compiled code's guards keep matching."""
+        cached = self._wrappers.get(id(m))
+        if cached is None or cached[0] is not own:
+            cached = (own, torch.compiler.disable(m.forward))
+            self._wrappers[id(m)] = cached
+        return cached[1]
+
+    def validate(self, run, ref, perturbed=None) -> bool:
+        """Run the compiled blocks once (compiling them) and compare with the eager ``ref``.
+
+        Fused kernels round differently (fp32 inside a fused norm, ...), and through a deep
+        network - more so one with quantized activations, where a rounding flip moves a value by
+        a whole quantization step - that grows well beyond one rounding.  So the allowed
+        difference is measured, not guessed: ``perturbed()`` runs the eager model on the input
+        rounded once more (relative noise of half the dtype's epsilon), and the compiled output
+        may differ from ``ref`` by at most 3x that (at least ``tol``, never more than
+        ``max_tol``).  A miscompilation shows up as a far larger difference."""
+        if not self.enabled:
+            return False
+        logging.info(f"[comfy-modelopt] compiling {len(self.regions)} blocks for a new input shape "
+                     "(once per shape; Flux-size models take ~30 s) and checking them against eager")
+        try:
+            with self.installed():
+                out = run()
+        except Exception as e:  # an untraceable block, a compiler error: stay eager
+            return self._disable(f"compile failed: {type(e).__name__}: {str(e)[:200]}")
+        err = _rel_l2(out, ref)
+        noise = _rel_l2(perturbed(), ref) if perturbed is not None else 0.0
+        limit = min(self.max_tol, max(self.tol, 3.0 * noise))
+        self.checks.append({"rel_l2": err, "eager_rounding_noise": noise, "limit": limit})
+        if not err <= limit:  # also catches NaN
+            return self._disable(f"compiled output differs from eager by {err:.4f} (relative L2; allowed "
+                                 f"{limit:.4f} = 3x eager's own rounding noise {noise:.4f}, at least {self.tol})")
+        logging.info(f"[comfy-modelopt] compiled blocks: {len(self.regions)} regions, relative L2 vs eager "
+                     f"{err:.2e} (eager rounding noise {noise:.2e})")
+        return True
+
+    def _disable(self, reason: str) -> bool:
+        self.enabled, self.reason = False, reason
+        logging.warning(f"[comfy-modelopt] compiled blocks turned off: {reason}")
+        return False
+
+
+def _carried_patches(topts: dict) -> str | None:
+    """Which patch kind transformer_options carry (they run inside the blocks), else None."""
+    return next((key for key in ("patches", "patches_replace") if _nonempty(topts.get(key))), None)
+
+
+def _nonempty(v) -> bool:
+    if isinstance(v, dict):
+        return any(_nonempty(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_nonempty(x) for x in v) if v and isinstance(v[0], (dict, list, tuple)) else bool(v)
+    return bool(v)

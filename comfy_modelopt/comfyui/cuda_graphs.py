@@ -1,0 +1,249 @@
+"""CUDA-graph replay of whole model evaluations.
+
+``CudaGraphs`` (installed as a model-function wrapper on a clone, so it works for 16-bit models
+too) captures each distinct input signature once and replays it; anything it cannot capture runs
+eagerly with the reason logged.  With ``compile_blocks`` the graphs are captured over
+TorchInductor-compiled blocks (``compiled_blocks``).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+
+from comfy.patcher_extension import CallbacksMP, WrappersMP
+
+from ..cuda_streams import on_side_stream
+from .compiled_blocks import CompiledBlocks, _carried_patches, _nonempty, rounding_noise
+
+
+# wrapper kinds that run around the model evaluation, never inside the captured region
+_WRAPPERS_OUTSIDE_MODEL = frozenset({WrappersMP.OUTER_SAMPLE, WrappersMP.PREPARE_SAMPLING, WrappersMP.SAMPLER_SAMPLE,
+                                     WrappersMP.PREDICT_NOISE, WrappersMP.CALC_COND_BATCH})
+# every ModelPatcher callback kind ComfyUI defines: lifecycle events, none runs inside a forward
+_PATCHER_LIFECYCLE_CALLBACKS = frozenset(v for k, v in vars(CallbacksMP).items() if k.startswith("ON_"))
+
+
+class CudaGraphs:
+    """Model-function wrapper: capture ``apply_model`` per input signature, then replay.
+
+    A signature is the shapes/dtypes of every tensor argument plus the non-tensor values; the
+    weights' storage addresses are checked before each replay (a model unloaded and reloaded
+    elsewhere is captured again).  Runs eagerly, logging why, when the model is partially
+    loaded, when transformer options carry patches, or when capture fails."""
+
+    replays_skip_hooks = True  # module hooks (calibration statistics) run only while capturing
+
+    def __init__(self, patcher, max_graphs: int = 8, compile_blocks: bool = False):
+        self.patcher, self.max_graphs = patcher, max_graphs
+        self.compiled = CompiledBlocks(patcher.model.diffusion_model) if compile_blocks else None
+        self.graphs: dict = {}
+        self.pool = None
+        self.warned: set = set()
+        self.eager_calls = self.replays = self.captures = self.releases = 0
+        self.capture_seconds: list = []  # wall time of each capture (with its warm-up / compilation)
+        self.warmed: set = set()  # signatures whose lazy inits/compilation already ran
+        self.validated: set = set()  # signatures whose compiled blocks matched eager
+
+    def release(self, *_args) -> None:
+        """Drop every captured graph and the memory pool they share.
+
+        Called by ComfyUI after each sampling run (``cleanup``) and when the model is detached
+        from the GPU: a graph pool's free blocks look reusable to ComfyUI's free-memory estimate
+        but only the graphs can use them, so keeping them between runs would make ComfyUI
+        overestimate free VRAM while it loads the VAE or another model.  The next run captures
+        again (about one forward per input signature, two with compiled blocks; compilation and
+        validation are not repeated)."""
+        if self.graphs or self.pool is not None:
+            self.graphs.clear()
+            self.pool = None
+            self.releases += 1
+
+    # --------------------------------------------------------------- helpers
+    def _eager(self, apply_model, args, reason: str):
+        if reason not in self.warned:
+            self.warned.add(reason)
+            logging.info(f"[comfy-modelopt] CUDA graphs: running eagerly ({reason})")
+        self.eager_calls += 1
+        return apply_model(args["input"], args["timestep"], **args["c"])
+
+    def _signature(self, args):
+        flat = []
+
+        def walk(v):
+            if isinstance(v, torch.Tensor):
+                flat.append(("T", tuple(v.shape), v.dtype, str(v.device)))
+            elif isinstance(v, dict):
+                for k in sorted(v, key=str):
+                    flat.append(("K", str(k)))
+                    walk(v[k])
+            elif isinstance(v, (list, tuple)):
+                flat.append(("L", len(v)))
+                for x in v:
+                    walk(x)
+            elif isinstance(v, (int, float, str, bool, type(None))):
+                flat.append(("V", v))
+            else:
+                raise TypeError(type(v).__name__)
+        walk({"input": args["input"], "timestep": args["timestep"], "c": args["c"]})
+        return tuple(flat)
+
+    def _compute_dtype(self):
+        model = self.patcher.model
+        try:
+            dtype = model.get_dtype_inference()
+        except Exception:  # pragma: no cover - older ComfyUI
+            return None
+        return dtype if dtype in (torch.float16, torch.bfloat16, torch.float32) else None
+
+    def _weights_key(self):
+        model = self.patcher.model
+        return (getattr(model, "current_weight_patches_uuid", None),
+                tuple(p.data_ptr() for p in model.diffusion_model.parameters()))
+
+    def _blocker(self, args) -> str | None:
+        # what the model carries first, the device last: a CPU test then sees every other reason
+        topts = args["c"].get("transformer_options", {})
+        patched = _carried_patches(topts)
+        if patched:
+            return f"transformer_options carries {patched}"
+        # ComfyUI's sampler copies the patcher's wrappers and callbacks into transformer_options
+        # (sampler_helpers.prepare_model_patcher) - our own release callbacks too.  Only wrappers
+        # that run inside the model evaluation would be frozen into a graph; patcher callbacks
+        # are lifecycle events (load, detach, cleanup, ...) that never run during it.
+        for kind, per_key in (topts.get("wrappers") or {}).items():
+            if kind not in _WRAPPERS_OUTSIDE_MODEL and _nonempty(per_key):
+                return f"transformer_options carries {kind} wrappers"
+        for kind, per_key in (topts.get("callbacks") or {}).items():
+            if kind not in _PATCHER_LIFECYCLE_CALLBACKS and _nonempty(per_key):
+                return f"transformer_options carries {kind} callbacks"
+        model = self.patcher.model
+        if getattr(model, "model_lowvram", False) or getattr(model, "lowvram_patch_counter", 0):
+            return "model partially loaded (offloading)"
+        if args["input"].device.type != "cuda":
+            return "not on a CUDA device"
+        return None
+
+    # --------------------------------------------------------------- wrapper
+    def __call__(self, apply_model, args):
+        reason = self._blocker(args)
+        if reason:
+            return self._eager(apply_model, args, reason)
+        c = dict(args["c"])
+        topts = c.pop("transformer_options", {})
+        try:
+            sig = self._signature({"input": args["input"], "timestep": args["timestep"], "c": c})
+        except TypeError as e:
+            return self._eager(apply_model, args, f"unsupported argument type {e}")
+        weights = self._weights_key()
+        entry = self.graphs.get(sig)
+        if entry is not None and entry["weights"] != weights:
+            self.graphs.clear()
+            entry = None
+        if entry is None:
+            if len(self.graphs) >= self.max_graphs:
+                return self._eager(apply_model, args, f"more than {self.max_graphs} input signatures")
+            try:
+                entry = self._capture(apply_model, args, c, topts, weights, sig)
+            except Exception as e:  # capture can fail on host syncs or unsupported ops
+                self.graphs.pop(sig, None)
+                return self._eager(apply_model, args, f"capture failed: {type(e).__name__}: {str(e)[:300]}")
+            self.graphs[sig] = entry
+            return entry["out"].clone()
+        for dst, src in zip(entry["static"], _tensors(args["input"], args["timestep"], c)):
+            dst.copy_(src, non_blocking=True)
+        entry["graph"].replay()
+        self.replays += 1
+        return entry["out"].clone()
+
+    def _capture(self, apply_model, args, c, topts, weights, sig):
+        t0 = time.perf_counter()
+        # Conditioning can arrive on the CPU (SDXL's ADM vector and Flux's guidance are built
+        # there); apply_model would copy it to the GPU on every call, and a host-to-device copy
+        # cannot be captured.  apply_model moves every conditioning tensor to the input's device
+        # anyway, so the static copies live there; replays copy new values into them.
+        device = args["input"].device
+        static_x = args["input"].clone()
+        static_t = _clone_tree(args["timestep"], device)
+        static_c = _clone_tree(c, device)
+        static_c["transformer_options"] = topts
+        use_compiled = self.compiled is not None and self.compiled.enabled and sig in self.validated
+        run = lambda: apply_model(static_x, static_t, **static_c)  # noqa: E731
+        cache = getattr(self.patcher.model, "_modelopt_dequant_cache", None)
+        if sig not in self.warmed:
+            def warm_up():  # outside the capture: lazy inits, autotuning, compilation, dequant cache
+                ref = run()
+                return self.compiled is not None and self.compiled.validate(
+                    run, ref, lambda: apply_model(rounding_noise(static_x, self._compute_dtype()), static_t,
+                                                  **static_c))
+            use_compiled = on_side_stream(warm_up)
+            self.warmed.add(sig)
+            if use_compiled:
+                self.validated.add(sig)
+        elif use_compiled:
+            # a new run's transformer_options may fail a compiled guard: any recompilation (and
+            # Inductor's autotuning) must happen here, never inside the capture
+            def warm_up_compiled():
+                with self.compiled.installed():
+                    run()
+            on_side_stream(warm_up_compiled)
+        elif cache is not None and cache.needs_fill():
+            on_side_stream(run)  # refill the dequant cache (released on detach, or weights changed)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with self.compiled.installed() if use_compiled else contextlib.nullcontext():
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = run()
+        self.captures += 1
+        graph.replay()
+        torch.cuda.current_stream().synchronize()
+        self.capture_seconds.append(round(time.perf_counter() - t0, 3))
+        static_c.pop("transformer_options")
+        return {"graph": graph, "static": _tensors(static_x, static_t, static_c), "out": out, "weights": weights}
+
+
+def _clone_tree(v, device):
+    """Static copies of every tensor in ``v``, on ``device``."""
+    if isinstance(v, torch.Tensor):
+        return v.to(device, copy=True)
+    if isinstance(v, dict):
+        return {k: _clone_tree(x, device) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_clone_tree(x, device) for x in v]
+    if isinstance(v, tuple):
+        return tuple(_clone_tree(x, device) for x in v)
+    return v
+
+
+def _tensors(*trees) -> list:
+    out = []
+
+    def walk(v):
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, dict):
+            for k in sorted(v, key=str):
+                walk(v[k])
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+    for t in trees:
+        walk(t)
+    return out
+
+
+def enable_cuda_graphs(patcher, compile_blocks: bool = False):
+    """A clone of ``patcher`` whose model evaluations are captured and replayed (over
+    Inductor-compiled blocks with ``compile_blocks``, validated against eager)."""
+    clone = patcher.clone()
+    existing = clone.model_options.get("model_function_wrapper")
+    if existing is not None:
+        raise ValueError("this MODEL already has a model function wrapper; CUDA graphs would bypass it")
+    runner = CudaGraphs(clone, compile_blocks=compile_blocks)
+    clone.set_model_unet_function_wrapper(runner)
+    clone.add_callback_with_key(CallbacksMP.ON_CLEANUP, "comfy_modelopt_cuda_graphs", runner.release)
+    clone.add_callback_with_key(CallbacksMP.ON_DETACH, "comfy_modelopt_cuda_graphs", runner.release)
+    return clone, runner

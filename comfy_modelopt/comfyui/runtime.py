@@ -1,0 +1,97 @@
+"""The runtimes a quantized MODEL can run under, as the nodes and benchmarks offer them.
+
+Each ``Runtime`` is a combination of the concerns in their own modules: lean layers and the
+dequantized-weight cache (``lean``), CUDA-graph replay (``cuda_graphs``) over optionally
+compiled blocks (``compiled_blocks``), and INT8 attention (``attention``).  ``apply_runtime``
+installs one; ``gpu_note`` says what this GPU does with a format.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import FORMATS
+from .attention import enable_int8_attention
+from .cuda_graphs import enable_cuda_graphs
+from .lean import make_lean, native_formats
+from .model import compute_device
+
+
+@dataclass(frozen=True)
+class Runtime:
+    label: str                     # what the nodes' combo shows
+    lean: bool = True              # direct kernel calls for the quantized layers
+    cuda_graphs: bool = False      # capture and replay whole model evaluations
+    compiled_blocks: bool = False  # ... over TorchInductor-compiled blocks
+    int8_attention: bool = False   # kitchen's INT8 attention (changes attention numerics)
+
+
+RUNTIMES = {r.label: r for r in (
+    Runtime("lean"),
+    Runtime("lean + cuda graphs", cuda_graphs=True),
+    Runtime("lean + compiled blocks + cuda graphs", cuda_graphs=True, compiled_blocks=True),
+    Runtime("lean + cuda graphs + int8 attention", cuda_graphs=True, int8_attention=True),
+    Runtime("stock", lean=False),
+)}
+DEFAULT_RUNTIME = "lean"
+
+RUNTIME_TOOLTIP = ("lean: the same kernels as stock ComfyUI without its per-layer Python dispatch "
+                   "(bit-exact for fp8/int8); + cuda graphs: replay whole model evaluations (falls "
+                   "back to eager when offloading or patched; best for UNets like SDXL); + compiled "
+                   "blocks: the graphs run TorchInductor-fused norms/modulation/activations between "
+                   "the GEMMs (fastest per step, best for DiTs like Flux; needs Triton; compiles on the "
+                   "first step, checked against eager, turned off with a logged reason if it differs; "
+                   "recapturing costs ~1 s per run on SDXL); + int8 attention: kitchen's "
+                   "SageAttention-style INT8 attention (changes attention numerics); "
+                   "stock: ComfyUI's own layers.")
+
+DEQUANT_CACHE_TOOLTIP = ("GiB of VRAM for 16-bit copies of the weights this GPU cannot compute natively "
+                         "(nvfp4/mxfp8 before Blackwell): those layers then skip dequantizing on every call "
+                         "(same output). 0 = off. ComfyUI is told to keep that much free; the copies go "
+                         "when the model leaves the GPU. Needs a lean runtime.")
+
+
+def runtime_of(label: str) -> Runtime:
+    try:
+        return RUNTIMES[label]
+    except KeyError:
+        raise ValueError(f"unknown runtime {label!r}; choose one of: {', '.join(RUNTIMES)}") from None
+
+
+def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.0) -> tuple:
+    """Install ``runtime`` on a model this pack created; returns (model, note).  The model is a
+    clone where CUDA graphs or INT8 attention need one; lean layers are rebound in place."""
+    rt = runtime if isinstance(runtime, Runtime) else runtime_of(runtime)
+    if not rt.lean:
+        return patcher, "runtime: stock ComfyUI layers" + (
+            " (dequant cache ignored: it needs a lean runtime)" if dequant_cache_gib > 0 else "")
+    n = make_lean(patcher, dequant_cache_bytes=int(dequant_cache_gib * 2**30))
+    note = f"runtime: lean ({n} quantized layers on direct kernel calls)"
+    cache = getattr(patcher.model, "_modelopt_dequant_cache", None)
+    if cache is not None:
+        note += (f" + dequantized-weight cache of up to {cache.budget / 2**30:.2f} GiB" if cache.budget
+                 else " (dequant cache unused: every layer runs natively on this GPU)")
+    if rt.int8_attention:
+        try:
+            patcher = enable_int8_attention(patcher)
+            note += " + INT8 attention"
+        except ValueError as e:
+            note += f" (INT8 attention not enabled: {e})"
+    if rt.cuda_graphs:
+        patcher, _ = enable_cuda_graphs(patcher, compile_blocks=rt.compiled_blocks)
+        note += " + CUDA graph replay" + (" over compiled blocks" if rt.compiled_blocks else "")
+    return patcher, note
+
+
+def gpu_note(fmt_name: str) -> str:
+    """What the current GPU does with the format (ComfyUI's own gates)."""
+    fmt = FORMATS[fmt_name]
+    dev = compute_device()
+    if dev.type != "cuda":
+        return f"{fmt_name}: no CUDA GPU here; ComfyUI computes it dequantized (smaller, not faster)"
+    sm = torch.cuda.get_device_capability(dev)
+    if fmt_name in native_formats(dev):
+        return f"{fmt_name}: runs natively on this GPU (SM {sm[0]}.{sm[1]})"
+    return (f"{fmt_name}: needs SM {fmt.native_sm[0]}.{fmt.native_sm[1]}+ to run natively; on this GPU "
+            f"(SM {sm[0]}.{sm[1]}) ComfyUI dequantizes it on every step: smaller, not faster")

@@ -1,0 +1,72 @@
+"""The low-rank branch (comfy_modelopt.lowrank) and GPTQ rounding (comfy_modelopt.gptq)."""
+import pytest
+import torch
+
+from comfy_modelopt.formats import get_format
+from comfy_modelopt.gptq import gptq, hessian
+from comfy_modelopt.lowrank import lowrank_split
+
+from helpers import outlier_inputs
+
+
+def error_by_rank(w, fmt, ranks):
+    """Relative error of (l1 @ l2 + Q(R)) against w, per rank."""
+    out = {}
+    for r in ranks:
+        parts = lowrank_split(w, r)
+        approx = parts.l1 @ parts.l2 + fmt.fake_quant(parts.residual)
+        out[r] = float((approx - w).norm() / w.norm())
+    return out
+
+
+def test_lowrank_error_falls_with_rank():
+    g = torch.Generator().manual_seed(0)
+    n, k = 256, 512
+    w = (torch.randn(n, 16, generator=g) @ torch.randn(16, k, generator=g)) / 8 + torch.randn(n, k, generator=g) * 0.02
+    w[:, :4] *= 20  # smoothed-in outlier columns
+    for name in ("nvfp4", "convrot_w4a4"):
+        errs = error_by_rank(w, get_format(name), ranks=(0, 2, 4, 8, 16, 32))
+        values = list(errs.values())
+        assert all(b < a for a, b in zip(values, values[1:])), (name, errs)
+        assert values[-1] < 0.5 * values[0]
+
+
+@pytest.mark.parametrize("shape,rank", [((384, 1024), 16), ((1024, 640), 32), ((96, 200), 8)])
+def test_lowrank_split_reaches_the_svd_optimum(shape, rank):
+    """Large layers take randomized subspace iteration: its residual must match the exact SVD's
+    (Eckart-Young) optimum, on a trained-like decaying spectrum with outlier columns."""
+    from comfy_modelopt.lowrank import lowrank_split
+    g = torch.Generator().manual_seed(1)
+    n, k = shape
+    w = (torch.randn(n, 96, generator=g) * torch.logspace(0, -2, 96)) @ torch.randn(96, k, generator=g)
+    w = w + 0.02 * torch.randn(n, k, generator=g)
+    w[:, :3] *= 20
+    parts = lowrank_split(w, rank)
+    assert parts.l1.shape == (n, rank) and parts.l2.shape == (rank, k)
+    assert torch.allclose(parts.l1 @ parts.l2 + parts.residual, w, atol=1e-5)
+    s = torch.linalg.svd(w.double())[1]
+    optimum = float(s[rank:].norm())
+    assert float(parts.residual.double().norm()) <= optimum * (1 + 1e-3)
+    assert torch.equal(lowrank_split(w, rank).l2, parts.l2)  # deterministic
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "int8_tensorwise"])
+def test_gptq_lowers_output_error_and_kitchen_reencodes_exactly(name):
+    fmt = get_format(name)
+    g = torch.Generator().manual_seed(0)
+    n, k = 128, 256
+    w = torch.randn(n, k, generator=g) / 16
+    x = outlier_inputs(512, k, seed=3) @ (torch.eye(k) + 0.3 * torch.randn(k, k, generator=g) / 16)  # correlated
+    quantize_columns, scale = fmt.gptq_rounding(w, None)
+    q = gptq(w, hessian(x), quantize_columns)
+    _, qt = fmt.encode(q, scale=scale)
+    _, rtn = fmt.encode(w, scale=scale)
+    assert torch.equal(qt.dequantize().float(), q)  # kitchen keeps every GPTQ value
+    err = lambda wq: float((x @ (wq - w).T).norm() / (x @ w.T).norm())  # noqa: E731
+    assert err(q) < 0.8 * err(rtn.dequantize().float())
+
+
+@pytest.mark.parametrize("name,opts", [("nvfp4", {}), ("mxfp8", {}), ("convrot_w4a4", {}),
+                                       ("int8_tensorwise", {"convrot": True})])
+def test_gptq_refused_where_the_encoder_would_undo_it(name, opts):
+    assert get_format(name).gptq_rounding(torch.randn(64, 256), None, **opts) is None
