@@ -121,7 +121,7 @@ def build(family: str, size: str = "small", device: str = "cpu", seed: int = 0,
           dtype=torch.bfloat16, weights_device: str = "cpu"):
     """(ComfyUI BaseModel, diffusion-model state dict with deterministic weights on
     ``weights_device``)."""
-    from ..synthetic import tensor_for
+    from comfy_modelopt.synthetic import tensor_for
     mc = model_config(family, size)
     mc.set_inference_dtype(dtype, None)
     if device == "meta":
@@ -145,7 +145,7 @@ def clip_l_state_dict(seed: int = 0, dtype=torch.bfloat16) -> dict:
     the text_encoders/clip_l.safetensors files users download."""
     setup_comfy()
     import comfy.sd1_clip
-    from ..synthetic import tensor_for
+    from comfy_modelopt.synthetic import tensor_for
     with torch.device("meta"):
         model = comfy.sd1_clip.SDClipModel(device="meta", dtype=dtype)
     sd = {}

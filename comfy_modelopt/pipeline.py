@@ -20,11 +20,13 @@ from .errors import ModelOptError, OutputError, QuantizeError
 from .fileformat import (META_CALIBRATION, META_FAMILY, META_LOADER, META_PREFIX, META_RECIPE, META_REPORT,
                          META_SOURCE, META_VERSION, OWN_LOADER, QUANT_METADATA)
 from .folding import Folds, plan_folds, read_rows_scaled
-from .plan import Plan, make_plan
+from .plan import ConvPlan, Plan, make_plan
 from .quantize import kept_report, quantize_conv, quantize_layer
 from .recipe import Recipe
 from .report import QuantReport
-from .safetensors_io import FLOAT_DTYPES, ITEMSIZE, TORCH_DTYPES, SafetensorsFile, StreamWriter, check_output_path
+from .safetensors_io import (FLOAT_DTYPES, ITEMSIZE, ST_DTYPES, TORCH_DTYPES, SafetensorsFile, StreamWriter,
+                             check_output_path)
+from .stats import ActivationStats
 
 Progress = Callable[[int, int, str], None]
 
@@ -52,7 +54,6 @@ class DictSource:
 
     @classmethod
     def from_state_dict(cls, sd: dict, metadata: dict | None = None) -> "DictSource":
-        from .safetensors_io import ST_DTYPES
         return cls({k: (ST_DTYPES[v.dtype], tuple(v.shape)) for k, v in sd.items()}, sd.__getitem__, metadata)
 
 
@@ -194,6 +195,31 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
                     ) -> QuantReport:
     """Quantize ``source`` into ``sink`` layer by layer; returns the report."""
     t0 = time.perf_counter()
+    plan, report = _plan_and_report(source, recipe, stats)
+    folds = Folds()
+    if recipe.smoothing != "none":
+        if stats is None:
+            raise ValueError(f"smoothing={recipe.smoothing} needs activation statistics (--stats)")
+        if not recipe.own_loader:  # own-loader files carry smoothing per layer instead
+            folds = plan_folds(plan, source, stats, recipe, progress)
+    summary = stats.summary_json() if stats is not None else None
+    info = dict(source_info or {})
+    per_layer = 120 + (220 if stats is not None else 0)
+    width = (len(json.dumps(report.header_json())) + per_layer * len(plan.layers) + 300 * len(plan.convs)
+             + 1024 + _NONFINITE_NOTE_ROOM)
+    sink.open(plan.entries(), output_metadata(plan, report, source.metadata, info, summary, width))
+    try:
+        _stream(plan, report, source, sink, stats, folds, progress, check_interrupt)
+        report.seconds = time.perf_counter() - t0
+        sink.close(output_metadata(plan, report, source.metadata, info, summary, width))
+    except BaseException:
+        sink.abort()
+        raise
+    return report
+
+
+def _plan_and_report(source, recipe: Recipe, stats) -> tuple[Plan, QuantReport]:
+    """The plan, checked against the statistics, and the report it starts (every layer 16-bit)."""
     plan = make_plan(source.tensors, recipe, stats=stats)
     if stats is not None:
         stats.check_model({l.rel: (l.n, l.k) for l in plan.layers})
@@ -207,35 +233,32 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
         shown = ", ".join(f"{k} {list(sh)}" for k, sh in plan.odd[:3])
         report.notes.append(f"{len(plan.odd)} tensors named like Linear weights are not 2-D and were copied "
                             f"unchanged: {shown}{' ...' if len(plan.odd) > 3 else ''}")
-    folds = Folds()
-    if recipe.smoothing != "none":
-        if stats is None:
-            raise ValueError(f"smoothing={recipe.smoothing} needs activation statistics (--stats)")
-        if not recipe.own_loader:  # own-loader files carry smoothing per layer instead
-            folds = plan_folds(plan, source, stats, recipe, progress)
-    summary = stats.summary_json() if stats is not None else None
-    info = dict(source_info or {})
-    per_layer = 120 + (220 if stats is not None else 0)
-    width = (len(json.dumps(report.header_json())) + per_layer * len(plan.layers) + 300 * len(plan.convs)
-             + 1024 + _NONFINITE_NOTE_ROOM)
-    sink.open(plan.entries(), output_metadata(plan, report, source.metadata, info, summary, width))
-    nonfinite = []
-    try:
-        for key, (dtype, _shape) in plan.passthrough.items():
+    return plan, report
+
+
+def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, progress, check_interrupt) -> None:
+    """Every planned tensor from ``source`` into ``sink``: copies first, then one layer at a time."""
+    recipe, nonfinite = plan.recipe, []
+    for key, (dtype, _shape) in plan.passthrough.items():
+        _check_memory(source, key)
+        sink.write(key, _passthrough(source, key, folds, dtype, nonfinite))
+    by_name = {l.name: i for i, l in enumerate(plan.layers)}
+    total = len(plan.layers) + len(plan.convs)  # convolutions count toward the bar too
+    for done, layer in enumerate(plan.layers + plan.convs):
+        if check_interrupt:
+            check_interrupt()
+        if progress:
+            progress(done, total, layer.name)
+        key = layer.name + ".weight"
+        if isinstance(layer, ConvPlan):
+            tensors, rep = quantize_conv(source.read(key), layer)
+            report.layers.append(rep)
+        elif not layer.quantized:
             _check_memory(source, key)
-            sink.write(key, _passthrough(source, key, folds, dtype, nonfinite))
-        by_name = {l.name: i for i, l in enumerate(plan.layers)}
-        total = len(plan.layers) + len(plan.convs)  # convolutions count toward the bar too
-        for done, layer in enumerate(plan.layers):
-            if check_interrupt:
-                check_interrupt()
-            if progress:
-                progress(done, total, layer.name)
-            key = layer.name + ".weight"
-            _check_memory(source, key, float32_copies=3 if layer.quantized else 0)
-            if not layer.quantized:
-                sink.write(key, _passthrough(source, key, folds, layer.tensors[key][0], nonfinite))
-                continue
+            sink.write(key, _passthrough(source, key, folds, layer.tensors[key][0], nonfinite))
+            continue
+        else:
+            _check_memory(source, key, float32_copies=3)
             w = read_rows_scaled(source, key, folds) if key in folds.rows else source.read(key)
             layer_stats = stats.layer(layer.rel) if stats is not None and stats.has(layer.rel) else None
             tensors, rep = quantize_layer(w, layer, plan, layer_stats, smooth=folds.consumer.get(layer.name))
@@ -244,28 +267,13 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
                 fold_note = folds.notes.get(layer.name, "smoothing skipped: no exact fold into a stock "
                                                         "ComfyUI file for this layer")
                 rep.notes = ", ".join(x for x in (fold_note, rep.notes) if x)
-            for k, t in tensors.items():
-                sink.write(k, t)
             report.layers[by_name[layer.name]] = rep
-        for done, conv in enumerate(plan.convs, len(plan.layers)):
-            if check_interrupt:
-                check_interrupt()
-            if progress:
-                progress(done, total, conv.name)
-            tensors, rep = quantize_conv(source.read(conv.name + ".weight"), conv)
-            for k, t in tensors.items():
-                sink.write(k, t)
-            report.layers.append(rep)
-        if progress:
-            progress(total, total, "")
-        if nonfinite:
-            report.notes.append(_nonfinite_note(nonfinite))
-        report.seconds = time.perf_counter() - t0
-        sink.close(output_metadata(plan, report, source.metadata, info, summary, width))
-    except BaseException:
-        sink.abort()
-        raise
-    return report
+        for k, t in tensors.items():
+            sink.write(k, t)
+    if progress:
+        progress(total, total, "")
+    if nonfinite:
+        report.notes.append(_nonfinite_note(nonfinite))
 
 
 def _add_notes(plan: Plan, report: QuantReport, stats) -> None:
@@ -298,7 +306,6 @@ def quantize(state_dict: dict[str, torch.Tensor], recipe: Recipe, stats=None, me
     ``stats``: ``ActivationStats`` (or a path to a statistics file) for static input scales,
     smoothing and GPTQ; without it the weights are quantized from their values alone."""
     if isinstance(stats, (str, os.PathLike)):
-        from .stats import ActivationStats
         stats = ActivationStats.load(stats)
     sink = DictSink()
     report = quantize_source(DictSource.from_state_dict(state_dict, metadata), sink, recipe, stats,
@@ -322,7 +329,6 @@ def quantize_file(src: str, out: str, recipe: Recipe, stats=None, overwrite: boo
     check_not_input(out, src, "output")
     check_output_path(out, overwrite)
     if isinstance(stats, (str, os.PathLike)):
-        from .stats import ActivationStats
         stats = ActivationStats.load(stats)
     with SafetensorsFile(src) as f:
         info = {"name": os.path.basename(src), "bytes": f.size}

@@ -37,6 +37,7 @@ FORMAT_VERSION = 2  # 2: bf16-bit-pattern histogram
 
 from .errors import CalibrationError, one_line
 from .fileformat import META_STATS
+from .safetensors_io import SafetensorsFile, write_file
 
 
 def _bin_value(index: torch.Tensor, offset: float) -> torch.Tensor:
@@ -415,7 +416,6 @@ class ActivationStats:
     # ------------------------------------------------------------------ file
     def save(self, path: str, overwrite: bool = False) -> str:
         """Write the statistics as a safetensors file (atomic)."""
-        from .safetensors_io import write_file
         tensors = {}
         per_layer = {}
         for name, s in self.layers.items():
@@ -440,7 +440,6 @@ class ActivationStats:
         """Read statistics saved by ``save``; every value is checked (types, shapes against the
         layer's width and the fingerprint, finite non-negative statistics), and a bad one is a
         CalibrationError naming the file and the layer."""
-        from .safetensors_io import SafetensorsFile
         with SafetensorsFile(path) as f:
             raw = f.metadata.get(META_STATS)
             if raw is None:
