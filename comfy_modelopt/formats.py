@@ -24,9 +24,31 @@ import comfy_kitchen as ck
 import comfy_kitchen.tensor as ck_tensor
 import torch
 from comfy_kitchen.tensor import QuantizedTensor
-from comfy_kitchen.tensor.int8_utils import _build_hadamard, _rotate_weight
 
 from . import gptq
+
+
+def regular_hadamard(size: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    """kitchen 0.2's ConvRot matrix restated: the normalized regular Hadamard built from the 4x4
+    core by Kronecker powers (the fallback if kitchen's private helper moves; a test holds the
+    two equal)."""
+    h4 = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=dtype, device=device)
+    h = h4
+    while h.shape[0] < size:
+        h = torch.kron(h, h4)
+    return h / size ** 0.5
+
+
+def rotate_groups(w: torch.Tensor, h: torch.Tensor, group: int) -> torch.Tensor:
+    """W·Hᵀ per group of ``group`` input columns."""
+    n, k = w.shape
+    return (w.reshape(n, k // group, group) @ h.T.to(w)).reshape(n, k)
+
+
+try:  # private in kitchen 0.2.x: the ConvRot rotation its encoder applies
+    from comfy_kitchen.tensor.int8_utils import _build_hadamard, _rotate_weight
+except ImportError:  # pragma: no cover - other kitchen versions
+    _build_hadamard, _rotate_weight = regular_hadamard, rotate_groups
 
 # kitchen's own layout classes, held directly: ComfyUI re-registers some layout names with its
 # subclasses (e.g. "TensorCoreFP8Layout" becomes its E4M3 class without a dtype argument), so

@@ -151,3 +151,16 @@ def test_encode_ignores_layouts_registered_by_name(monkeypatch):
     w = weight(64, 256)
     tensors, _ = get_format("float8_e5m2").encode(w)
     assert tensors[""].dtype == torch.float8_e5m2
+
+
+@pytest.mark.parametrize("group", [16, 64, 256])
+def test_hadamard_fallback_equals_kitchen(group):
+    """formats.py restates kitchen's private ConvRot helpers for when they move: same matrix,
+    same rotation."""
+    from comfy_kitchen.tensor.int8_utils import _build_hadamard, _rotate_weight
+
+    from comfy_modelopt.formats import regular_hadamard, rotate_groups
+    h = _build_hadamard(group)
+    assert torch.equal(regular_hadamard(group), h)
+    w = torch.randn(8, group * 3)
+    assert torch.allclose(rotate_groups(w, h, group), _rotate_weight(w, h, group), atol=1e-6)
