@@ -1,14 +1,24 @@
-"""Whole sampling runs through ComfyUI's sampler with each runtime of a quantized model.
+"""Whole sampling runs - what a user sees - for a 16-bit model and its fp8 W8A8 file under every
+runtime the nodes offer.
 
-``python benchmarks/sampling_check.py --out DIR [--model sdxl|flux] [--steps N]`` builds the
-full-size model (random weights, ComfyUI's own classes), quantizes it to fp8 W8A8 with static
-input scales, and samples the same noise/conditioning (KSampler path: ``comfy.sample.sample``,
-euler, CFG, so the model sees changing timesteps and a cond+uncond batch) with the runtimes the
-nodes offer: stock, lean, lean + CUDA graphs, lean + compiled blocks + CUDA graphs - and, as the
-yardstick for compiled blocks, lean with each model input rounded once more.  Prints the
-wall time per run, the final latents' relative L2 difference against the stock run, and how
-often the graphs were captured / replayed / bypassed.  ``--reduced`` runs a small model on a CPU
-(graphs then fall back to eager: a smoke run, not a measurement).
+``python benchmarks/sampling_check.py --out DIR [--model sdxl|flux] [--steps N] [--runs N]``
+builds the full-size model (random weights with channel outliers, ComfyUI's own classes),
+quantizes it to fp8 W8A8 with static input scales, and samples the same noise/conditioning
+through ComfyUI's KSampler path (``comfy.sample.sample``, euler/simple; Flux cfg 1, SDXL cfg 7)
+``--runs`` times with:
+
+- the 16-bit model in stock ComfyUI (the baseline), and the same model in the other 16-bit
+  dtype (bf16 vs fp16: how far a change of rounding alone moves the final latent);
+- the fp8 file in stock ComfyUI, and under each runtime of ``comfyui.runtime.RUNTIMES``
+  (installed by ``apply_runtime``, as the nodes do);
+- lean with each model input rounded once more (eager's own noise: the yardstick for compiled
+  blocks).
+
+Per variant: first run (includes capture and, for compiled blocks, compilation: run the script
+twice with one ``TORCHINDUCTOR_CACHE_DIR`` for a warm compile cache), steady run (best of runs
+2..n), ratio to the 16-bit steady run, peak VRAM, final-latent relative L2 against the 16-bit run,
+and the graphs' captures/replays.  ``--runtimes`` picks variants; ``--reduced`` runs a small model
+on a CPU (graphs then fall back to eager: a smoke run, not a measurement).
 """
 from __future__ import annotations
 
@@ -30,7 +40,7 @@ import common  # noqa: E402
 from comfy_modelopt.comfyui.compiled_blocks import rounding_noise  # noqa: E402
 from comfy_modelopt.comfyui.cuda_graphs import CudaGraphs  # noqa: E402
 from comfy_modelopt.comfyui.lean import make_lean  # noqa: E402
-from comfy_modelopt.comfyui.runtime import apply_runtime  # noqa: E402
+from comfy_modelopt.comfyui.runtime import RUNTIMES, apply_runtime  # noqa: E402
 
 EAGER_NOISE = "lean, input rounded once more per call (eager's own noise)"
 
@@ -52,72 +62,142 @@ def conds(family: str, inputs: str, txt: int, dtype):
     return pos, neg
 
 
+STOCK_16BIT, OTHER_16BIT, STOCK_FP8 = "16-bit, stock ComfyUI", "other 16-bit dtype, stock", "fp8 file, stock ComfyUI"
+CFG = {"flux": 1.0, "sdxl": 7.0}
+
+
+def _run_variant(label, q, runs, sample, ref, fp8_ref=None):
+    """``runs`` whole sampling runs of patcher ``q``; one row."""
+    wrapper = q.model_options.get("model_function_wrapper")
+    runner = wrapper if isinstance(wrapper, CudaGraphs) else None
+    secs, out, peak = [], None, None
+    for _ in range(runs):
+        if common.CUDA:
+            torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            common.sync()
+            t0 = time.perf_counter()
+            out = sample(q)
+            common.sync()
+            secs.append(time.perf_counter() - t0)
+        if common.CUDA:
+            peak = max(peak or 0.0, torch.cuda.max_memory_allocated() / 2**30)
+    row = {"variant": label, "first_s": round(secs[0], 3), "steady_s": round(min(secs[1:] or secs), 3),
+           "runs_s": [round(x, 3) for x in secs], "peak_vram_gib": None if peak is None else round(peak, 2),
+           "finite": bool(torch.isfinite(out).all())}
+    if ref is not None:
+        row["rel_l2_vs_16bit"] = float((out - ref).norm() / ref.norm())
+    if fp8_ref is not None:  # 0 where the runtime is bit-exact with stock ComfyUI
+        row["rel_l2_vs_fp8_stock"] = float((out - fp8_ref).norm() / fp8_ref.norm())
+    if runner is not None:
+        row["graph"] = {"captures": runner.captures, "capture_s": list(runner.capture_seconds),
+                        "replays": runner.replays, "eager": runner.eager_calls, "releases": runner.releases,
+                        "persistent": runner.persistent, "eager_reasons": sorted(runner.warned)}
+        if runner.compiled is not None:
+            row["compiled"] = {"enabled": runner.compiled.enabled, "reason": runner.compiled.reason,
+                               "checks": runner.compiled.checks}
+    return row, out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="sdxl", choices=list(SPECS))
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=3, help="whole runs per variant (first + steady)")
+    ap.add_argument("--runtimes", nargs="*", default=None,
+                    help=f"variants to run (default all): {STOCK_16BIT!r}, {OTHER_16BIT!r}, {STOCK_FP8!r}, "
+                         f"the runtimes {list(RUNTIMES)}, {EAGER_NOISE!r}")
+    ap.add_argument("--profile", action="store_true",
+                    help="after its runs, profile one more steady run of each variant (torch.profiler: where the "
+                         "wall time of a whole run goes outside the model's kernels)")
     ap.add_argument("--reduced", action="store_true", help="the model at a small configuration (CPU smoke run)")
     a = ap.parse_args(argv)
     spec = (REDUCED if a.reduced else SPECS)[a.model]
+    wanted = a.runtimes or [STOCK_16BIT, OTHER_16BIT, STOCK_FP8] + [r for r in RUNTIMES if r != "stock"] + [EAGER_NOISE]
     os.makedirs(a.out, exist_ok=True)
     _, sd = architectures.build(spec["family"], spec["size"], seed=0, dtype=spec["dtype"], weights_device=common.DEVICE)
-    base = common.load_stock(sd)
-    inputs = spec.get("inputs", spec["family"])
-    x, sigma, kw = common.inputs(inputs, 1, spec["res"], spec.get("txt", 77), spec["dtype"])
-    q_sd, meta = common.calibrated_fp8(base, sd, x, sigma, kw)
-    common.free(base)
-    del sd
     fam = spec["family"]
+    inputs = spec.get("inputs", fam)
     pos, neg = conds(fam, inputs, spec.get("txt", 77), spec["dtype"])
     latent_c = 16 if fam == "flux" else 4
     latent = torch.zeros(1, latent_c, spec["res"] // 8, spec["res"] // 8)
     noise = comfy.sample.prepare_noise(latent, 0)
+    cfg = CFG[fam]
+
+    def sample(q):
+        return comfy.sample.sample(q, noise, a.steps, cfg, "euler", "simple", pos, neg, latent, seed=0,
+                                   disable_pbar=True).float()
     results = {"env": common.env_info(), "model": a.model + (" (reduced)" if a.reduced else ""), "steps": a.steps,
+               "cfg": cfg, "runs": a.runs, "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
                "rows": []}
-    ref = None
-    # the last "runtime" is eager with every model input rounded once more: how far eager itself
-    # drifts along the trajectory from one extra rounding per step - the yardstick for compiled
-    # blocks, whose fused kernels round differently
-    runs = ["stock", "lean", "lean + cuda graphs", "lean + compiled blocks + cuda graphs", EAGER_NOISE]
-    for runtime in runs:
+
+    def record(row):
+        results["rows"].append(row)
+        base = next((r for r in results["rows"] if r["variant"] == STOCK_16BIT), None)
+        if base is not None:
+            row["steady_speedup_vs_16bit"] = round(base["steady_s"] / row["steady_s"], 3)
+        print(f"  {row['variant']:58s} first {row['first_s']:7.2f} s  steady {row['steady_s']:6.2f} s  "
+              f"x{row.get('steady_speedup_vs_16bit', float('nan')):.2f}  peak {row['peak_vram_gib']} GiB  "
+              f"rel L2 {row.get('rel_l2_vs_16bit', 0):.2e}  {row.get('graph', '')} {row.get('compiled', '')}",
+              flush=True)
+        common.write_json(os.path.join(a.out, f"sampling_{a.model}.json"), results)
+
+    base = common.load_stock(sd)
+    row, ref = _run_variant(STOCK_16BIT, base, a.runs, sample, None)  # always: the baseline
+    record(row)
+    if OTHER_16BIT in wanted and common.CUDA:
+        other = torch.float16 if spec["dtype"] == torch.bfloat16 else torch.bfloat16
+        common.free(base)
+        alt = common.load_stock({k: v.to(other) if v.is_floating_point() else v for k, v in sd.items()})
+        row, _ = _run_variant(OTHER_16BIT + f" ({str(other)[6:]})", alt, a.runs, sample, ref)
+        record(row)
+        common.free(alt)
+        base = common.load_stock(sd)
+    x, sigma, kw = common.inputs(inputs, 1, spec["res"], spec.get("txt", 77), spec["dtype"])
+    q_sd, meta = common.calibrated_fp8(base, sd, x, sigma, kw)
+    common.free(base)
+    del sd
+    fp8_ref = None
+    for variant in [STOCK_FP8] + [r for r in RUNTIMES if r != "stock"] + [EAGER_NOISE]:
+        if variant not in wanted:
+            continue
         q = common.load_stock(q_sd, meta)
-        if runtime == EAGER_NOISE:
+        if variant == EAGER_NOISE:
             make_lean(q)
             dtype = q.model.get_dtype_inference()
             q.set_model_unet_function_wrapper(
                 lambda apply_model, args: apply_model(rounding_noise(args["input"], dtype), args["timestep"], **args["c"]))
-        else:  # as the nodes install it
-            q, _ = apply_runtime(q, runtime)
-        runner = q.model_options.get("model_function_wrapper")
-        runner = runner if isinstance(runner, CudaGraphs) else None
-        # graph runtimes run twice: the first run captures (and compiles), ComfyUI's cleanup then
-        # releases the graphs, and the second run shows the steady state a user sees
-        for attempt in range(2 if runner is not None else 1):
-            with torch.inference_mode():
-                common.sync()
-                t0 = time.perf_counter()
-                out = comfy.sample.sample(q, noise, a.steps, 4.0, "euler", "simple", pos, neg, latent, seed=0,
-                                          disable_pbar=True).float()
-                common.sync()
-                secs = time.perf_counter() - t0
-            ref = out if ref is None else ref
-            label = runtime + (" (second run)" if attempt else "")
-            row = {"runtime": label, "seconds": round(secs, 2),
-                   "rel_l2_vs_stock": float((out - ref).norm() / ref.norm()), "finite": bool(torch.isfinite(out).all())}
-            if runner is not None:
-                row["graph"] = {"captures": runner.captures, "capture_s": list(runner.capture_seconds),
-                                "replays": runner.replays, "eager": runner.eager_calls,
-                                "releases": runner.releases, "eager_reasons": sorted(runner.warned)}
-                if runner.compiled is not None:
-                    row["compiled"] = {"enabled": runner.compiled.enabled, "reason": runner.compiled.reason,
-                                       "checks": runner.compiled.checks}
-            results["rows"].append(row)
-            print(f"  {label:52s} {secs:7.2f} s  rel L2 vs stock {row['rel_l2_vs_stock']:.2e}  "
-                  f"{row.get('graph', '')} {row.get('compiled', '')}", flush=True)
+        elif variant != STOCK_FP8:  # as the nodes install it
+            q, _ = apply_runtime(q, variant, force_int8_attention=True)
+        row, out = _run_variant(variant, q, a.runs, sample, ref, fp8_ref)
+        fp8_ref = out if variant == STOCK_FP8 else fp8_ref
+        if a.profile:
+            row["profile"] = profile_run(q, sample)
+        record(row)
         common.free(q)
-        common.write_json(os.path.join(a.out, "sampling.json"), results)
     return results
+
+
+def profile_run(q, sample, top: int = 25) -> dict:
+    """One whole run under torch.profiler: wall time, GPU kernel time (busy), and the host-side
+    operations and Python functions that take the most time of their own."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if common.CUDA else [])
+    with torch.inference_mode(), profile(activities=acts, with_stack=False) as prof:
+        common.sync()
+        t0 = time.perf_counter()
+        sample(q)
+        common.sync()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events if getattr(e, "self_device_time_total", 0))
+    host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    gpu = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:top]
+    return {"wall_s": round(wall, 3), "gpu_kernel_s": round(gpu_us / 1e6, 3),
+            "gpu_busy_fraction": round(gpu_us / 1e6 / wall, 3) if wall else None,
+            "host_self_ms": [[e.key, round(e.self_cpu_time_total / 1e3, 2), e.count] for e in host],
+            "gpu_self_ms": [[e.key, round(getattr(e, "self_device_time_total", 0) / 1e3, 2), e.count] for e in gpu]}
 
 
 if __name__ == "__main__":

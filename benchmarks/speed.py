@@ -119,7 +119,7 @@ def int8_attention_rows(patcher, label, x, sigma, kw, ref, rows, base_ms):
     from comfy_modelopt.comfyui.attention import enable_int8_attention, int8_attention_available
     if not CUDA or not int8_attention_available(DEVICE):
         return
-    clone = enable_int8_attention(patcher)
+    clone = enable_int8_attention(patcher, force=True)
     fn, runner = common.graph_fn(clone, x, sigma, kw)
     measure(f"{label} + INT8 attention + CUDA graphs", fn, ref, rows, base_ms)
     rows[-1]["graph"] = {"captures": runner.captures, "replays": runner.replays, "eager": runner.eager_calls}

@@ -1,5 +1,12 @@
 """kitchen's INT8 attention (SageAttention-style, Hadamard-rotated Q/K) as ComfyUI's
-``optimized_attention_override``."""
+``optimized_attention_override`` - installed only where it was not measured slower end to end.
+
+Measured on an H200 (``benchmarks/sampling_check.py``, 2026-11-30, whole 20-step runs at
+1024x1024, fp8 W8A8 under CUDA graphs): Flux 2.60 s with it against 2.36 s without (its kernel
+0.70 s per run against cuDNN's flash attention 0.49 s), SDXL 0.93 against 0.82 s.  On Hopper
+cuDNN's 16-bit flash attention is the faster choice, so the runtime leaves attention alone
+there (``SLOWER_ON``); elsewhere (Ada, Blackwell: not measured yet) it is installed as asked.
+"""
 from __future__ import annotations
 
 import comfy_kitchen as ck
@@ -35,10 +42,19 @@ def int8_attention_override(func, *args, **kwargs):
     return out
 
 
-def enable_int8_attention(patcher):
-    """A clone of ``patcher`` whose attention runs kitchen's INT8 kernel where it applies."""
+# compute capability (major) -> why INT8 attention is not installed there
+SLOWER_ON = {9: "measured slower end to end on Hopper (H200, 20 steps: Flux 2.60 vs 2.36 s, SDXL 0.93 vs "
+                "0.82 s; cuDNN's flash attention wins)"}
+
+
+def enable_int8_attention(patcher, force: bool = False):
+    """A clone of ``patcher`` whose attention runs kitchen's INT8 kernel where it applies.
+    Refused (ValueError) where the kernel is missing or, unless ``force``, measured slower."""
     if not int8_attention_available(patcher.load_device):
         raise ValueError("kitchen's INT8 attention kernel is not available on this device")
+    device = torch.device(patcher.load_device)
+    if not force and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in SLOWER_ON:
+        raise ValueError(SLOWER_ON[torch.cuda.get_device_capability(device)[0]])
     clone = patcher.clone()
     topts = clone.model_options.setdefault("transformer_options", {})
     if "optimized_attention_override" in topts:

@@ -4,6 +4,13 @@
 too) captures each distinct input signature once and replays it; anything it cannot capture runs
 eagerly with the reason logged.  With ``compile_blocks`` the graphs are captured over
 TorchInductor-compiled blocks (``compiled_blocks``).
+
+The graphs stay while the model stays loaded: a second sampling run with the same shapes
+captures nothing.  Their memory is accounted the way ComfyUI counts memory in use (``GraphPool``:
+the pool's idle blocks are held by placeholders, so ComfyUI's free-memory estimate - reserved
+minus active - does not count memory only the graphs can use), and it goes back when ComfyUI
+unloads the model, partly or wholly, to make room: the graphs are owned by the model's patcher
+and die with its residency.  A change of weights or weight patches (a LoRA) recaptures.
 """
 from __future__ import annotations
 
@@ -26,6 +33,66 @@ _WRAPPERS_OUTSIDE_MODEL = frozenset({WrappersMP.OUTER_SAMPLE, WrappersMP.PREPARE
 _PATCHER_LIFECYCLE_CALLBACKS = frozenset(v for k, v in vars(CallbacksMP).items() if k.startswith("ON_"))
 
 
+def _pool_accounting_available() -> bool:
+    return torch.cuda.is_available() and hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
+
+
+class GraphPool:
+    """The memory pool a model's graphs share, with its idle blocks held by placeholder tensors
+    (``occupy``) between captures, so they count as memory in use."""
+
+    def __init__(self):
+        self.pool = torch.cuda.MemPool()
+        self.fillers: list = []
+
+    @property
+    def handle(self):
+        return self.pool.id
+
+    def _segments(self) -> list:
+        return [seg for seg in torch.cuda.memory_snapshot()
+                if tuple(seg.get("segment_pool_id", ())) == tuple(self.pool.id)]
+
+    def idle_bytes(self) -> int:
+        return sum(b["size"] for seg in self._segments() for b in seg["blocks"] if b["state"] == "inactive")
+
+    def reserved_bytes(self) -> int:
+        return sum(seg["total_size"] for seg in self._segments())
+
+    def vacate(self) -> None:
+        """Free the placeholders (before a capture: the new graph reuses those blocks)."""
+        self.fillers.clear()
+
+    def occupy(self) -> None:
+        """Hold the pool's idle blocks with placeholders of their exact sizes.  The caching
+        allocator keeps free blocks per stream, and the graphs were captured on a stream of their
+        own: each placeholder is allocated on its block's stream.  Only blocks of large segments
+        above the small-request size (1 MiB) are held (a request is served from the segment kind
+        its size picks); the rest (a few MiB at most) stays idle.  An allocation that would need
+        new memory is given back and ends the filling: placeholders never grow the pool."""
+        self.vacate()
+        by_stream: dict = {}
+        for seg in self._segments():
+            if seg.get("segment_type") != "large":
+                continue
+            for b in seg["blocks"]:
+                if b["state"] == "inactive" and b["size"] > _SMALL_REQUEST:
+                    by_stream.setdefault((seg["device"], seg["stream"]), []).append(b["size"])
+        with torch.cuda.use_mem_pool(self.pool):
+            for (device, stream), sizes in by_stream.items():
+                with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
+                    for size in sorted(sizes, reverse=True):
+                        before = torch.cuda.memory_reserved(device)
+                        filler = torch.empty(size, dtype=torch.uint8, device=f"cuda:{device}")
+                        if torch.cuda.memory_reserved(device) > before:
+                            del filler
+                            return
+                        self.fillers.append(filler)
+
+
+_SMALL_REQUEST = 1 << 20  # the CUDA caching allocator serves requests up to this from small segments
+
+
 class CudaGraphs:
     """Model-function wrapper: capture ``apply_model`` per input signature, then replay.
 
@@ -36,11 +103,14 @@ class CudaGraphs:
 
     replays_skip_hooks = True  # module hooks (calibration statistics) run only while capturing
 
-    def __init__(self, patcher, max_graphs: int = 8, compile_blocks: bool = False):
+    def __init__(self, patcher, max_graphs: int = 8, compile_blocks: bool = False, persistent: bool | None = None):
         self.patcher, self.max_graphs = patcher, max_graphs
         self.compiled = CompiledBlocks(patcher.model.diffusion_model) if compile_blocks else None
         self.graphs: dict = {}
         self.pool = None
+        # keep the graphs between sampling runs where their memory can be accounted (else they go
+        # back after every run, and each run captures again)
+        self.persistent = _pool_accounting_available() if persistent is None else persistent
         self.warned: set = set()
         self.eager_calls = self.replays = self.captures = self.releases = 0
         self.capture_seconds: list = []  # wall time of each capture (with its warm-up / compilation)
@@ -50,16 +120,30 @@ class CudaGraphs:
     def release(self, *_args) -> None:
         """Drop every captured graph and the memory pool they share.
 
-        Called by ComfyUI after each sampling run (``cleanup``) and when the model is detached
-        from the GPU: a graph pool's free blocks look reusable to ComfyUI's free-memory estimate
-        but only the graphs can use them, so keeping them between runs would make ComfyUI
-        overestimate free VRAM while it loads the VAE or another model.  The next run captures
-        again (about one forward per input signature, two with compiled blocks; compilation and
-        validation are not repeated)."""
+        Called when ComfyUI detaches the model from the GPU or unloads part of it (to make room
+        for another model, the VAE, ...), and when the weights change.  The next evaluation
+        captures again (about one forward per input signature; compilation and validation are not
+        repeated).  ComfyUI empties the allocator's cache after unloading, which returns the
+        pool's memory to the device."""
         if self.graphs or self.pool is not None:
             self.graphs.clear()
+            if isinstance(self.pool, GraphPool):
+                self.pool.vacate()
             self.pool = None
             self.releases += 1
+
+    def on_detach(self, _patcher, unpatch_all=True) -> None:
+        """ComfyUI's detach callback.  Also called, with ``unpatch_all`` False, when a clone
+        sharing our callbacks is garbage-collected (every sampling run drops one) or replaced by
+        another clone of the same model: the weights stay where they are, and so do the graphs
+        (the weights' addresses and patches are checked before every replay anyway)."""
+        if unpatch_all:
+            self.release()
+
+    def end_run(self, *_args) -> None:
+        """ComfyUI's cleanup after a sampling run: the graphs stay (persistent) or go."""
+        if not self.persistent:
+            self.release()
 
     # --------------------------------------------------------------- helpers
     def _eager(self, apply_model, args, reason: str):
@@ -121,6 +205,7 @@ class CudaGraphs:
                 return f"transformer_options carries {kind} callbacks"
         model = self.patcher.model
         if getattr(model, "model_lowvram", False) or getattr(model, "lowvram_patch_counter", 0):
+            self.release()  # captured over weights that have moved: give their memory back
             return "model partially loaded (offloading)"
         if args["input"].device.type != "cuda":
             return "not on a CUDA device"
@@ -193,13 +278,18 @@ class CudaGraphs:
             on_side_stream(run)  # refill the dequant cache (released on detach, or weights changed)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+            self.pool = GraphPool() if self.persistent else torch.cuda.graph_pool_handle()
+        if isinstance(self.pool, GraphPool):
+            self.pool.vacate()
+        handle = self.pool.handle if isinstance(self.pool, GraphPool) else self.pool
         with self.compiled.installed() if use_compiled else contextlib.nullcontext():
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=handle):
                 out = run()
         self.captures += 1
         graph.replay()
         torch.cuda.current_stream().synchronize()
+        if isinstance(self.pool, GraphPool):
+            self.pool.occupy()
         self.capture_seconds.append(round(time.perf_counter() - t0, 3))
         static_c.pop("transformer_options")
         return {"graph": graph, "static": _tensors(static_x, static_t, static_c), "out": out, "weights": weights}
@@ -244,6 +334,21 @@ def enable_cuda_graphs(patcher, compile_blocks: bool = False):
         raise ValueError("this MODEL already has a model function wrapper; CUDA graphs would bypass it")
     runner = CudaGraphs(clone, compile_blocks=compile_blocks)
     clone.set_model_unet_function_wrapper(runner)
-    clone.add_callback_with_key(CallbacksMP.ON_CLEANUP, "comfy_modelopt_cuda_graphs", runner.release)
-    clone.add_callback_with_key(CallbacksMP.ON_DETACH, "comfy_modelopt_cuda_graphs", runner.release)
+    clone.add_callback_with_key(CallbacksMP.ON_CLEANUP, "comfy_modelopt_cuda_graphs", runner.end_run)
+    clone.add_callback_with_key(CallbacksMP.ON_DETACH, "comfy_modelopt_cuda_graphs", runner.on_detach)
+    _release_on_partial_unload(clone, runner)
     return clone, runner
+
+
+def _release_on_partial_unload(patcher, runner) -> None:
+    """ComfyUI frees VRAM for another model by unloading part of this one
+    (``LoadedModel.model_unload`` -> ``partially_unload``), with no callback for it: the graphs
+    (captured over the weights' addresses, useless once they move) go first, so their pool is
+    what is freed.  A clone made later from this patcher has no such hook: its evaluations find
+    the model partially loaded and release the graphs then."""
+    unload = patcher.partially_unload
+
+    def partially_unload(*args, **kwargs):
+        runner.release()
+        return unload(*args, **kwargs)
+    patcher.partially_unload = partially_unload

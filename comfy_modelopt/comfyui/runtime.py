@@ -37,14 +37,15 @@ RUNTIMES = {r.label: r for r in (
 DEFAULT_RUNTIME = "lean"
 
 RUNTIME_TOOLTIP = ("lean: the same kernels as stock ComfyUI without its per-layer Python dispatch "
-                   "(bit-exact for fp8/int8); + cuda graphs: replay whole model evaluations (falls "
-                   "back to eager when offloading or patched; best for UNets like SDXL); + compiled "
-                   "blocks: the graphs run TorchInductor-fused norms/modulation/activations between "
-                   "the GEMMs (fastest per step, best for DiTs like Flux; needs Triton; compiles on the "
-                   "first step, checked against eager, turned off with a logged reason if it differs; "
-                   "recapturing costs ~1 s per run on SDXL); + int8 attention: kitchen's "
-                   "SageAttention-style INT8 attention (changes attention numerics); "
-                   "stock: ComfyUI's own layers.")
+                   "(bit-exact for fp8/int8); + cuda graphs: replay whole model evaluations, kept between "
+                   "runs while the model stays loaded (bit-exact; falls back to eager when offloading or "
+                   "patched); + compiled blocks: the graphs run TorchInductor-fused norms/modulation/"
+                   "activations between the GEMMs - fastest steady runs (H200, fp8, 20 steps: Flux 1.53x, "
+                   "SDXL 1.49x the 16-bit model) but the first run compiles (27-41 s; about 10 s with a warm "
+                   "compile cache), checked against eager and turned off with a logged reason if it "
+                   "differs; needs Triton; + int8 attention: kitchen's SageAttention-style INT8 attention "
+                   "(changes attention numerics; left off on Hopper, where it measured slower than cuDNN's "
+                   "flash attention); stock: ComfyUI's own layers.")
 
 DEQUANT_CACHE_TOOLTIP = ("GiB of VRAM for 16-bit copies of the weights this GPU cannot compute natively "
                          "(nvfp4/mxfp8 before Blackwell): those layers then skip dequantizing on every call "
@@ -59,9 +60,12 @@ def runtime_of(label: str) -> Runtime:
         raise ValueError(f"unknown runtime {label!r}; choose one of: {', '.join(RUNTIMES)}") from None
 
 
-def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.0) -> tuple:
+def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.0,
+                  force_int8_attention: bool = False) -> tuple:
     """Install ``runtime`` on a model this pack created; returns (model, note).  The model is a
-    clone where CUDA graphs or INT8 attention need one; lean layers are rebound in place."""
+    clone where CUDA graphs or INT8 attention need one; lean layers are rebound in place.
+    INT8 attention is left out where it measured slower (``attention.SLOWER_ON``) unless
+    ``force_int8_attention`` (benchmarks)."""
     rt = runtime if isinstance(runtime, Runtime) else runtime_of(runtime)
     if not rt.lean:
         return patcher, "runtime: stock ComfyUI layers" + (
@@ -74,7 +78,7 @@ def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.
                  else " (dequant cache unused: every layer runs natively on this GPU)")
     if rt.int8_attention:
         try:
-            patcher = enable_int8_attention(patcher)
+            patcher = enable_int8_attention(patcher, force=force_int8_attention)
             note += " + INT8 attention"
         except ValueError as e:
             note += f" (INT8 attention not enabled: {e})"

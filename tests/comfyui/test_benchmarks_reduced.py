@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("cost.py", ["--reduced", "--models", "flux", "--prompts", "2", "--steps", "2"], "cost.json"),
     ("hook_overhead.py", ["--reduced"], "hook_overhead.json"),
     ("lora.py", ["--reduced", "--rank", "4"], "lora.json"),
-    ("sampling_check.py", ["--reduced", "--steps", "2"], "sampling.json"),
+    ("sampling_check.py", ["--reduced", "--steps", "2", "--runs", "2"], "sampling_sdxl.json"),
     ("compile_overhead.py", ["--iters", "2"], "compile_overhead.json"),
 ])
 def test_reduced(tmp_path, script, args, out):

@@ -274,16 +274,29 @@ def test_cuda_graphs_blocked_only_by_wrappers_inside_the_model(env):
         assert runner.warned == ({reason} if blocks else {"not on a CUDA device"}), kind
 
 
-def test_cuda_graphs_released_after_each_run_and_on_detach(env):
-    """The graphs' memory pool goes back after every sampling run (ComfyUI calls cleanup()) and
-    when the model leaves the GPU, so ComfyUI's free-memory estimate stays true."""
-    clone, runner = env["nodes"].enable_cuda_graphs(env["model"])
-    runner.graphs["fake signature"], runner.pool = {"graph": None}, object()
-    sample(env, clone, 1, 0)  # ComfyUI's sampler ends with model_patcher.cleanup()
-    assert runner.graphs == {} and runner.pool is None and runner.releases == 1
-    runner.graphs["fake signature"], runner.pool = {"graph": None}, object()
-    clone.clone().detach()  # clones share the runner and its callbacks
-    assert runner.graphs == {} and runner.releases == 2
+def test_cuda_graphs_kept_between_runs_and_released_when_unloaded(env):
+    """Where the graphs' memory can be accounted (a CUDA MemPool) they stay between sampling runs
+    and go back when ComfyUI detaches the model or unloads part of it; elsewhere they go back
+    after every run (ComfyUI calls cleanup())."""
+    for persistent in (False, True):
+        clone, runner = env["nodes"].enable_cuda_graphs(env["model"])
+        runner.persistent = persistent
+        runner.graphs["fake signature"], runner.pool = {"graph": None}, object()
+        sample(env, clone, 1, 0)  # ComfyUI's sampler ends with model_patcher.cleanup()
+        if persistent:
+            assert runner.graphs and runner.pool is not None and runner.releases == 0
+        else:
+            assert runner.graphs == {} and runner.pool is None and runner.releases == 1
+        runner.graphs["fake signature"], runner.pool = {"graph": None}, object()
+        clone.clone().detach(unpatch_all=False)  # a clone dropped (its __del__), weights stay
+        assert runner.graphs and runner.pool is not None
+        clone.clone().detach()  # clones share the runner and its callbacks; the weights leave
+        assert runner.graphs == {} and runner.pool is None
+        runner.graphs["fake signature"], runner.pool = {"graph": None}, object()
+        comfy.model_management.load_models_gpu([clone])
+        clone.partially_unload(clone.offload_device, 1)  # what ComfyUI does to make room
+        assert runner.graphs == {} and runner.pool is None
+        comfy.model_management.unload_all_models()
 
 
 def test_compiled_blocks_validated_against_eager(env):
@@ -426,7 +439,6 @@ def rank4_lora(dm, suffixes, g, up_scale=1.0, fmt=None) -> dict:
 def test_bypass_lora_with_lean_layers_in_either_order(env):
     """ComfyUI's bypass LoRA wraps a layer's forward; the lean runtime must stay underneath it,
     whether the LoRA was injected before or after the layers were made lean."""
-    nodes = env["nodes"]
     dm = env["model"].model.diffusion_model
     g = torch.Generator().manual_seed(3)
     lora = rank4_lora(dm, ("attn1.to_q", "attn1.to_v", "ff.net.2"), g)
@@ -440,7 +452,7 @@ def test_bypass_lora_with_lean_layers_in_either_order(env):
         lq, _ = comfy.sd.load_bypass_lora_for_models(q, None, lora, 1.0, 0)
         comfy.model_management.load_models_gpu([lq], force_full_load=True)  # injects the bypass hooks
         if order == "lora-then-lean":
-            assert nodes.make_lean(lq) == 71
+            assert pack_module("lean").make_lean(lq) == 71
         with torch.inference_mode():
             effects[order] = run(lq) - plain  # what the LoRA does to the output
         comfy.model_management.unload_all_models()
@@ -501,22 +513,46 @@ CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 
 @CUDA_ONLY
 def test_cuda_graphs_capture_in_real_sampling():
-    """Whole KSampler runs: captured and replayed, equal to eager bit for bit, new conditioning
-    values honoured, captured again after ComfyUI's cleanup."""
-    import comfy.model_management
+    """Whole KSampler runs: captured once and replayed, equal to eager bit for bit, new
+    conditioning values honoured; a second run with the same shapes captures nothing, with the
+    pool's idle memory held (counted as in use); a weight patch (LoRA) recaptures; unloading the
+    model, partly or wholly, gives the pool back."""
+    import comfy.model_management as mm
 
     from comfy_modelopt.comfyui.cuda_graphs import enable_cuda_graphs  # not the pack: its import needs PyAV
     sd, run = _sdxl_small_runs()
     model = comfy.sd.load_diffusion_model_state_dict(sd)
+    eager = {seed: run(model, seed) for seed in (1, 2)}
+    key = next(k for k in model.get_key_patches() if k.endswith("attn1.to_q.weight"))
+    delta = torch.randn(model.model.state_dict()[key].shape, generator=torch.Generator().manual_seed(4)) * 0.05
+    patched = model.clone()
+    patched.add_patches({key: (delta.half(),)}, 1.0)
+    eager_patched = run(patched, 1)
+    mm.unload_all_models()
     clone, runner = enable_cuda_graphs(model)
+    assert runner.persistent
     for seed in (1, 2):
-        eager = run(model, seed)
-        graphed = run(clone, seed)
+        assert torch.equal(run(clone, seed), eager[seed]), seed
         assert runner.warned == set(), runner.warned
-        assert torch.equal(eager, graphed), seed
-    assert runner.captures == 2 and runner.replays == 2 * 3 and runner.releases == 2
-    assert not torch.equal(run(clone, 1), graphed)  # the new conditioning values reached the graph
-    comfy.model_management.unload_all_models()
+    assert runner.captures == 1 and runner.replays == 2 * 4 - 1 and runner.releases == 0
+    # the pool's idle memory is held (ComfyUI counts it in use), but for a few small blocks
+    assert runner.pool.reserved_bytes() > 0
+    assert runner.pool.idle_bytes() <= max(16 << 20, runner.pool.reserved_bytes() // 20), runner.pool.idle_bytes()
+    # a LoRA-style weight patch on a clone sharing the runner: captured again, patched output
+    lclone = clone.clone()
+    lclone.add_patches({key: (delta.half(),)}, 1.0)
+    assert torch.equal(run(lclone, 1), eager_patched) and runner.captures == 2
+    assert torch.equal(run(clone, 1), eager[1]) and runner.captures == 3
+    # ComfyUI makes room for a model by unloading part of this one: the pool goes first
+    loaded = next(m for m in mm.current_loaded_models if m.model is clone)
+    reserved = torch.cuda.memory_reserved()
+    loaded.model_unload(memory_to_free=1 << 20)
+    mm.soft_empty_cache()
+    assert runner.pool is None and runner.graphs == {} and torch.cuda.memory_reserved() < reserved
+    assert torch.equal(run(clone, 2), eager[2]) and runner.captures == 4
+    mm.free_memory(1e30, mm.get_torch_device())  # a model that needs the whole GPU: ours is unloaded
+    assert runner.pool is None and runner.graphs == {}
+    mm.unload_all_models()
 
 
 @CUDA_ONLY
