@@ -17,6 +17,7 @@ from .stats import ActivationStats, CalibrationError, LayerStats, UpdateGraphs, 
 
 @dataclass(frozen=True)
 class CalibrationOptions:
+    """How statistics are collected (the defaults suit every model; memory is bounded)."""
     reservoir_bytes: int = 2 << 20     # sampled input rows kept per layer (bf16)
     seed: int = 0
     nonfinite: str = "error"           # "error": refuse NaN/Inf activations; "ignore": count them only
@@ -39,7 +40,26 @@ def calibrate(module: torch.nn.Module, forward_loop: Callable[[torch.nn.Module],
               info: dict | None = None) -> ActivationStats:
     """Run ``forward_loop(module)`` with input statistics collected on every Linear layer.
 
-    Pass ``stats`` from an earlier call to keep accumulating (more prompts later).
+    The hooks live on ``module``'s Linear layers, so ``forward_loop`` must run *that* module (or a
+    model that calls it) on representative inputs - for a diffusion model, real prompts over the
+    whole denoising trajectory; what it returns is ignored.  ``options`` bounds the memory (rows
+    sampled per layer), seeds the sampling and says what to do with NaN/Inf activations.  Pass
+    ``stats`` from an earlier call to keep accumulating (more prompts later); ``info`` is stored
+    with the statistics (shown by the quantized file's report).  Raises ``CalibrationError`` when
+    the loop never ran the module.  Example (runs as a test, tests/test_docs_examples.py)::
+
+        import torch
+        from comfy_modelopt import Recipe, quantize
+        from comfy_modelopt.calibrate import calibrate
+
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+        batches = [torch.randn(16, 64) for _ in range(8)]
+        with torch.inference_mode():
+            stats = calibrate(model, lambda m: [m(x) for x in batches])
+            stats.save("stats.safetensors")            # or keep it in memory
+            sd = {k: v.bfloat16() for k, v in model.state_dict().items()}
+            q_sd, metadata, report = quantize(sd, Recipe("float8_e4m3fn"), stats, family="generic")
+        print(report.summary())                        # W8A8: static input scales from the stats
     """
     layers = linear_layers(module)
     if not layers:

@@ -38,6 +38,7 @@ KINDS = {
 
 @dataclass
 class InspectResult:
+    """What ``inspect_file`` found; ``text()`` for people, ``to_dict()`` for programs."""
     path: str
     kind: str
     family: str
@@ -48,6 +49,7 @@ class InspectResult:
     bytes_16bit: int = 0                                   # the same model at 2 bytes/value
     ours: dict = field(default_factory=dict)               # our metadata, parsed
     notes: list = field(default_factory=list)
+    tensor_bytes: int = 0                                  # the tensors alone (file minus header)
 
     @property
     def description(self) -> str:
@@ -55,11 +57,13 @@ class InspectResult:
 
     @property
     def ratio(self) -> float:
-        return self.file_bytes / self.bytes_16bit if self.bytes_16bit else 0.0
+        """Tensor bytes over the same tensors at 16 bits (the quantization report's ratio)."""
+        return self.tensor_bytes / self.bytes_16bit if self.bytes_16bit else 0.0
 
     def to_dict(self) -> dict:
         return {"path": self.path, "kind": self.kind, "description": self.description,
                 "family": self.family, "prefix": self.prefix, "file_bytes": self.file_bytes,
+                "tensor_bytes": self.tensor_bytes,
                 "bytes_16bit": self.bytes_16bit, "ratio_vs_16bit": round(self.ratio, 4),
                 "layers_by_format": self.layers_by_format, "bytes_by_format": self.bytes_by_format,
                 "comfy_modelopt": self.ours, "notes": self.notes}
@@ -67,8 +71,9 @@ class InspectResult:
     def text(self) -> str:
         lines = [f"file:    {self.path}", f"kind:    {self.description}",
                  f"family:  {self.family}" + (f"   (prefix {self.prefix!r})" if self.prefix else ""),
-                 f"size:    {self.file_bytes / 2**20:.1f} MiB; at 16-bit {self.bytes_16bit / 2**20:.1f} MiB "
-                 f"({self.ratio:.3f}x)", "layers by format:"]
+                 f"size:    {self.tensor_bytes / 2**20:.1f} MiB of tensors vs {self.bytes_16bit / 2**20:.1f} MiB "
+                 f"at 16-bit ({self.ratio:.3f}x); file {self.file_bytes / 2**20:.1f} MiB with its header",
+                 "layers by format (16-bit: Linear layers left unquantized):"]
         for fmt, n in sorted(self.layers_by_format.items(), key=lambda x: -x[1]):
             lines.append(f"  {fmt:22s} {n:6d} layers")
         lines.append("bytes by format:")
@@ -85,6 +90,11 @@ class InspectResult:
 
 
 def inspect_file(path: str) -> InspectResult:
+    """Describe the checkpoint at ``path`` without loading its tensors: its kind (``KINDS``),
+    model family, layers and bytes by format, size against 16 bits, and for comfy-modelopt
+    files the recipe, source and report stored in the header.  ``.text()`` is what
+    ``comfy-modelopt inspect`` prints, ``.to_dict()`` what ``--json`` prints.  Raises
+    ``CheckpointError`` (one line naming the file) for a file that is no valid safetensors."""
     with SafetensorsFile(path) as f:
         return _inspect(f)
 
@@ -93,7 +103,8 @@ def _inspect(f: SafetensorsFile) -> InspectResult:
     keys = f.tensors
     prefix = diffusion_prefix(keys)
     rel = {k[len(prefix):]: t.shape for k, t in keys.items() if k.startswith(prefix)}
-    family = detect_family(rel).name
+    fam = detect_family(rel)
+    family = fam.name
     notes = []
     layer_formats = _native_layers(f, notes)
     old_pack = [k for k in keys if k.rsplit(".", 1)[-1] in OLD_PACK_SUFFIXES[:4]]
@@ -111,7 +122,7 @@ def _inspect(f: SafetensorsFile) -> InspectResult:
     else:
         kind = "unquantized"
     res = InspectResult(f.path, kind, family, prefix, f.size, notes=notes)
-    _tally(f, layer_formats, res)
+    _tally(f, layer_formats, res, lambda key: key.startswith(prefix) and fam.is_linear(key[len(prefix):-7]))
     if kind == "comfy_modelopt":
         res.ours = _our_metadata(f.metadata, f.name)
         if res.ours.get("loader"):
@@ -166,7 +177,9 @@ def _old_precision(meta: dict) -> str:
     return "?"
 
 
-def _tally(f: SafetensorsFile, layer_formats: dict, res: InspectResult) -> None:
+def _tally(f: SafetensorsFile, layer_formats: dict, res: InspectResult, is_linear) -> None:
+    """Layers and bytes by format.  A 16-bit layer is counted as the quantizer plans one: a 2-D
+    float ``.weight`` of the diffusion model that the family calls Linear (``is_linear(key)``)."""
     counts, nbytes = defaultdict(int), defaultdict(int)
     for name, fmt in layer_formats.items():
         counts[fmt] += 1
@@ -179,12 +192,13 @@ def _tally(f: SafetensorsFile, layer_formats: dict, res: InspectResult) -> None:
                 res.bytes_16bit += _logical_numel(fmt, t.shape) * 2
             continue
         label = t.dtype.lower()
-        if t.dtype in FLOAT_DTYPES and len(t.shape) == 2 and suffix == "weight":
+        if t.dtype in FLOAT_DTYPES and len(t.shape) == 2 and suffix == "weight" and is_linear(key):
             counts[label] += 1
         nbytes[label] += t.nbytes
         res.bytes_16bit += math.prod(t.shape) * 2 if t.dtype in FLOAT_DTYPES else t.nbytes
     res.layers_by_format = dict(counts)
     res.bytes_by_format = dict(nbytes)
+    res.tensor_bytes = sum(nbytes.values())
 
 
 def _logical_numel(label: str, shape: tuple) -> int:

@@ -11,12 +11,13 @@ import time
 
 from . import __version__
 from .errors import ModelOptError, OutputError, one_line
+from .families import FAMILY_CHOICES
 from .recipe import (CONV_CHOICES, CONVROT_GROUPSIZES, DEFAULT_CONVROT_GROUPSIZE, DEFAULT_FORMAT, FORMAT_CHOICES,
                      INPUT_SCALE_METHODS, LINEAR_DTYPES, SMOOTHING_METHODS, WEIGHT_SCALE_METHODS)
 
 
 class _Progress:
-    """A one-line progress bar on stderr (a line per 10% when not a terminal)."""
+    """A one-line progress bar on stderr with an ETA (a line per 10% when not a terminal)."""
 
     def __init__(self, label: str, quiet: bool = False):
         self.label, self.quiet, self.t0, self.last = label, quiet, time.perf_counter(), -1
@@ -27,15 +28,23 @@ class _Progress:
             return
         frac = done / total
         elapsed = time.perf_counter() - self.t0
+        eta = f"ETA {_duration(elapsed / frac * (1 - frac))}" if 0 < frac < 1 else ""
         if self.tty:
             bar = "#" * int(30 * frac)
-            sys.stderr.write(f"\r{self.label} [{bar:30s}] {done}/{total} {elapsed:6.1f}s {name[:40]:40s}")
+            sys.stderr.write(f"\r{self.label} [{bar:30s}] {done}/{total} {_duration(elapsed):>6s} {eta:>10s} "
+                             f"{name[:40]:40s}")
             if done == total:
                 sys.stderr.write("\n")
         elif int(frac * 10) != self.last:
             self.last = int(frac * 10)
-            sys.stderr.write(f"{self.label}: {done}/{total} layers, {elapsed:.1f}s\n")
+            sys.stderr.write(f"{self.label}: {done}/{total} layers, {_duration(elapsed)}"
+                             f"{', ' + eta if eta else ''}\n")
         sys.stderr.flush()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,20 +52,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"comfy-modelopt {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    q = sub.add_parser("quantize", help="quantize a diffusion-model checkpoint into ComfyUI's native format")
+    q = sub.add_parser("quantize", help="quantize a diffusion-model checkpoint into ComfyUI's native format",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     q.add_argument("src", help="source .safetensors (diffusion model, or full checkpoint)")
     q.add_argument("-o", "--output", required=True, help="output .safetensors (written atomically)")
-    q.add_argument("--format", default=DEFAULT_FORMAT, choices=FORMAT_CHOICES)
+    q.add_argument("--format", default=DEFAULT_FORMAT, choices=FORMAT_CHOICES,
+                   help="fp8: Ada/Hopper+ (W8A8 with --stats, weight-only without); int8_tensorwise: Turing+; "
+                        "nvfp4/mxfp8: native on Blackwell, stored smaller everywhere; convrot_w4a4: int4 MMA")
+    q.add_argument("--family", default="auto", choices=FAMILY_CHOICES,
+                   help="model family: auto detects it and refuses files of none it knows (LoRA, text "
+                        "encoder, VAE); generic applies generic rules to an unknown architecture")
     q.add_argument("--weight-scale", default="mse", choices=WEIGHT_SCALE_METHODS,
-                   help="weight scale: absmax, or MSE-optimal clipping search (default)")
+                   help="absmax, or the MSE-optimal clipping search")
     q.add_argument("--stats", help="activation statistics (.safetensors from calibration): "
                                    "static input scales (fp8 W8A8) and activation-aware searches")
     q.add_argument("--input-scale", default="mse", choices=INPUT_SCALE_METHODS,
-                   help="with --stats: how activation scales are chosen (default mse)")
-    q.add_argument("--percentile", type=float, default=99.99)
-    q.add_argument("--smoothing", default="none", choices=SMOOTHING_METHODS)
-    q.add_argument("--smooth-alpha", type=float, default=0.5)
-    q.add_argument("--gptq", action="store_true", help="error-compensated rounding (needs --stats)")
+                   help="with --stats: how static activation scales are chosen")
+    q.add_argument("--percentile", type=float, default=99.99, help="with --input-scale percentile: which one")
+    q.add_argument("--smoothing", default="none", choices=SMOOTHING_METHODS,
+                   help="SmoothQuant/AWQ where it folds exactly into the file (needs --stats)")
+    q.add_argument("--smooth-alpha", type=float, default=0.5, help="SmoothQuant migration strength")
+    q.add_argument("--gptq", action="store_true", help="error-compensated rounding (fp8, int8; needs --stats)")
     q.add_argument("--lowrank", type=int, default=0, metavar="R",
                    help="nvfp4/convrot_w4a4: rank-R 16-bit branch + quantized residual (file needs "
                         "comfy-modelopt's loader; stock ComfyUI refuses it)")
@@ -64,21 +80,22 @@ def _parser() -> argparse.ArgumentParser:
                    help="fp8: also store UNet convolutions (kernels > 1x1) as fp8 per output channel, "
                         "dequantized at run time (file needs comfy-modelopt's loader)")
     q.add_argument("--static-nvfp4-input", action="store_true",
-                   help="nvfp4: store a calibrated input_scale instead of dynamic activation amax")
+                   help="nvfp4: store a calibrated input_scale instead of dynamic activation amax (needs --stats)")
     q.add_argument("--convrot", action="store_true", help="int8_tensorwise: Hadamard rotation (ConvRot)")
-    q.add_argument("--convrot-groupsize", type=int, default=DEFAULT_CONVROT_GROUPSIZE, choices=CONVROT_GROUPSIZES)
+    q.add_argument("--convrot-groupsize", type=int, default=DEFAULT_CONVROT_GROUPSIZE, choices=CONVROT_GROUPSIZES,
+                   help="ConvRot rotation group (in_features must be a multiple)")
     q.add_argument("--linear-dtype", default="int4", choices=LINEAR_DTYPES,
                    help="convrot_w4a4 activation dtype")
     q.add_argument("--keep", action="append", default=[], metavar="PATTERN",
-                   help="glob of layer names to keep 16-bit (repeatable)")
+                   help="glob of layer names (no .weight suffix) to keep 16-bit; repeatable")
     q.add_argument("--device", default="cpu",
-                   help="where the quantization math runs: cpu (default), cuda, cuda:N, or auto (a CUDA GPU "
-                        "if there is one); weights travel there one layer at a time")
+                   help="where the quantization math runs: cpu, cuda, cuda:N, or auto (a CUDA GPU if there is "
+                        "one); weights travel there one layer at a time")
     q.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     q.add_argument("--hash", action="store_true", help="record the source file's sha256 (reads it once more)")
     q.add_argument("--report", help="also write the per-layer report as JSON here")
     q.add_argument("--table", action="store_true", help="print the per-layer table")
-    q.add_argument("-q", "--quiet", action="store_true")
+    q.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
     i = sub.add_parser("inspect", help="describe a checkpoint: kind, family, formats, sizes")
     i.add_argument("file")
@@ -106,8 +123,8 @@ def _device(name: str):
         return "cuda" if torch.cuda.is_available() else None
     try:
         dev = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f"--device {name}: {e}") from None
+    except RuntimeError:
+        raise ValueError(f"--device {name}: not a device; use cpu, cuda, cuda:N or auto") from None
     if dev.type == "cpu":
         return None
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -118,6 +135,10 @@ def _device(name: str):
 def cmd_quantize(a) -> int:
     from .pipeline import check_not_input, quantize_file
     from .safetensors_io import atomic_write_bytes, check_output_path
+    check_output_path(a.output, a.overwrite)  # a folder, a missing folder: said first
+    if not a.output.endswith(".safetensors"):
+        raise OutputError(f"{a.output}: the output is a safetensors file; give it the .safetensors extension "
+                          f"(ComfyUI lists diffusion models by it)")
     device = _device(a.device)
     recipe = _recipe(a)
     if a.report:  # the report is a user's file like the model: checked before any work
@@ -131,7 +152,7 @@ def cmd_quantize(a) -> int:
         stats = ActivationStats.load(a.stats)
     report = quantize_file(a.src, a.output, recipe, stats=stats, overwrite=a.overwrite,
                            hash_source=a.hash, progress=_Progress(f"quantizing on {device or 'cpu'}", a.quiet),
-                           device=device)
+                           device=device, family=a.family)
     if a.table:
         print(report.table())
     print(report.summary())

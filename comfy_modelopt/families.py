@@ -102,6 +102,42 @@ GENERIC = Family(
     notes="generic rules: embedders, input/output projections and final layers stay 16-bit")
 
 
+# What a file that is no diffusion model usually is, by its keys (checked in this order).
+_NOT_A_DIFFUSION_MODEL = (
+    ("a LoRA / LyCORIS adapter", ("lora_down", "lora_up", "lora_A.", "lora_B.", ".lora.", "hada_w1", "lokr_w1",
+                                  "lora_te", "lora_unet")),
+    ("a ControlNet", ("controlnet_", "input_hint_block", "zero_convs", "controlnet_blocks")),
+    ("a T5 text encoder", ("encoder.block.0.layer.0.SelfAttention", "shared.weight")),
+    ("a CLIP text encoder", ("text_model.encoder.layers", "transformer.text_model", "text_projection")),
+    ("a CLIP vision encoder", ("vision_model.encoder.layers",)),
+    ("a language-model text encoder", ("model.layers.0.self_attn", "embed_tokens.weight", "model.embed_tokens")),
+    ("a VAE", ("encoder.down.0.block", "decoder.up.0.block", "encoder.down_blocks.0", "decoder.up_blocks.0",
+               "post_quant_conv", "decoder.conv_out", "encoder.conv_in")),
+)
+
+
+def looks_like(keys) -> str | None:
+    """What a file whose family is unknown looks like (LoRA, text encoder, VAE, ...), or None."""
+    for what, marks in _NOT_A_DIFFUSION_MODEL:
+        hit = next((k for k in keys if any(m in k for m in marks)), None)
+        if hit is not None:
+            return f"{what} (e.g. key {hit})"
+    return None
+
+
+def family_named(name: str) -> Family:
+    """A family by name ("generic": the generic rules), for an explicit override."""
+    if name in ("generic", GENERIC.name):
+        return GENERIC
+    for fam in FAMILIES:
+        if fam.name == name:
+            return fam
+    raise ValueError(f"unknown family {name!r}; choose one of: generic, {', '.join(f.name for f in FAMILIES)}")
+
+
+FAMILY_CHOICES = ("auto", "generic") + tuple(f.name for f in FAMILIES)
+
+
 def detect_family(shapes: Shapes) -> Family:
     """The first family (most specific first) whose signature matches, else GENERIC."""
     for fam in FAMILIES:

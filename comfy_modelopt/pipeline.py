@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 
 from . import __version__
-from .errors import ModelOptError, OutputError, QuantizeError
+from .errors import ModelOptError, OutputError, PlanError, QuantizeError
+from .families import family_named
 from .fileformat import (META_CALIBRATION, META_FAMILY, META_LOADER, META_PREFIX, META_RECIPE, META_REPORT,
                          META_SOURCE, META_VERSION, OWN_LOADER, QUANT_METADATA)
 from .folding import Folds, plan_folds, read_rows_scaled
@@ -191,17 +192,17 @@ def output_metadata(plan: Plan, report: QuantReport, source_meta: dict, source_i
 
 
 def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict | None = None,
-                    progress: Progress | None = None, check_interrupt: Callable[[], None] | None = None
-                    ) -> QuantReport:
-    """Quantize ``source`` into ``sink`` layer by layer; returns the report."""
+                    progress: Progress | None = None, check_interrupt: Callable[[], None] | None = None,
+                    family: str = "auto", refuse_unknown: bool = False) -> QuantReport:
+    """Quantize ``source`` into ``sink`` layer by layer; returns the report.  ``family``: "auto"
+    (detect; a file of no known family is refused with ``refuse_unknown``, else planned with the
+    generic rules), "generic", or a family name (families.FAMILY_CHOICES)."""
     t0 = time.perf_counter()
-    plan, report = _plan_and_report(source, recipe, stats)
+    _check_needs_stats(recipe, stats)
+    plan, report = _plan_and_report(source, recipe, stats, family, refuse_unknown)
     folds = Folds()
-    if recipe.smoothing != "none":
-        if stats is None:
-            raise ValueError(f"smoothing={recipe.smoothing} needs activation statistics (--stats)")
-        if not recipe.own_loader:  # own-loader files carry smoothing per layer instead
-            folds = plan_folds(plan, source, stats, recipe, progress)
+    if recipe.smoothing != "none" and not recipe.own_loader:  # own-loader files carry it per layer
+        folds = plan_folds(plan, source, stats, recipe, progress)
     summary = stats.summary_json() if stats is not None else None
     info = dict(source_info or {})
     per_layer = 120 + (220 if stats is not None else 0)
@@ -218,9 +219,23 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
     return report
 
 
-def _plan_and_report(source, recipe: Recipe, stats) -> tuple[Plan, QuantReport]:
+def _check_needs_stats(recipe: Recipe, stats) -> None:
+    """Options that only mean something with activation statistics are refused without them (a
+    file must not record an option that did nothing)."""
+    if stats is not None:
+        return
+    needs = [name for name, on in (("smoothing=" + recipe.smoothing, recipe.smoothing != "none"),
+                                   ("gptq", recipe.gptq), ("static_nvfp4_input", recipe.static_nvfp4_input)) if on]
+    if needs:
+        raise PlanError(f"{', '.join(needs)} needs activation statistics: calibrate the model and pass the "
+                        f"statistics (--stats FILE, or the calibration input of Quantize Model)")
+
+
+def _plan_and_report(source, recipe: Recipe, stats, family: str = "auto",
+                     refuse_unknown: bool = False) -> tuple[Plan, QuantReport]:
     """The plan, checked against the statistics, and the report it starts (every layer 16-bit)."""
-    plan = make_plan(source.tensors, recipe, stats=stats)
+    plan = make_plan(source.tensors, recipe, stats=stats, refuse_unknown=refuse_unknown,
+                     family=None if family == "auto" else family_named(family))
     if stats is not None:
         stats.check_model({l.rel: (l.n, l.k) for l in plan.layers})
     report = QuantReport(plan.family.name, recipe.to_dict(), [kept_report(l) for l in plan.layers])
@@ -229,6 +244,7 @@ def _plan_and_report(source, recipe: Recipe, stats) -> tuple[Plan, QuantReport]:
         report.passthrough_bytes += nbytes
         report.passthrough_bytes_16bit += nbytes // ITEMSIZE[dtype] * 2 if dtype in FLOAT_DTYPES else nbytes
     _add_notes(plan, report, stats)
+    report.notes.extend(plan.unmatched_keep)
     if plan.odd:
         shown = ", ".join(f"{k} {list(sh)}" for k, sh in plan.odd[:3])
         report.notes.append(f"{len(plan.odd)} tensors named like Linear weights are not 2-D and were copied "
@@ -298,18 +314,22 @@ def _add_notes(plan: Plan, report: QuantReport, stats) -> None:
 
 
 def quantize(state_dict: dict[str, torch.Tensor], recipe: Recipe, stats=None, metadata: dict | None = None,
-             progress: Progress | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str], QuantReport]:
+             progress: Progress | None = None, family: str = "auto"
+             ) -> tuple[dict[str, torch.Tensor], dict[str, str], QuantReport]:
     """Quantize an in-memory state dict (a diffusion model's, any prefix ComfyUI knows):
     returns the output state dict (CPU tensors, ``state_dict`` itself untouched), the
     safetensors metadata a file of it needs, and the report.
 
     ``stats``: ``ActivationStats`` (or a path to a statistics file) for static input scales,
-    smoothing and GPTQ; without it the weights are quantized from their values alone."""
+    smoothing and GPTQ; without it the weights are quantized from their values alone.
+    ``family``: "auto" detects the model family and refuses a state dict of none it knows (a
+    LoRA, a text encoder, a VAE); "generic" or a family name (``families.FAMILY_CHOICES``)
+    applies those rules instead."""
     if isinstance(stats, (str, os.PathLike)):
         stats = ActivationStats.load(stats)
     sink = DictSink()
     report = quantize_source(DictSource.from_state_dict(state_dict, metadata), sink, recipe, stats,
-                             progress=progress)
+                             progress=progress, family=family, refuse_unknown=True)
     return sink.tensors, sink.metadata, report
 
 
@@ -322,21 +342,31 @@ def sha256_file(path: str, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-def quantize_file(src: str, out: str, recipe: Recipe, stats=None, overwrite: bool = False,
-                  hash_source: bool = False, progress: Progress | None = None, device=None) -> QuantReport:
-    """Quantize checkpoint ``src`` into ``out`` (atomic; ``src`` is only read), computing on
-    ``device`` (default: the CPU; weights travel there one layer at a time)."""
+def quantize_file(src: str | os.PathLike, out: str | os.PathLike, recipe: Recipe,
+                  stats: "ActivationStats | str | os.PathLike | None" = None, overwrite: bool = False,
+                  hash_source: bool = False, progress: Progress | None = None, device=None,
+                  family: str = "auto") -> QuantReport:
+    """Quantize checkpoint ``src`` (a diffusion model, or a full checkpoint holding one) into
+    ``out``, written atomically (``src`` is only read); returns the report.
+
+    ``stats``: ``ActivationStats`` or the path of a statistics file (static input scales,
+    smoothing, GPTQ); ``device``: where the math runs (default: the CPU; weights travel there one
+    layer at a time); ``family``: "auto" detects the family and refuses a file of none it knows
+    (a LoRA, a text encoder, a VAE), "generic" or a family name applies those rules instead.
+    ``progress(done, total, layer_name)`` is called as layers finish."""
+    src, out = os.fspath(src), os.fspath(out)
     check_not_input(out, src, "output")
     check_output_path(out, overwrite)
     if isinstance(stats, (str, os.PathLike)):
-        stats = ActivationStats.load(stats)
+        stats = ActivationStats.load(os.fspath(stats))
     with SafetensorsFile(src) as f:
         info = {"name": os.path.basename(src), "bytes": f.size}
         if hash_source:
             info["sha256"] = sha256_file(src)
         source = FileSource(f) if device is None else DeviceSource(FileSource(f), device)
         try:
-            return quantize_source(source, FileSink(out, overwrite), recipe, stats, info, progress)
+            return quantize_source(source, FileSink(out, overwrite), recipe, stats, info, progress,
+                                   family=family, refuse_unknown=True)
         except ModelOptError as e:
             if f.name in str(e):
                 raise

@@ -10,12 +10,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .families import Family, detect_family, diffusion_prefix
+from .families import GENERIC, Family, detect_family, diffusion_prefix, looks_like
 from .errors import PlanError
 from .fileformat import (COMFY_QUANT, INPUT_SCALE, LOWRANK_DOWN, LOWRANK_UP, QUANT_MARKERS, SMOOTH_SCALE, SUFFIX_KEYS, conv_conf,
                          encode_comfy_quant, encode_quantization_metadata, own_format)
 from .formats import Format, get_format
 from .recipe import Recipe
+from .report import kept_summary
 from .safetensors_io import FLOAT_DTYPES, ST_DTYPES
 
 # convolutions ComfyUI's model detection reads (in/out channels, conv vs linear proj_in) or that
@@ -54,6 +55,7 @@ class Plan:
     odd: list = field(default_factory=list)    # (key, shape): named like a Linear weight, not 2-D
     fmt: Format | None = None    # the recipe's format, resolved
     opts: dict = field(default_factory=dict)   # its options (Recipe.format_options)
+    unmatched_keep: list = field(default_factory=list)  # warnings: --keep patterns that matched nothing
 
     @property
     def quantized(self) -> list[LayerPlan]:
@@ -107,11 +109,13 @@ def _conv_plan(key: str, rel: str, dtype: str, shape: tuple, recipe: Recipe, fam
 
 
 def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
-              family: Family | None = None) -> Plan:
+              family: Family | None = None, refuse_unknown: bool = False) -> Plan:
     """Plan a file whose tensors are ``source``: key -> (safetensors dtype, shape).
 
     ``stats`` (ActivationStats) enables static input scales: layers it lacks are kept as the
-    format allows (fp8 weight-only), never silently given a default scale.
+    format allows (fp8 weight-only), never silently given a default scale.  ``family`` overrides
+    detection; with ``refuse_unknown`` a file of no known family is refused (it is usually a
+    LoRA, a text encoder or a VAE) instead of planned with the generic rules.
     """
     marked = [k for k in source if k.endswith(QUANT_MARKERS) or k == "scaled_fp8"]
     if marked:
@@ -120,7 +124,15 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
     rel_shapes = {k[len(prefix):]: v[1] for k, v in source.items() if k.startswith(prefix)}
     if not rel_shapes:
         raise PlanError("no diffusion-model tensors found")
-    family = family or detect_family(rel_shapes)
+    if family is None:
+        family = detect_family(rel_shapes)
+        if refuse_unknown and family is GENERIC:
+            what = looks_like(source) or "no diffusion-model architecture comfy-modelopt knows"
+            raise PlanError(f"this looks like {what}, not a diffusion model: quantize the diffusion model "
+                            f"(or pass --family generic to apply generic rules to an unknown architecture)"
+                            if looks_like(source) else
+                            f"{what}: pass --family generic to quantize it with generic rules (embedders, "
+                            f"input/output and final layers kept 16-bit), or --family NAME for a known one")
     fmt = get_format(recipe.format)
     opts = recipe.format_options()
 
@@ -147,12 +159,30 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
         layers.append(layer)
     if not layers:
         raise PlanError("no Linear weights found in the diffusion model")
+    if not any(l.quantized for l in layers) and not convs:
+        raise PlanError(f"nothing was quantized: all {len(layers)} Linear layers would stay 16-bit "
+                        f"({kept_summary([l.reason for l in layers]).split(' (', 1)[1]}; see the keep patterns "
+                        f"and the format's shape rules")
     _check_collisions(layers + convs, source)
     if recipe.conv != "none" and not convs:
         raise PlanError(f"conv={recipe.conv}: this {family.name} model has no convolution to quantize "
                         f"(kernels larger than 1x1, outside {', '.join(CONV_KEEP)})")
-    return Plan(recipe, family, prefix, layers, passthrough, convs, _odd_weights(layers, passthrough, prefix),
+    plan = Plan(recipe, family, prefix, layers, passthrough, convs, _odd_weights(layers, passthrough, prefix),
                 fmt, opts)
+    plan.unmatched_keep = _unmatched_keep(recipe.keep, layers + convs)
+    return plan
+
+
+def _unmatched_keep(patterns: tuple, planned: list) -> list[str]:
+    """--keep patterns that match no layer (a typo, a ``.weight`` suffix), each with a hint."""
+    out = []
+    for pat in patterns:
+        if any(fnmatch.fnmatchcase(l.rel, pat) or fnmatch.fnmatchcase(l.name, pat) for l in planned):
+            continue
+        hint = " (layer names have no .weight suffix)" if pat.endswith(".weight") else ""
+        example = planned[len(planned) // 2].rel if planned else ""
+        out.append(f"warning: --keep {pat} matched no layer{hint}; layer names look like {example}")
+    return out
 
 
 def _check_collisions(planned: list, source: Mapping[str, tuple]) -> None:

@@ -153,6 +153,8 @@ class QuantReport:
             lines.append(f"convolutions: {len(convs)} fp8 (per output channel, own loader), weight error "
                          f"mean {sum(l.rel_err for l in convs) / len(convs):.4f}, "
                          f"{sum(l.bytes_16bit - l.bytes for l in convs) / 2**20:.1f} MiB saved")
+        if kept:
+            lines.append(kept_summary([l.reason for l in kept]))
         wo = [l for l in q if l.weight_only]
         if wo:
             lines.append(f"weight-only: {len(wo)} layers ({wo[0].reason})")
@@ -169,3 +171,26 @@ class QuantReport:
         if limit is not None and len(self.layers) > limit:
             rows.append(f"... {len(self.layers) - limit} more layers")
         return "\n".join(rows)
+
+
+def reason_kind(reason: str) -> str:
+    """The kind of a kept layer's reason: "--keep", "family rules", a shape rule without the
+    layer's own numbers ("in_features % 256"), or the reason itself."""
+    if reason.startswith("--keep"):
+        return "--keep"
+    if " rule " in reason:
+        return "family rules"
+    if " needs " in reason and ", got " in reason:  # Format.shape_problem
+        rule = reason.split(" needs ", 1)[1].split(", got ", 1)[0]
+        return rule.removesuffix(" == 0")
+    return reason
+
+
+def kept_summary(reasons: list[str]) -> str:
+    """One line: how many layers stay 16-bit, by kind of reason, most first."""
+    counts: dict = {}
+    for r in reasons:
+        kind = reason_kind(r)
+        counts[kind] = counts.get(kind, 0) + 1
+    parts = ", ".join(f"{k}: {n}" for k, n in sorted(counts.items(), key=lambda x: (-x[1], x[0])))
+    return f"kept 16-bit: {len(reasons)} ({parts})"

@@ -399,10 +399,12 @@ class ActivationStats:
                 f"statistics are from another model: layer {n} is {list(layers[n])} here but "
                 f"{list(mine[n])} in the statistics ({len(bad)} layers differ)")
         if len(common) < 0.5 * max(len(mine), 1):
-            example = sorted(set(layers) - set(mine))[:2] or sorted(mine)[:2]
+            here = sorted(set(layers) - set(mine))[:2]
+            there = sorted(set(mine) - set(layers))[:2]
             raise CalibrationError(
-                f"statistics are from another model: only {len(common)} of its {len(mine)} layers "
-                f"exist here (e.g. {', '.join(example)}); calibrate this model")
+                f"statistics are from another model: only {len(common)} of their {len(mine)} layers exist "
+                f"in this model (the statistics have e.g. {', '.join(there) or '-'}; this model has e.g. "
+                f"{', '.join(here) or '-'}); calibrate this model")
 
     def summary(self) -> dict:
         return {"forward_calls": self.forward_calls, "layers": len(self.fingerprint),

@@ -32,6 +32,26 @@ def test_ours(flux_file, tmp_path, capsys):
     assert d["kind"] == "comfy_modelopt" and d["comfy_modelopt"]["source"]["name"] == "flux-bf16.safetensors"
 
 
+def test_inspect_agrees_with_the_report(flux_file, tmp_path, capsys):
+    """One computation, one number: the size ratio and the 16-bit layer count inspect prints equal
+    the quantization report's, also for a full checkpoint whose VAE/text encoder pass through."""
+    src = tmp_path / "full.safetensors"
+    tensors, _ = load(flux_file)
+    tensors = {"model.diffusion_model." + k: v for k, v in tensors.items()}
+    tensors["first_stage_model.decoder.mid.attn_1.q.weight"] = torch.randn(64, 64)  # a 2-D VAE weight
+    tensors["text_encoders.t5xxl.transformer.shared.weight"] = torch.randn(128, 64)
+    write(src, tensors)
+    for fmt in ("convrot_w4a4", "nvfp4", "float8_e4m3fn"):
+        out = tmp_path / f"q-{fmt}.safetensors"
+        rep = quantize_file(str(src), str(out), Recipe(fmt), overwrite=True)
+        r = inspect_file(str(out))
+        assert r.layers_by_format["bf16"] == len(rep.kept), fmt
+        assert sum(n for label, n in r.layers_by_format.items() if label.startswith(fmt)) == len(rep.quantized)
+        assert r.tensor_bytes == rep.total_bytes() and r.bytes_16bit == rep.total_bytes_16bit(), fmt
+        assert f"({r.ratio:.3f}x)" in rep.summary(), (fmt, r.ratio, rep.summary())
+        assert f"({r.ratio:.3f}x)" in r.text()
+
+
 def test_stock_native_files(flux_file, tmp_path):
     out = tmp_path / "q.safetensors"
     quantize_file(flux_file, str(out), Recipe("int8_tensorwise", convrot=True))

@@ -8,6 +8,7 @@ import torch
 from comfy_modelopt import cli
 from comfy_modelopt.checkpoint import inspect_file
 from comfy_modelopt.formats import FORMATS, get_format
+from comfy_modelopt.errors import PlanError
 from comfy_modelopt.pipeline import quantize_file
 from comfy_modelopt.recipe import Recipe
 from comfy_modelopt.safetensors_io import SafetensorsFile, write_file
@@ -165,12 +166,15 @@ def test_already_quantized_source_refused(flux_file, tmp_path, capsys):
     assert "already quantized" in capsys.readouterr().err
 
 
-def test_unknown_family_warns_and_lists_kept(tmp_path):
+def test_unknown_family_refused_unless_generic_then_lists_kept(tmp_path):
     tensors = {"blocks.0.attn.qkv.weight": torch.randn(384, 128), "blocks.0.attn.out.weight": torch.randn(128, 128),
                "patch_embed.weight": torch.randn(128, 64), "final_proj.weight": torch.randn(64, 128)}
     src = tmp_path / "odd.safetensors"
     write_file(str(src), tensors)
-    rep = quantize_file(str(src), str(tmp_path / "o.safetensors"), Recipe("int8_tensorwise"))
+    with pytest.raises(PlanError, match="odd.safetensors: no diffusion-model architecture .* --family generic"):
+        quantize_file(str(src), str(tmp_path / "o.safetensors"), Recipe("int8_tensorwise"))
+    assert not (tmp_path / "o.safetensors").exists()
+    rep = quantize_file(str(src), str(tmp_path / "o.safetensors"), Recipe("int8_tensorwise"), family="generic")
     assert rep.family == "unknown"
     assert any("patch_embed" in n and "final_proj" in n for n in rep.notes)
     assert {l.name for l in rep.quantized} == {"blocks.0.attn.qkv", "blocks.0.attn.out"}

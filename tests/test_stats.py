@@ -133,7 +133,8 @@ def test_save_load_and_fingerprint(tmp_path):
     back.check_model({"0": (128, 64), "2": (32, 128)})
     with pytest.raises(CalibrationError, match=r"layer 2 is \[32, 256\] here but \[32, 128\]"):
         back.check_model({"0": (128, 64), "2": (32, 256)})
-    with pytest.raises(CalibrationError, match="only 0 of its 2 layers exist here"):
+    with pytest.raises(CalibrationError, match="only 0 of their 2 layers exist in this model "
+                       r"\(the statistics have e.g. 0, 2; this model has e.g. blocks.0.q\)"):
         back.check_model({"blocks.0.q": (64, 64)})
     bad = tmp_path / "not-stats.safetensors"
     from safetensors.torch import save_file

@@ -17,6 +17,7 @@ from comfy_api.latest import ComfyExtension, io
 
 from ..calibrate import CalibrationOptions
 from ..checkpoint import inspect_file
+from ..errors import PlanError
 from ..pipeline import DictSink, quantize_source
 from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS
 from ..recipe import (CONV_CHOICES, DEFAULT_FORMAT, FORMAT_CHOICES, INPUT_SCALE_METHODS, SMOOTHING_METHODS, WEIGHT_SCALE_METHODS,
@@ -209,9 +210,11 @@ class ModelOptQuantizeUNet(io.ComfyNode):
     def execute(cls, model, format, weight_scale, input_scale, smoothing, gptq, convrot, static_nvfp4_input,
                 keep, runtime="lean", lowrank=0, conv="none", calibration=None,
                 dequant_cache_gib=0.0) -> io.NodeOutput:
-        if (smoothing != "none" or gptq) and calibration is None:
-            raise NodeError(f"{'smoothing' if smoothing != 'none' else 'gptq'} needs calibration: connect "
-                            "Calibrate Model (or Load Calibration) to the calibration input")
+        needs = [n for n, on in (("smoothing", smoothing != "none"), ("gptq", gptq),
+                                 ("static_nvfp4_input", static_nvfp4_input)) if on]
+        if needs and calibration is None:
+            raise NodeError(f"{', '.join(needs)} needs calibration: connect Calibrate Model (or Load "
+                            "Calibration) to the calibration input")
         try:
             recipe = Recipe(format=format, weight_scale=weight_scale, input_scale=input_scale, smoothing=smoothing,
                             gptq=gptq, convrot=convrot, static_nvfp4_input=static_nvfp4_input,
@@ -225,11 +228,11 @@ class ModelOptQuantizeUNet(io.ComfyNode):
             pbar.update_absolute(done, total)
 
         sink = DictSink("cpu")
-        report = quantize_source(source, sink, recipe, calibration, {"name": "ComfyUI MODEL"}, progress,
-                                 comfy.model_management.throw_exception_if_processing_interrupted)
-        if not report.quantized:
-            raise NodeError("nothing was quantized: every Linear layer was kept 16-bit (see keep patterns "
-                            "and the format's shape rules in the report)\n" + report.table(limit=20))
+        try:  # a MODEL ComfyUI loaded is a diffusion model: an unknown family gets the generic rules
+            report = quantize_source(source, sink, recipe, calibration, {"name": "ComfyUI MODEL"}, progress,
+                                     comfy.model_management.throw_exception_if_processing_interrupted)
+        except PlanError as e:
+            raise NodeError(str(e)) from None
         qmodel = build_quantized_model(sink.tensors, sink.metadata, report, model)
         qmodel, runtime_note = apply_runtime(qmodel, runtime, dequant_cache_gib)
         text = "\n".join([report.summary(), gpu_note(format), runtime_note])

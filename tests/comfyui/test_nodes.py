@@ -187,10 +187,36 @@ def test_save_and_reload_identical(env):
         comfy.sd.load_diffusion_model(broken)
 
 
+def test_interrupt_mid_save_and_mid_quantize_leave_nothing(env):
+    """ComfyUI's Cancel during Save Quantized Model (checked after every tensor) or Quantize Model
+    (checked before every layer): no file, no hidden partial, the input MODEL untouched."""
+    import folder_paths
+    mm = comfy.model_management
+    nodes = env["nodes"]
+    qmodel, _ = quantize(env, runtime="stock")
+    before = {k: v.clone() for k, v in env["model"].model.diffusion_model.state_dict().items()}
+    folder = os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], "test")
+    os.makedirs(folder, exist_ok=True)
+    mm.interrupt_current_processing(True)
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            nodes.ModelOptSaveQuantized.execute(model=qmodel, filename="test/interrupted", overwrite=False)
+        assert [n for n in os.listdir(folder) if "interrupted" in n] == []  # neither file nor .partial
+        mm.interrupt_current_processing(True)  # raising the exception cleared the flag
+        with pytest.raises(mm.InterruptProcessingException):
+            quantize(env, runtime="stock")
+    finally:
+        mm.interrupt_current_processing(False)
+    after = env["model"].model.diffusion_model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_errors_say_what_to_do(env):
     nodes = env["nodes"]
     with pytest.raises(nodes.NodeError, match="needs calibration"):
         quantize(env, smoothing="awq", calibration=None)
+    with pytest.raises(nodes.NodeError, match="gptq, static_nvfp4_input needs calibration"):
+        quantize(env, format="nvfp4", gptq=True, static_nvfp4_input=True, calibration=None)
     with pytest.raises(nodes.NodeError, match="convrot applies to int8_tensorwise only"):
         quantize(env, format="nvfp4", convrot=True)
     with pytest.raises(nodes.NodeError, match="nothing was quantized"):
