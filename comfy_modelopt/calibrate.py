@@ -78,11 +78,15 @@ def calibrate(module: torch.nn.Module, forward_loop: Callable[[torch.nn.Module],
 
     graphs = UpdateGraphs() if options.cuda_graphs else None
 
+    # Statistics are updated in place, always under inference mode, whichever mode the caller's
+    # loop runs in: tensors created there are inference tensors, which only inference mode may
+    # update in place (and normal tensors loaded from a file may be updated there too).
     def make_hook(layer_stats: LayerStats):
         def hook(_module, args, kwargs=None):
             x = args[0] if args else None
             if isinstance(x, torch.Tensor) and x.is_floating_point():
-                layer_stats.update(x, graphs)
+                with torch.inference_mode():
+                    layer_stats.update(x.detach(), graphs)
         return hook
 
     calls = [0]
@@ -100,8 +104,9 @@ def calibrate(module: torch.nn.Module, forward_loop: Callable[[torch.nn.Module],
             h.remove()
         if graphs is not None:
             graphs.release()
-        for s in stats.layers.values():
-            s.finish()
+        with torch.inference_mode():
+            for s in stats.layers.values():
+                s.finish()
     stats.forward_calls += calls[0]
     _check(stats, options)
     return stats

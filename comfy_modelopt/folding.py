@@ -109,7 +109,7 @@ def plan_folds(plan, source, stats, recipe, progress=None) -> Folds:
     rel_layers = {l.rel: l for l in plan.layers}
     rel_tensors = {k[len(p):] for k in source.tensors if k.startswith(p)}
     groups = fold_groups(plan.family.name, rel_layers, rel_tensors)
-    fmt, opts = plan.fmt, plan.opts
+    fmt = plan.fmt
     for i, g in enumerate(groups):
         if progress:
             progress(i, len(groups), "smoothing " + g.consumers[0])
@@ -130,7 +130,7 @@ def plan_folds(plan, source, stats, recipe, progress=None) -> Folds:
         dev = w.device
         res = search_smoothing(w, st.sample().to(dev), st.channel_absmax.float().to(dev),
                                st.channel_mean_abs().to(dev), fmt, recipe.smoothing,
-                               static_input=rel_layers[first].static_input, **opts)
+                               static_input=rel_layers[first].static_input, **rel_layers[first].opts)
         if res.scales is None:
             for c in g.consumers:
                 folds.notes[p + c] = f"{recipe.smoothing}: no gain"

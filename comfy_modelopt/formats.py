@@ -103,6 +103,12 @@ class Format:
                       linear_dtype: str = "int4") -> dict:
         return {}
 
+    def layer_options(self, n: int, k: int, opts: dict) -> dict:
+        """The options one [n, k] layer is encoded with: the recipe's, or a variant of them that
+        its shape allows (int8 ConvRot: a smaller rotation group).  ComfyUI reads them per layer
+        from ``.comfy_quant``."""
+        return opts
+
     # ---------------------------------------------------------------- encode
     def _prepare(self, w: torch.Tensor, alpha: torch.Tensor | None, opts: dict) -> tuple[torch.Tensor, dict]:
         """Return (tensor handed to kitchen, extra quantize kwargs) for clip factor alpha."""
@@ -338,6 +344,17 @@ class RowwiseIntFormat(Format):
 
 @dataclass(frozen=True)
 class Int8Format(RowwiseIntFormat):
+    convrot_groups: tuple = (1024, 256, 64, 16)  # regular Hadamard sizes kitchen's int8 ConvRot takes
+
+    def layer_options(self, n, k, opts):
+        # the largest rotation group up to the recipe's that divides in_features: a 384-wide
+        # model takes group 64 instead of keeping every layer 16-bit
+        group = opts.get("convrot_groupsize", 256)
+        if not opts.get("convrot") or k % group == 0:
+            return opts
+        fits = [g for g in self.convrot_groups if g < group and k % g == 0]
+        return dict(opts, convrot_groupsize=fits[0]) if fits else opts
+
     def gptq_rounding(self, w, alpha, convrot=False, **opts):
         if convrot:  # rounding happens in the rotated basis
             return None

@@ -36,6 +36,7 @@ class LayerPlan:
     weight_only: bool = False    # stored quantized, computed dequantized (no input_scale)
     static_input: bool = False   # writes input_scale
     rank: int = 0                # rank of the 16-bit low-rank branch (0: none)
+    opts: dict = field(default_factory=dict)  # the format's options for this layer (Format.layer_options)
     conf: dict | None = None     # .comfy_quant JSON
     tensors: dict = field(default_factory=dict)  # output key -> (safetensors dtype, shape)
 
@@ -153,7 +154,7 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
             continue
         _decide(layer, fmt, recipe, opts, family, stats)
         if layer.quantized:
-            _lay_out(layer, fmt, recipe, opts)
+            _lay_out(layer, fmt, recipe)
         else:
             layer.tensors = {key: (dtype, tuple(shape))}
         layers.append(layer)
@@ -223,11 +224,12 @@ def _decide(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict, family: F
     if layer.src_dtype not in FLOAT_DTYPES:
         layer.reason = f"source dtype {layer.src_dtype} is not 16/32-bit float"
         return
-    problem = fmt.shape_problem(layer.n, layer.k, **opts)
+    layer_opts = fmt.layer_options(layer.n, layer.k, opts)
+    problem = fmt.shape_problem(layer.n, layer.k, **layer_opts)
     if problem:
         layer.reason = problem
         return
-    layer.format = fmt.name
+    layer.format, layer.opts = fmt.name, layer_opts
     if stats is not None and not stats.has(layer.rel):
         if fmt.needs_input_scale:
             layer.weight_only = True
@@ -241,9 +243,9 @@ def _decide(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict, family: F
     layer.static_input = fmt.needs_input_scale or (fmt.static_input_scale and recipe.static_nvfp4_input)
 
 
-def _lay_out(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict) -> None:
-    layer.conf = fmt.conf(weight_only=layer.weight_only, **opts)
-    for suffix, (dtype, shape) in fmt.planned(layer.n, layer.k, **opts).items():
+def _lay_out(layer: LayerPlan, fmt: Format, recipe: Recipe) -> None:
+    layer.conf = fmt.conf(weight_only=layer.weight_only, **layer.opts)
+    for suffix, (dtype, shape) in fmt.planned(layer.n, layer.k, **layer.opts).items():
         layer.tensors[layer.name + SUFFIX_KEYS[suffix]] = (ST_DTYPES[dtype], shape)
     if layer.static_input:
         layer.tensors[layer.name + INPUT_SCALE] = ("F32", ())

@@ -57,7 +57,7 @@ def quantize_layer(w: torch.Tensor, layer: LayerPlan, plan: Plan, layer_stats=No
     check_finite(layer.name, w)
     x = layer_stats.sample().to(w.device) if (layer_stats is not None and layer_stats.has_sample()) else None
     choice = choose(w, x, layer, plan, layer_stats, smooth)
-    encoded, qt = encode(choice, plan)
+    encoded, qt = encode(choice, layer, plan)
     with kitchen_reference():
         deq = qt.dequantize().to(torch.float32)
     tensors = {layer.name + SUFFIX_KEYS[s]: t for s, t in encoded.items()}
@@ -76,8 +76,8 @@ def choose(w: torch.Tensor, x: torch.Tensor | None, layer: LayerPlan, plan: Plan
            smooth: torch.Tensor | None) -> LayerChoice:
     """Smoothing, low-rank branch, static input scale and weight clip for float32 ``w`` [N, K]
     with sampled inputs ``x`` [m, K] (or None)."""
-    fmt, opts, recipe = plan.fmt, plan.opts, plan.recipe
-    notes, pre_scale = [], None
+    fmt, opts, recipe = plan.fmt, layer.opts, plan.recipe
+    notes, pre_scale = [f"{k}={v}" for k, v in opts.items() if plan.opts.get(k) != v], None  # shape-fitted
     if layer.rank and recipe.smoothing != "none" and x is not None:
         # own-loader files carry smoothing per layer (smooth_scale multiplies the input)
         found = search_smoothing(w, x, layer_stats.channel_absmax.float().to(w.device),
@@ -114,10 +114,10 @@ def _input_scale(layer_stats, fmt: Format, recipe: Recipe, smooth) -> float:
 
 
 # ---------------------------------------------------------------------- encode
-def encode(choice: LayerChoice, plan: Plan) -> tuple[dict[str, torch.Tensor], QuantizedTensor]:
+def encode(choice: LayerChoice, layer: LayerPlan, plan: Plan) -> tuple[dict[str, torch.Tensor], QuantizedTensor]:
     """kitchen's encoding of the chosen weight (GPTQ-rounded first where the recipe asks and the
     format can): on-disk tensors by key suffix, and the QuantizedTensor."""
-    fmt, opts, w, x = plan.fmt, plan.opts, choice.w, choice.x
+    fmt, opts, w, x = plan.fmt, layer.opts, choice.w, choice.x
     if plan.recipe.gptq and x is not None:
         rounding = fmt.gptq_rounding(w, choice.clip.alpha, **opts)
         if rounding is not None:
@@ -133,7 +133,7 @@ def measure(w: torch.Tensor, x: torch.Tensor | None, deq: torch.Tensor, choice: 
             layer: LayerPlan, plan: Plan, layer_stats) -> LayerReport:
     """The layer's report: weight error, and with sampled inputs ``x`` (unsmoothed, as ``w``)
     the output error of what ComfyUI will compute, and the per-format sensitivity."""
-    fmt, opts = plan.fmt, plan.opts
+    fmt, opts = plan.fmt, layer.opts
     lowrank = None
     if choice.branch is not None:
         up, down = choice.branch

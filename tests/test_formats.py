@@ -164,3 +164,31 @@ def test_hadamard_fallback_equals_kitchen(group):
     assert torch.equal(regular_hadamard(group), h)
     w = torch.randn(8, group * 3)
     assert torch.allclose(rotate_groups(w, h, group), _rotate_weight(w, h, group), atol=1e-6)
+
+
+def test_convrot_group_fits_each_layer(tmp_path):
+    """int8 + ConvRot on a 384-wide model: every layer takes the largest rotation group up to the
+    recipe's that divides its in_features (64 here; 256 where it divides), written per layer into
+    .comfy_quant (ComfyUI reads it per layer) and encoded with it; before, every 384-wide layer
+    stayed 16-bit."""
+    from comfy_modelopt.fileformat import read_comfy_quant
+    from comfy_modelopt.pipeline import quantize_file
+    from comfy_modelopt.recipe import Recipe
+    from comfy_modelopt.safetensors_io import SafetensorsFile, write_file
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"blocks.{i}.attn.qkv.weight": torch.randn(1152, 384, generator=g) for i in range(2)}
+    tensors.update({f"blocks.{i}.mlp.fc2.weight": torch.randn(384, 1536, generator=g) for i in range(2)})
+    src, out = str(tmp_path / "m.safetensors"), str(tmp_path / "q.safetensors")
+    write_file(src, tensors)
+    rep = quantize_file(src, out, Recipe("int8_tensorwise", convrot=True), family="generic")
+    assert len(rep.quantized) == 4 and not rep.kept
+    with SafetensorsFile(out) as f:
+        for name, t in tensors.items():
+            layer = name[:-7]
+            conf = read_comfy_quant(f, layer + ".comfy_quant")
+            assert conf["convrot"] and conf["convrot_groupsize"] == (64 if t.shape[1] == 384 else 256), conf
+            stored = {"": f.read(layer + ".weight"), "_scale": f.read(layer + ".weight_scale")}
+            fmt = get_format("int8_tensorwise")
+            deq = fmt.from_stored(stored, conf, tuple(t.shape)).dequantize().float()
+            assert float((deq - t).norm() / t.norm()) < 0.02
+    assert any("convrot_groupsize=64" in l.notes for l in rep.quantized)

@@ -244,3 +244,26 @@ def test_hooks_do_not_synchronise_on_cuda():
     assert st.layers["0"].rows == 192
     cpu = calibrate(mlp(), lambda mod: [mod(x.cpu()) for x in xs], small)  # same rows sampled on the CPU
     assert torch.equal(st.layers["0"].reservoir.cpu(), cpu.layers["0"].reservoir)
+
+
+@pytest.mark.parametrize("outer,inner", [(False, True), (True, False), (False, False)])
+def test_calibrate_in_either_mode(outer, inner):
+    """calibrate() outside inference mode with a loop that enters it (and the other ways round),
+    then more calibration in the other mode: same statistics as all in one mode."""
+    m = mlp()
+    xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+
+    def loop(mod, part):
+        with torch.inference_mode(inner):
+            for x in part:
+                mod(x)
+    with torch.inference_mode(outer):
+        st = calibrate(m, lambda mod: loop(mod, xs[:2]))
+    with torch.inference_mode(not outer):
+        st = calibrate(m, lambda mod: loop(mod, xs[2:]), stats=st)
+    with torch.inference_mode():
+        ref = calibrate(m, lambda mod: [mod(x) for x in xs])
+    for name in ref.layers:
+        assert torch.equal(st.layers[name].hist, ref.layers[name].hist)
+        assert torch.equal(st.layers[name].channel_absmax, ref.layers[name].channel_absmax)
+        assert st.layers[name].rows == ref.layers[name].rows

@@ -94,9 +94,16 @@ def mid_size_model(tmp_path):
     return str(path)
 
 
+def _default_signals():
+    # a test run started in the background (`cmd &` in a script) inherits SIGINT ignored, and a
+    # process keeps an ignored SIGINT (as it should: nohup semantics); the run under test gets
+    # the default disposition a terminal gives it
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_and_wait_for_partial(src, out):
     proc = subprocess.Popen([sys.executable, "-m", "comfy_modelopt.cli", "quantize", src, "-o", str(out), "-q"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_signals)
     deadline = time.monotonic() + 120
     while not partials_of(str(out)):
         assert proc.poll() is None, proc.communicate()
