@@ -57,9 +57,10 @@ def inputs(family: str, seed: int = 0) -> dict:
 
 def forward(patcher, family: str) -> torch.Tensor:
     comfy.model_management.load_models_gpu([patcher])
-    kw = inputs(family)
+    dev = patcher.load_device
+    kw = {k: v.to(dev) for k, v in inputs(family).items()}
     x = kw.pop("x")
-    return patcher.model.apply_model(x, torch.tensor([0.7]), **kw).float()
+    return patcher.model.apply_model(x, torch.tensor([0.7], device=dev), **kw).float().cpu()
 
 
 def save(path: str, sd: dict) -> None:
@@ -112,8 +113,9 @@ def test_quantized_file_loads_in_comfyui(source, family, fmt, extra):
     for name, module in quantized.items():
         assert module.quant_format == fmt, name
         assert tuple(module.weight.shape) == tuple(module._orig_shape)
-        if "--convrot" in extra:
+        if "--convrot" in extra:  # the rotation group fitted to the layer, read per layer by ComfyUI
             assert module.weight._params.convrot
+            assert module.weight._params.convrot_groupsize == planned[name]["convrot_groupsize"], name
         assert getattr(module, "input_scale", None) is None  # no statistics: none written
 
     out_t = forward(patcher, family)
