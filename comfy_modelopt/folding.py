@@ -6,10 +6,14 @@ linear in that channel: multiply the producer's output channel j by 1/s_j instea
 - an affine LayerNorm feeding the layer (weight and bias divided by s);
 - a Linear whose output channels reach the layer unchanged through attention (the V projection
   feeding the attention output projection: softmax(QK^T) mixes tokens, not channels);
-- the value half of a GEGLU projection feeding the FF output (value * gelu(gate) is linear in value).
+- the value half of a GEGLU projection feeding the FF output (value * gelu(gate) is linear in value);
+- an adaLN modulation feeding the layer (Flux's double and single blocks): the input is
+  ``(1 + scale) * LN(x) + shift`` with ``shift`` and ``scale`` chunks of a modulation Linear's
+  output, so ``input / s`` is the same expression with ``shift' = shift / s`` (rows and bias
+  divided by s) and ``scale' = (1 + scale) / s - 1`` (rows divided by s, bias ``(b + 1) / s - 1``).
 
-Everything else (adaLN-modulated norms without affine weights, GELU/SiLU MLPs, joint attention
-across two streams) has no exact fold: smoothing there is reported as skipped.
+Everything else (GELU/SiLU MLPs, joint attention across two streams - Flux's output projection
+sees V rows of both streams) has no exact fold: smoothing there is reported as skipped.
 
 ``plan_folds`` searches the smoothing scales of every fold group of a plan; the pipeline then
 rescales the producers' rows as it copies them (``read_rows_scaled``) and the consumers' weights
@@ -30,7 +34,10 @@ class FoldRule:
     consumers: tuple[str, ...]   # layers (relative to the block) that share one input
     producer: str                # what makes that input
     kind: str                    # "norm": weight+bias vectors; "linear": all output rows;
-    #                              "linear_half0": first half of the output rows (GEGLU value)
+    #                              "linear_half0": first half of the output rows (GEGLU value);
+    #                              "modulation": the shift and scale chunks of an adaLN Linear
+    chunks: int = 0              # modulation: how many equal chunks the Linear's output has
+    shift: int = 0               # modulation: the shift chunk's index (the scale chunk follows it)
 
 
 @dataclass
@@ -38,6 +45,8 @@ class FoldGroup:
     consumers: tuple[str, ...]   # full layer names
     producer: str                # full name (norm module or Linear layer)
     kind: str
+    chunks: int = 0
+    shift: int = 0
 
 
 _UNET_RULES = (
@@ -52,12 +61,22 @@ _WAN_RULES = (
     FoldRule(("self_attn.o",), "self_attn.v", "linear"),
     FoldRule(("cross_attn.q",), "norm3", "norm"),
 )
-# block prefix pattern -> rules; linear-producer rules come first so that a layer that is both
-# a producer (rows rescaled) and a consumer is searched with its final rows
+_FLUX_DOUBLE_RULES = (
+    FoldRule(("img_attn.qkv",), "img_mod.lin", "modulation", chunks=6, shift=0),
+    FoldRule(("img_mlp.0",), "img_mod.lin", "modulation", chunks=6, shift=3),
+    FoldRule(("txt_attn.qkv",), "txt_mod.lin", "modulation", chunks=6, shift=0),
+    FoldRule(("txt_mlp.0",), "txt_mod.lin", "modulation", chunks=6, shift=3),
+)
+_FLUX_SINGLE_RULES = (FoldRule(("linear1",), "modulation.lin", "modulation", chunks=3, shift=0),)
+_FLUX_RULES = ((r"(double_blocks\.\d+)\.img_attn\.qkv$", _FLUX_DOUBLE_RULES),
+               (r"(single_blocks\.\d+)\.linear1$", _FLUX_SINGLE_RULES))
+# family -> (block prefix pattern, rules) pairs; linear-producer rules come first so that a layer
+# that is both a producer (rows rescaled) and a consumer is searched with its final rows
 RULES = {
-    "sd15": (r"(.*\.transformer_blocks\.\d+)\.attn1\.to_q$", _UNET_RULES),
-    "sdxl": (r"(.*\.transformer_blocks\.\d+)\.attn1\.to_q$", _UNET_RULES),
-    "wan": (r"(blocks\.\d+)\.self_attn\.q$", _WAN_RULES),
+    "sd15": ((r"(.*\.transformer_blocks\.\d+)\.attn1\.to_q$", _UNET_RULES),),
+    "sdxl": ((r"(.*\.transformer_blocks\.\d+)\.attn1\.to_q$", _UNET_RULES),),
+    "wan": ((r"(blocks\.\d+)\.self_attn\.q$", _WAN_RULES),),
+    "flux": _FLUX_RULES,
 }
 
 
@@ -66,38 +85,46 @@ def fold_groups(family: str, layers: dict, tensors: dict) -> list[FoldGroup]:
 
     ``layers`` maps relative layer names to their LayerPlan (quantized ones are consumers),
     ``tensors`` the relative keys of every tensor in the source (to find norm weights)."""
-    if family not in RULES:
-        return []
-    pattern, rules = RULES[family]
-    blocks = sorted({m.group(1) for n in layers if (m := re.match(pattern, n))})
     groups = []
-    for block in blocks:
-        for rule in rules:
-            consumers = tuple(f"{block}.{c}" for c in rule.consumers)
-            producer = f"{block}.{rule.producer}"
-            if not all(c in layers and layers[c].quantized for c in consumers):
-                continue
-            if rule.kind == "norm":
-                if f"{producer}.weight" not in tensors or f"{producer}.bias" not in tensors:
+    for pattern, rules in RULES.get(family, ()):
+        blocks = sorted({m.group(1) for n in layers if (m := re.match(pattern, n))})
+        for block in blocks:
+            for rule in rules:
+                consumers = tuple(f"{block}.{c}" for c in rule.consumers)
+                producer = f"{block}.{rule.producer}"
+                if not all(c in layers and layers[c].quantized for c in consumers):
                     continue
-            elif producer not in layers:
-                continue
-            groups.append(FoldGroup(consumers, producer, rule.kind))
+                if rule.kind == "norm":
+                    if f"{producer}.weight" not in tensors or f"{producer}.bias" not in tensors:
+                        continue
+                elif producer not in layers:
+                    continue
+                elif rule.kind == "modulation" and (layers[producer].n % rule.chunks
+                                                    or layers[producer].n // rule.chunks != layers[consumers[0]].k):
+                    continue
+                groups.append(FoldGroup(consumers, producer, rule.kind, rule.chunks, rule.shift))
     return groups
 
 
-def producer_rows(kind: str, out_features: int) -> slice:
-    """Which output rows of a Linear producer carry the consumer's input channels."""
-    if kind == "linear_half0":
-        return slice(0, out_features // 2)
-    return slice(0, out_features)
+def producer_rows(group: FoldGroup, out_features: int) -> list[tuple[slice, float]]:
+    """Which output rows of a Linear producer carry the consumer's input channels, each with the
+    offset of its transform ``(t + offset) / s - offset`` (1 for a modulation's scale chunk,
+    whose ``1 + scale`` is what multiplies the input)."""
+    if group.kind == "linear_half0":
+        return [(slice(0, out_features // 2), 0.0)]
+    if group.kind == "modulation":
+        d = out_features // group.chunks
+        shift = slice(group.shift * d, (group.shift + 1) * d)
+        scale = slice((group.shift + 1) * d, (group.shift + 2) * d)
+        return [(shift, 0.0), (scale, 1.0)]
+    return [(slice(0, out_features), 0.0)]
 
 
 # ====================================================================== the fold search
 @dataclass
 class Folds:
     consumer: dict = field(default_factory=dict)   # layer name -> s [K]
-    rows: dict = field(default_factory=dict)       # tensor key -> (row slice, 1/s): producer outputs
+    rows: dict = field(default_factory=dict)       # tensor key -> [(row slice, 1/s, offset)]: producer outputs
     notes: dict = field(default_factory=dict)      # layer name -> note
 
 
@@ -142,13 +169,13 @@ def plan_folds(plan, source, stats, recipe, progress=None) -> Folds:
                                   f"(out err {res.base_error:.4f}->{res.error:.4f})")
         if g.kind == "norm":
             for suffix in (".weight", ".bias"):
-                folds.rows[p + g.producer + suffix] = (slice(None), inv)
+                folds.rows.setdefault(p + g.producer + suffix, []).append((slice(None), inv, 0.0))
         else:
-            layer = rel_layers[g.producer]
-            rows = producer_rows(g.kind, layer.n)
-            folds.rows[p + g.producer + ".weight"] = (rows, inv)
-            if p + g.producer + ".bias" in source.tensors:
-                folds.rows[p + g.producer + ".bias"] = (rows, inv)
+            for rows, offset in producer_rows(g, rel_layers[g.producer].n):
+                # the weight rows scale alone; the offset moves only the bias
+                folds.rows.setdefault(p + g.producer + ".weight", []).append((rows, inv, 0.0))
+                if p + g.producer + ".bias" in source.tensors:
+                    folds.rows.setdefault(p + g.producer + ".bias", []).append((rows, inv, offset))
     return folds
 
 
@@ -156,8 +183,11 @@ def read_rows_scaled(source, key: str, folds: Folds) -> torch.Tensor:
     """Tensor ``key`` of ``source`` with the rows a fold rescales already rescaled."""
     t = source.read(key).float()
     if key in folds.rows:
-        rows, inv = folds.rows[key]
-        inv = inv.to(t.device)
         t = t.clone()
-        t[rows] = t[rows] * (inv.reshape(-1, 1) if t.dim() == 2 else inv)
+        for rows, inv, offset in folds.rows[key]:
+            inv = inv.to(t.device)
+            if t.dim() == 2:
+                t[rows] = t[rows] * inv.reshape(-1, 1)
+            else:
+                t[rows] = (t[rows] + offset) * inv - offset
     return t

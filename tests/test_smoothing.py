@@ -129,9 +129,8 @@ def test_folds_are_exact_in_float():
     folded = {}
     for key, t in sd.items():
         t = t.float().clone()
-        if key in folds.rows:
-            rows, inv = folds.rows[key]
-            t[rows] = t[rows] * (inv.reshape(-1, 1) if t.dim() == 2 else inv)
+        for rows, inv, offset in folds.rows.get(key, ()):
+            t[rows] = t[rows] * inv.reshape(-1, 1) if t.dim() == 2 else (t[rows] + offset) * inv - offset
         if key.endswith(".weight") and key[:-7] in folds.consumer:
             t = t * folds.consumer[key[:-7]]
         folded[key] = t

@@ -226,3 +226,49 @@ def test_compiled_blocks_compile_per_shape_not_per_block():
             out = patcher.model.apply_model(x, t, **kw, transformer_options={"optimized_attention_override": override})
         assert float((out - ref).norm() / ref.norm()) < 1e-4
         assert None not in indices and max(indices) > 0  # the options reached it with the real indices
+
+
+def test_flux_modulation_folds_are_exact():
+    """Smoothing folded into Flux's adaLN modulation (double blocks: img/txt qkv and MLP inputs;
+    single blocks: linear1): with random per-channel scales, the folded float32 model computes
+    what the original does, through ComfyUI's own Flux classes; scaling the consumers without the
+    fold changes the output completely."""
+    from comfy_modelopt.folding import Folds, fold_groups, producer_rows, read_rows_scaled
+    from comfy_modelopt.pipeline import DictSource
+    from comfy_modelopt.plan import make_plan
+    from comfy_modelopt.recipe import Recipe
+    _, sd = models.build("flux", "small", seed=2, dtype=torch.float32)
+    plan = make_plan({k: ("F32", tuple(v.shape)) for k, v in sd.items()}, Recipe("int8_tensorwise"))
+    rel = {l.rel: l for l in plan.layers}
+    groups = fold_groups("flux", rel, set(sd))
+    kinds = {(g.producer.split(".")[-2], g.consumers[0].split(".", 2)[-1]) for g in groups}
+    assert kinds == {("img_mod", "img_attn.qkv"), ("img_mod", "img_mlp.0"), ("txt_mod", "txt_attn.qkv"),
+                     ("txt_mod", "txt_mlp.0"), ("modulation", "linear1")}, kinds
+    g = torch.Generator().manual_seed(0)
+    folds = Folds()
+    for grp in groups:
+        s = torch.exp(torch.randn(rel[grp.consumers[0]].k, generator=g) * 0.7)
+        for c in grp.consumers:
+            folds.consumer[c] = s
+        for rows, offset in producer_rows(grp, rel[grp.producer].n):
+            folds.rows.setdefault(grp.producer + ".weight", []).append((rows, 1 / s, 0.0))
+            folds.rows.setdefault(grp.producer + ".bias", []).append((rows, 1 / s, offset))
+    source = DictSource.from_state_dict(sd)
+    folded, consumers_only = {}, {}
+    for k in sd:
+        t = read_rows_scaled(source, k, folds)
+        if k[:-7] in folds.consumer and k.endswith(".weight"):
+            t = t * folds.consumer[k[:-7]]
+            consumers_only[k] = sd[k] * folds.consumer[k[:-7]]
+        folded[k] = t
+    consumers_only = {**sd, **consumers_only}
+
+    def run(state):
+        patcher = comfy.sd.load_diffusion_model_state_dict(state)
+        return forward(patcher, "flux")
+    ref = run(sd)
+    err = float((run(folded) - ref).norm() / ref.norm())
+    broken = float((run(consumers_only) - ref).norm() / ref.norm())
+    print(f"folded {err:.2e}, consumers only {broken:.3f}")
+    assert err < 1e-4, err
+    assert broken > 0.1, broken
