@@ -207,8 +207,9 @@ def free(*patchers):
         torch.cuda.empty_cache()
 
 
-def inputs(family: str, batch: int, res: int, txt: int, dtype) -> tuple:
-    """(x, sigma, kwargs) for one apply_model call of a real-resolution model."""
+def inputs(family: str, batch: int, res: int, txt: int, dtype, frames: int = 1) -> tuple:
+    """(x, sigma, kwargs) for one apply_model call of a real-resolution model (video: ``frames``
+    pixel frames, (frames - 1) / 4 + 1 latent ones)."""
     g = torch.Generator(device=DEVICE).manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g, device=DEVICE, dtype=dtype)  # noqa: E731
     lat = res // 8
@@ -223,6 +224,8 @@ def inputs(family: str, batch: int, res: int, txt: int, dtype) -> tuple:
         return r(batch, 4, lat, lat), sigma, {"c_crossattn": r(batch, 77, 2048), "y": r(batch, 2816)}
     if family == "sd15":
         return r(batch, 4, lat, lat), sigma, {"c_crossattn": r(batch, 77, 768)}
+    if family == "wan":
+        return r(batch, 16, (frames - 1) // 4 + 1, lat, lat), sigma, {"c_crossattn": r(batch, txt, 4096)}
     raise ValueError(family)
 
 

@@ -1,10 +1,11 @@
 """Whole sampling runs - what a user sees - for a 16-bit model and its fp8 W8A8 file under every
 runtime the nodes offer.
 
-``python benchmarks/sampling_check.py --out DIR [--model sdxl|flux] [--steps N] [--runs N]``
+``python benchmarks/sampling_check.py --out DIR [--model sdxl|flux|wan] [--steps N] [--runs N]``
 builds the full-size model (random weights with channel outliers, ComfyUI's own classes),
 quantizes it to fp8 W8A8 with static input scales, and samples the same noise/conditioning
-through ComfyUI's KSampler path (``comfy.sample.sample``, euler/simple; Flux cfg 1, SDXL cfg 7)
+through ComfyUI's KSampler path (``comfy.sample.sample``, euler/simple; Flux cfg 1, SDXL cfg 7, Wan 2.1
+1.3B cfg 5 at 17 frames of 512x512)
 ``--runs`` times with:
 
 - the 16-bit model in stock ComfyUI (the baseline), and the same model in the other 16-bit
@@ -45,15 +46,18 @@ from comfy_modelopt.comfyui.runtime import RUNTIMES, apply_runtime  # noqa: E402
 EAGER_NOISE = "lean, input rounded once more per call (eager's own noise)"
 
 SPECS = {"sdxl": dict(family="sdxl", size="full", res=1024, dtype=torch.float16),
+         # Wan 2.1 1.3B text-to-video: 17 frames at 512x512 (5 latent frames, 5,120 tokens per step)
+         "wan": dict(family="wan", size="full", res=512, frames=17, dtype=torch.bfloat16, txt=512),
          "flux": dict(family="flux", size="full", res=1024, dtype=torch.bfloat16, txt=512)}
 # --reduced: the same families at ComfyUI's small configurations (CPU smoke runs)
 REDUCED = {"sdxl": dict(family="sdxl", size="small", res=64, dtype=torch.float32),
+           "wan": dict(family="wan", size="small", res=64, frames=5, dtype=torch.float32, txt=16),
            "flux": dict(family="flux", size="small", res=64, dtype=torch.float32, txt=16, inputs="flux_small")}
 POOLED = {"sdxl": 1280}  # SDXL's ADM vector = pooled CLIP-G output (1280) + 6 size embeddings (1536)
 
 
 def conds(family: str, inputs: str, txt: int, dtype):
-    x, _, kw = common.inputs(inputs, 1, 64, txt, dtype)
+    x, _, kw = common.inputs(inputs, 1, 64, txt, dtype, frames=5)
     extra = {"pooled_output": kw["y"][:, :POOLED.get(family, kw["y"].shape[1])]} if "y" in kw else {}
     if family == "flux":
         extra["guidance"] = 3.5
@@ -63,7 +67,7 @@ def conds(family: str, inputs: str, txt: int, dtype):
 
 
 STOCK_16BIT, OTHER_16BIT, STOCK_FP8 = "16-bit, stock ComfyUI", "other 16-bit dtype, stock", "fp8 file, stock ComfyUI"
-CFG = {"flux": 1.0, "sdxl": 7.0}
+CFG = {"flux": 1.0, "sdxl": 7.0, "wan": 5.0}
 
 
 def _run_variant(label, q, runs, sample, ref, fp8_ref=None):
@@ -120,8 +124,9 @@ def main(argv=None):
     fam = spec["family"]
     inputs = spec.get("inputs", fam)
     pos, neg = conds(fam, inputs, spec.get("txt", 77), spec["dtype"])
-    latent_c = 16 if fam == "flux" else 4
-    latent = torch.zeros(1, latent_c, spec["res"] // 8, spec["res"] // 8)
+    latent_c = 16 if fam in ("flux", "wan") else 4
+    frames = (spec["frames"] - 1) // 4 + 1 if "frames" in spec else None  # the video VAE's 4x time stride
+    latent = torch.zeros(1, latent_c, *((frames,) if frames else ()), spec["res"] // 8, spec["res"] // 8)
     noise = comfy.sample.prepare_noise(latent, 0)
     cfg = CFG[fam]
 
@@ -154,7 +159,7 @@ def main(argv=None):
         record(row)
         common.free(alt)
         base = common.load_stock(sd)
-    x, sigma, kw = common.inputs(inputs, 1, spec["res"], spec.get("txt", 77), spec["dtype"])
+    x, sigma, kw = common.inputs(inputs, 1, spec["res"], spec.get("txt", 77), spec["dtype"], frames=spec.get("frames", 1))
     q_sd, meta = common.calibrated_fp8(base, sd, x, sigma, kw)
     common.free(base)
     del sd

@@ -23,6 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("hook_overhead.py", ["--reduced"], "hook_overhead.json"),
     ("lora.py", ["--reduced", "--rank", "4"], "lora.json"),
     ("sampling_check.py", ["--reduced", "--steps", "2", "--runs", "2"], "sampling_sdxl.json"),
+    ("sampling_check.py", ["--reduced", "--model", "wan", "--steps", "2", "--runs", "2", "--runtimes", "lean",
+                           "lean + cuda graphs"], "sampling_wan.json"),
     ("compile_overhead.py", ["--iters", "2"], "compile_overhead.json"),
 ])
 def test_reduced(tmp_path, script, args, out):
