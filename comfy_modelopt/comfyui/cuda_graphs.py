@@ -115,6 +115,7 @@ class CudaGraphs:
         self.eager_calls = self.replays = self.captures = self.releases = 0
         self.capture_seconds: list = []  # wall time of each capture (with its warm-up / compilation)
         self.warmed: set = set()  # signatures whose lazy inits/compilation already ran
+        self.failed: dict = {}  # signature -> why its capture failed (runs eagerly, not retried)
         self.validated: set = set()  # signatures whose compiled blocks matched eager
 
     def release(self, *_args) -> None:
@@ -228,13 +229,16 @@ class CudaGraphs:
             self.graphs.clear()
             entry = None
         if entry is None:
+            if sig in self.failed:  # a model whose forward cannot be captured: no retry per call
+                return self._eager(apply_model, args, self.failed[sig])
             if len(self.graphs) >= self.max_graphs:
                 return self._eager(apply_model, args, f"more than {self.max_graphs} input signatures")
             try:
                 entry = self._capture(apply_model, args, c, topts, weights, sig)
             except Exception as e:  # capture can fail on host syncs or unsupported ops
                 self.graphs.pop(sig, None)
-                return self._eager(apply_model, args, f"capture failed: {type(e).__name__}: {str(e)[:300]}")
+                self.failed[sig] = f"capture failed: {type(e).__name__}: {str(e)[:300]}"
+                return self._eager(apply_model, args, self.failed[sig])
             self.graphs[sig] = entry
             return entry["out"].clone()
         for dst, src in zip(entry["static"], _tensors(args["input"], args["timestep"], c)):

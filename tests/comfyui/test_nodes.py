@@ -300,6 +300,24 @@ def test_cuda_graphs_blocked_only_by_wrappers_inside_the_model(env):
         assert runner.warned == ({reason} if blocks else {"not on a CUDA device"}), kind
 
 
+def test_cuda_graphs_failed_capture_is_not_retried(env):
+    """A model whose forward cannot be captured (Wan 2.1 copies a CPU tensor to the GPU inside its
+    forward - found on the H200) runs eagerly after the first failure, logged once, instead of
+    paying a failed capture on every call."""
+    clone, runner = env["nodes"].enable_cuda_graphs(env["model"])
+    attempts = []
+
+    def capture(*_args):
+        attempts.append(1)
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+    runner._blocker = lambda args: None  # as on a GPU
+    runner._capture = capture
+    sample(env, clone, 3, 0)
+    assert len(attempts) == 1 and runner.eager_calls == 3
+    assert runner.warned == {"capture failed: RuntimeError: Cannot copy between CPU and CUDA tensors during "
+                             "CUDA graph capture"}
+
+
 def test_cuda_graphs_kept_between_runs_and_released_when_unloaded(env):
     """Where the graphs' memory can be accounted (a CUDA MemPool) they stay between sampling runs
     and go back when ComfyUI detaches the model or unloads part of it; elsewhere they go back
