@@ -44,9 +44,11 @@ class FoldRule:
 class FoldGroup:
     consumers: tuple[str, ...]   # full layer names
     producer: str                # full name (norm module or Linear layer)
-    kind: str
-    chunks: int = 0
-    shift: int = 0
+    rule: FoldRule               # the rule it was found by
+
+    @property
+    def kind(self) -> str:
+        return self.rule.kind
 
 
 _UNET_RULES = (
@@ -102,7 +104,7 @@ def fold_groups(family: str, layers: dict, tensors: dict) -> list[FoldGroup]:
                 elif rule.kind == "modulation" and (layers[producer].n % rule.chunks
                                                     or layers[producer].n // rule.chunks != layers[consumers[0]].k):
                     continue
-                groups.append(FoldGroup(consumers, producer, rule.kind, rule.chunks, rule.shift))
+                groups.append(FoldGroup(consumers, producer, rule))
     return groups
 
 
@@ -113,9 +115,8 @@ def producer_rows(group: FoldGroup, out_features: int) -> list[tuple[slice, floa
     if group.kind == "linear_half0":
         return [(slice(0, out_features // 2), 0.0)]
     if group.kind == "modulation":
-        d = out_features // group.chunks
-        shift = slice(group.shift * d, (group.shift + 1) * d)
-        scale = slice((group.shift + 1) * d, (group.shift + 2) * d)
+        d, i = out_features // group.rule.chunks, group.rule.shift
+        shift, scale = slice(i * d, (i + 1) * d), slice((i + 1) * d, (i + 2) * d)
         return [(shift, 0.0), (scale, 1.0)]
     return [(slice(0, out_features), 0.0)]
 

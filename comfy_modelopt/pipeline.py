@@ -222,11 +222,8 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
 def _check_needs_stats(recipe: Recipe, stats) -> None:
     """Options that only mean something with activation statistics are refused without them (a
     file must not record an option that did nothing)."""
-    if stats is not None:
-        return
-    needs = [name for name, on in (("smoothing=" + recipe.smoothing, recipe.smoothing != "none"),
-                                   ("gptq", recipe.gptq), ("static_nvfp4_input", recipe.static_nvfp4_input)) if on]
-    if needs:
+    needs = recipe.needs_statistics()
+    if needs and stats is None:
         raise PlanError(f"{', '.join(needs)} needs activation statistics: calibrate the model and pass the "
                         f"statistics (--stats FILE, or the calibration input of Quantize Model)")
 
@@ -325,8 +322,7 @@ def quantize(state_dict: dict[str, torch.Tensor], recipe: Recipe, stats=None, me
     ``family``: "auto" detects the model family and refuses a state dict of none it knows (a
     LoRA, a text encoder, a VAE); "generic" or a family name (``families.FAMILY_CHOICES``)
     applies those rules instead."""
-    if isinstance(stats, (str, os.PathLike)):
-        stats = ActivationStats.load(stats)
+    stats = _stats_of(stats)
     sink = DictSink()
     report = quantize_source(DictSource.from_state_dict(state_dict, metadata), sink, recipe, stats,
                              progress=progress, family=family, refuse_unknown=True)
@@ -357,8 +353,7 @@ def quantize_file(src: str | os.PathLike, out: str | os.PathLike, recipe: Recipe
     src, out = os.fspath(src), os.fspath(out)
     check_not_input(out, src, "output")
     check_output_path(out, overwrite)
-    if isinstance(stats, (str, os.PathLike)):
-        stats = ActivationStats.load(os.fspath(stats))
+    stats = _stats_of(stats)
     with SafetensorsFile(src) as f:
         info = {"name": os.path.basename(src), "bytes": f.size}
         if hash_source:
@@ -371,6 +366,11 @@ def quantize_file(src: str | os.PathLike, out: str | os.PathLike, recipe: Recipe
             if f.name in str(e):
                 raise
             raise type(e)(f"{f.name}: {e}") from None
+
+
+def _stats_of(stats):
+    """``ActivationStats`` as given, or loaded from a statistics file's path."""
+    return ActivationStats.load(os.fspath(stats)) if isinstance(stats, (str, os.PathLike)) else stats
 
 
 def check_not_input(path, src, what: str) -> None:

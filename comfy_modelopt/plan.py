@@ -16,7 +16,7 @@ from .fileformat import (COMFY_QUANT, INPUT_SCALE, LOWRANK_DOWN, LOWRANK_UP, QUA
                          encode_comfy_quant, encode_quantization_metadata, own_format)
 from .formats import Format, get_format
 from .recipe import Recipe
-from .report import kept_summary
+from .report import kept_by_kind
 from .safetensors_io import FLOAT_DTYPES, ST_DTYPES
 
 # convolutions ComfyUI's model detection reads (in/out channels, conv vs linear proj_in) or that
@@ -128,12 +128,13 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
     if family is None:
         family = detect_family(rel_shapes)
         if refuse_unknown and family is GENERIC:
-            what = looks_like(source) or "no diffusion-model architecture comfy-modelopt knows"
-            raise PlanError(f"this looks like {what}, not a diffusion model: quantize the diffusion model "
-                            f"(or pass --family generic to apply generic rules to an unknown architecture)"
-                            if looks_like(source) else
-                            f"{what}: pass --family generic to quantize it with generic rules (embedders, "
-                            f"input/output and final layers kept 16-bit), or --family NAME for a known one")
+            what = looks_like(source)
+            if what:
+                raise PlanError(f"this looks like {what}, not a diffusion model: quantize the diffusion model "
+                                f"(or pass --family generic to apply generic rules to an unknown architecture)")
+            raise PlanError("no diffusion-model architecture comfy-modelopt knows: pass --family generic to "
+                            "quantize it with generic rules (embedders, input/output and final layers kept "
+                            "16-bit), or --family NAME for a known one")
     fmt = get_format(recipe.format)
     opts = recipe.format_options()
 
@@ -162,7 +163,7 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
         raise PlanError("no Linear weights found in the diffusion model")
     if not any(l.quantized for l in layers) and not convs:
         raise PlanError(f"nothing was quantized: all {len(layers)} Linear layers would stay 16-bit "
-                        f"({kept_summary([l.reason for l in layers]).split(' (', 1)[1]}; see the keep patterns "
+                        f"({kept_by_kind([l.reason for l in layers])}); see the keep patterns "
                         f"and the format's shape rules")
     _check_collisions(layers + convs, source)
     if recipe.conv != "none" and not convs:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-from .formats import FORMATS
+from .formats import FORMATS, INT8_TENSORWISE
 
 # The one vocabulary of options: the CLI's choices and the nodes' combos come from here
 # (default first, as the nodes show them).
@@ -18,7 +18,7 @@ INPUT_SCALE_METHODS = ("mse", "percentile", "max")
 SMOOTHING_METHODS = ("none", "smoothquant", "awq")
 CONV_CHOICES = ("none", "fp8")
 LINEAR_DTYPES = ("int4", "int8")
-CONVROT_GROUPSIZES = (16, 64, 256, 1024)
+CONVROT_GROUPSIZES = tuple(sorted(INT8_TENSORWISE.convrot_groups))
 DEFAULT_CONVROT_GROUPSIZE = 256
 LOWRANK_FORMATS = tuple(name for name, f in FORMATS.items() if f.lowrank)
 CONVROT_FORMATS = tuple(name for name, f in FORMATS.items() if "convrot" in f.options)
@@ -66,6 +66,11 @@ class Recipe:
     def format_options(self) -> dict:
         """The fields the Format reads (``Format.options``), passed to its encode/plan/conf."""
         return {name: getattr(self, name) for name in FORMATS[self.format].options}
+
+    def needs_statistics(self) -> list[str]:
+        """The options set here that mean nothing without activation statistics (refused then)."""
+        return [name for name, on in ((f"smoothing={self.smoothing}", self.smoothing != "none"),
+                                      ("gptq", self.gptq), ("static_nvfp4_input", self.static_nvfp4_input)) if on]
 
     @property
     def own_loader(self) -> bool:

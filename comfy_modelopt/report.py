@@ -186,11 +186,15 @@ def reason_kind(reason: str) -> str:
     return reason
 
 
-def kept_summary(reasons: list[str]) -> str:
-    """One line: how many layers stay 16-bit, by kind of reason, most first."""
+def kept_by_kind(reasons: list[str]) -> str:
+    """How many layers each kind of reason keeps 16-bit, most first ("--keep: 3, family rules: 2")."""
     counts: dict = {}
     for r in reasons:
         kind = reason_kind(r)
         counts[kind] = counts.get(kind, 0) + 1
-    parts = ", ".join(f"{k}: {n}" for k, n in sorted(counts.items(), key=lambda x: (-x[1], x[0])))
-    return f"kept 16-bit: {len(reasons)} ({parts})"
+    return ", ".join(f"{k}: {n}" for k, n in sorted(counts.items(), key=lambda x: (-x[1], x[0])))
+
+
+def kept_summary(reasons: list[str]) -> str:
+    """One line: how many layers stay 16-bit, by kind of reason."""
+    return f"kept 16-bit: {len(reasons)} ({kept_by_kind(reasons)})"

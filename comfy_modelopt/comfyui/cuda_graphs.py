@@ -24,6 +24,7 @@ from comfy.patcher_extension import CallbacksMP, WrappersMP
 
 from ..cuda_streams import on_side_stream
 from .compiled_blocks import CompiledBlocks, _carried_patches, _nonempty, rounding_noise
+from .lean import release_on_detach
 
 
 # wrapper kinds that run around the model evaluation, never inside the captured region
@@ -38,20 +39,18 @@ def _pool_accounting_available() -> bool:
 
 
 class GraphPool:
-    """The memory pool a model's graphs share, with its idle blocks held by placeholder tensors
-    (``occupy``) between captures, so they count as memory in use."""
+    """The memory pool a model's graphs share.  ``accounted``: a MemPool whose idle blocks are
+    held by placeholder tensors (``occupy``) between captures, so they count as memory in use;
+    else a plain graph pool (given back after every run) on which ``occupy``/``vacate`` do nothing."""
 
-    def __init__(self):
-        self.pool = torch.cuda.MemPool()
+    def __init__(self, accounted: bool = True):
+        self.pool = torch.cuda.MemPool() if accounted else None
+        self.handle = self.pool.id if accounted else torch.cuda.graph_pool_handle()
         self.fillers: list = []
-
-    @property
-    def handle(self):
-        return self.pool.id
 
     def _segments(self) -> list:
         return [seg for seg in torch.cuda.memory_snapshot()
-                if tuple(seg.get("segment_pool_id", ())) == tuple(self.pool.id)]
+                if tuple(seg.get("segment_pool_id", ())) == tuple(self.handle)]
 
     def idle_bytes(self) -> int:
         return sum(b["size"] for seg in self._segments() for b in seg["blocks"] if b["state"] == "inactive")
@@ -71,6 +70,8 @@ class GraphPool:
         its size picks); the rest (a few MiB at most) stays idle.  An allocation that would need
         new memory is given back and ends the filling: placeholders never grow the pool."""
         self.vacate()
+        if self.pool is None:
+            return
         by_stream: dict = {}
         for seg in self._segments():
             if seg.get("segment_type") != "large":
@@ -128,18 +129,10 @@ class CudaGraphs:
         pool's memory to the device."""
         if self.graphs or self.pool is not None:
             self.graphs.clear()
-            if isinstance(self.pool, GraphPool):
+            if self.pool is not None:
                 self.pool.vacate()
             self.pool = None
             self.releases += 1
-
-    def on_detach(self, _patcher, unpatch_all=True) -> None:
-        """ComfyUI's detach callback.  Also called, with ``unpatch_all`` False, when a clone
-        sharing our callbacks is garbage-collected (every sampling run drops one) or replaced by
-        another clone of the same model: the weights stay where they are, and so do the graphs
-        (the weights' addresses and patches are checked before every replay anyway)."""
-        if unpatch_all:
-            self.release()
 
     def end_run(self, *_args) -> None:
         """ComfyUI's cleanup after a sampling run: the graphs stay (persistent) or go."""
@@ -282,18 +275,15 @@ class CudaGraphs:
             on_side_stream(run)  # refill the dequant cache (released on detach, or weights changed)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
-            self.pool = GraphPool() if self.persistent else torch.cuda.graph_pool_handle()
-        if isinstance(self.pool, GraphPool):
-            self.pool.vacate()
-        handle = self.pool.handle if isinstance(self.pool, GraphPool) else self.pool
+            self.pool = GraphPool(accounted=self.persistent)
+        self.pool.vacate()
         with self.compiled.installed() if use_compiled else contextlib.nullcontext():
-            with torch.cuda.graph(graph, pool=handle):
+            with torch.cuda.graph(graph, pool=self.pool.handle):
                 out = run()
         self.captures += 1
         graph.replay()
         torch.cuda.current_stream().synchronize()
-        if isinstance(self.pool, GraphPool):
-            self.pool.occupy()
+        self.pool.occupy()
         self.capture_seconds.append(round(time.perf_counter() - t0, 3))
         static_c.pop("transformer_options")
         return {"graph": graph, "static": _tensors(static_x, static_t, static_c), "out": out, "weights": weights}
@@ -339,7 +329,9 @@ def enable_cuda_graphs(patcher, compile_blocks: bool = False):
     runner = CudaGraphs(clone, compile_blocks=compile_blocks)
     clone.set_model_unet_function_wrapper(runner)
     clone.add_callback_with_key(CallbacksMP.ON_CLEANUP, "comfy_modelopt_cuda_graphs", runner.end_run)
-    clone.add_callback_with_key(CallbacksMP.ON_DETACH, "comfy_modelopt_cuda_graphs", runner.on_detach)
+    # a clone's detach without unpatching keeps the graphs: the weights' addresses and patches are
+    # checked before every replay anyway
+    clone.add_callback_with_key(CallbacksMP.ON_DETACH, "comfy_modelopt_cuda_graphs", release_on_detach(runner.release))
     _release_on_partial_unload(clone, runner)
     return clone, runner
 

@@ -147,15 +147,19 @@ class DequantCache:
         self.entries.clear()
         self.used = 0
 
-    def on_detach(self, _patcher, unpatch_all=True) -> None:
-        """ComfyUI's detach callback.  It also runs when a clone sharing our callbacks is
-        garbage-collected or replaced by another clone of the same model (``unpatch_all`` False):
-        the weights stay where they are, and so does the cache."""
-        if unpatch_all:
-            self.release()
-
     def unallocated(self) -> int:
         return max(0, self.budget - self.used)
+
+
+def release_on_detach(release):
+    """A ComfyUI ON_DETACH callback that calls ``release()`` when the weights leave.  ComfyUI also
+    fires it, with ``unpatch_all`` False, when a clone sharing the callbacks is garbage-collected
+    (every sampling run drops one) or replaced by another clone of the same model: the weights
+    stay where they are, and so does what was built over them."""
+    def on_detach(_patcher, unpatch_all=True) -> None:
+        if unpatch_all:
+            release()
+    return on_detach
 
 
 def _reserve_cache_memory(model, cache: DequantCache) -> None:
@@ -181,7 +185,8 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
         cache = DequantCache(patcher, dequant_cache_bytes)
         patcher.model._modelopt_dequant_cache = cache
         _reserve_cache_memory(patcher.model, cache)
-        patcher.add_callback_with_key(CallbacksMP.ON_DETACH, "comfy_modelopt_dequant_cache", cache.on_detach)
+        patcher.add_callback_with_key(CallbacksMP.ON_DETACH, "comfy_modelopt_dequant_cache",
+                                      release_on_detach(cache.release))
     for module in patcher.model.diffusion_model.modules():
         fmt = getattr(module, "quant_format", None)
         if fmt is None or getattr(module, "_modelopt_lean", False):

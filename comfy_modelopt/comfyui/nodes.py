@@ -211,17 +211,15 @@ class ModelOptQuantizeUNet(io.ComfyNode):
     def execute(cls, model, format, weight_scale, input_scale, smoothing, gptq, convrot, static_nvfp4_input,
                 keep, runtime="lean", lowrank=0, conv="none", calibration=None,
                 dequant_cache_gib=0.0) -> io.NodeOutput:
-        needs = [n for n, on in (("smoothing", smoothing != "none"), ("gptq", gptq),
-                                 ("static_nvfp4_input", static_nvfp4_input)) if on]
-        if needs and calibration is None:
-            raise NodeError(f"{', '.join(needs)} needs calibration: connect Calibrate Model (or Load "
-                            "Calibration) to the calibration input")
         try:
             recipe = Recipe(format=format, weight_scale=weight_scale, input_scale=input_scale, smoothing=smoothing,
                             gptq=gptq, convrot=convrot, static_nvfp4_input=static_nvfp4_input,
                             keep=_pattern_lines(keep), lowrank=lowrank, conv=conv)
         except ValueError as e:
             raise NodeError(str(e)) from None
+        if recipe.needs_statistics() and calibration is None:
+            raise NodeError(f"{', '.join(recipe.needs_statistics())} needs calibration: connect Calibrate Model "
+                            "(or Load Calibration) to the calibration input")
         source = PatcherSource(model, compute_device())
         pbar = comfy.utils.ProgressBar(1, node_id=_node_id(cls))
 

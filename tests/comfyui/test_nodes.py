@@ -7,6 +7,7 @@ import json
 import os
 import statistics
 import sys
+import types
 
 import pytest
 import torch
@@ -318,6 +319,9 @@ def test_cuda_graphs_failed_capture_is_not_retried(env):
                              "CUDA graph capture"}
 
 
+FAKE_POOL = types.SimpleNamespace(vacate=lambda: None)  # stands in for a GraphPool off a GPU
+
+
 def test_cuda_graphs_kept_between_runs_and_released_when_unloaded(env):
     """Where the graphs' memory can be accounted (a CUDA MemPool) they stay between sampling runs
     and go back when ComfyUI detaches the model or unloads part of it; elsewhere they go back
@@ -325,18 +329,18 @@ def test_cuda_graphs_kept_between_runs_and_released_when_unloaded(env):
     for persistent in (False, True):
         clone, runner = env["nodes"].enable_cuda_graphs(env["model"])
         runner.persistent = persistent
-        runner.graphs["fake signature"], runner.pool = {"graph": None}, object()
+        runner.graphs["fake signature"], runner.pool = {"graph": None}, FAKE_POOL
         sample(env, clone, 1, 0)  # ComfyUI's sampler ends with model_patcher.cleanup()
         if persistent:
             assert runner.graphs and runner.pool is not None and runner.releases == 0
         else:
             assert runner.graphs == {} and runner.pool is None and runner.releases == 1
-        runner.graphs["fake signature"], runner.pool = {"graph": None}, object()
+        runner.graphs["fake signature"], runner.pool = {"graph": None}, FAKE_POOL
         clone.clone().detach(unpatch_all=False)  # a clone dropped (its __del__), weights stay
         assert runner.graphs and runner.pool is not None
         clone.clone().detach()  # clones share the runner and its callbacks; the weights leave
         assert runner.graphs == {} and runner.pool is None
-        runner.graphs["fake signature"], runner.pool = {"graph": None}, object()
+        runner.graphs["fake signature"], runner.pool = {"graph": None}, FAKE_POOL
         comfy.model_management.load_models_gpu([clone])
         clone.partially_unload(clone.offload_device, 1)  # what ComfyUI does to make room
         assert runner.graphs == {} and runner.pool is None
