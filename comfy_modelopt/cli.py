@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="nvfp4: store a calibrated input_scale instead of dynamic activation amax (needs --stats)")
     q.add_argument("--convrot", action="store_true", help="int8_tensorwise: Hadamard rotation (ConvRot)")
     q.add_argument("--convrot-groupsize", type=int, default=DEFAULT_CONVROT_GROUPSIZE, choices=CONVROT_GROUPSIZES,
-                   help="ConvRot rotation group (in_features must be a multiple)")
+                   help="ConvRot rotation group: int8_tensorwise takes the largest of 1024/256/64/16 up to this that "
+                        "divides each layer's in_features; convrot_w4a4 needs in_features a multiple of it")
     q.add_argument("--linear-dtype", default="int4", choices=LINEAR_DTYPES,
                    help="convrot_w4a4 activation dtype")
     q.add_argument("--keep", action="append", default=[], metavar="PATTERN",
