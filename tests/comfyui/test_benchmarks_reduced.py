@@ -26,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("sampling_check.py", ["--reduced", "--model", "wan", "--steps", "2", "--runs", "2", "--runtimes", "lean",
                            "lean + cuda graphs"], "sampling_wan.json"),
     ("compile_overhead.py", ["--iters", "2"], "compile_overhead.json"),
+    ("flux_smoothing.py", [], "flux_smoothing.json"),
 ])
 def test_reduced(tmp_path, script, args, out):
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--out", str(tmp_path), *args],
