@@ -30,6 +30,7 @@ class Family:
     keep: tuple[str, ...]                # layers kept 16-bit (globs)
     not_linear: tuple[str, ...] = ()     # 2-D weights that are not Linear (embeddings)
     notes: str = ""
+    prefix: str | None = None            # the state dict's key prefix (None: detected)
 
     def keep_reason(self, layer: str) -> str | None:
         for pat in self.keep:

@@ -81,6 +81,8 @@ class Format:
     input_search: str = ""    # static input scale searched on the "histogram" or a "sample"
     native_gate: str = ""     # comfy.model_management predicate for native compute ("": always)
     lean_kernel: str = ""     # the lean runtime's direct kernel ("": dequantize, or stock)
+    quantize_input: bool = True     # ComfyUI quantizes the activation before the GEMM (its
+    #                                 QUANT_ALGOS "quantize_input"); False: kitchen's kernel does
 
     # ---------------------------------------------------------------- rules
     def shape_problem(self, n: int, k: int, **opts) -> str | None:
@@ -184,6 +186,29 @@ class Format:
         the weight's search space (rotated for ConvRot)."""
         return x
 
+    def native_on(self, device: torch.device) -> bool:
+        """Whether ComfyUI computes this format natively on ``device``; where not, it lists the
+        format as emulated and dequantizes the weight (comfy/ops.py pick_operations: the
+        ``supports_*_compute`` predicates named by ``native_gate``)."""
+        if not self.native_gate:
+            return True
+        device = torch.device(device)
+        if device.type != "cuda" or torch.version.cuda is None:
+            return False
+        if self.name == "mxfp8" and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 10):
+            return False
+        return torch.cuda.get_device_capability(device) >= self.native_sm
+
+    def quantize_activation(self, x: torch.Tensor, input_scale: torch.Tensor | None) -> QuantizedTensor:
+        """What ComfyUI's Linear makes of a 2-D activation before the GEMM,
+        ``QuantizedTensor.from_float(x, layout, scale=input_scale)``, on kitchen's backend for
+        ``x``'s device (its kernels where it has them)."""
+        qdata, params = _KITCHEN_LAYOUTS[self.layout].quantize(x, **self._activation_kwargs(x, input_scale))
+        return QuantizedTensor(qdata, self.layout, params)
+
+    def _activation_kwargs(self, x: torch.Tensor, input_scale: torch.Tensor | None) -> dict:
+        return {} if input_scale is None else {"scale": input_scale}
+
     def clip_candidates(self) -> torch.Tensor:
         """Clip factors tried by the MSE search (always includes 1.0 = absmax)."""
         if not self.free_scale:
@@ -267,6 +292,12 @@ class Fp8Format(Format):
 
     def _meta_extra(self, meta):
         return {"scale": torch.ones((), device="meta")}
+
+    def _activation_kwargs(self, x, input_scale):
+        # ComfyUI's fp8 layouts (comfy/quant_ops.py) take a missing input_scale as 1.0, where
+        # kitchen's own would compute the activation's absmax
+        scale = torch.ones((), device=x.device) if input_scale is None else input_scale
+        return {"scale": scale, "dtype": self.dtype}
 
     def fake_act(self, x, input_scale=None, **opts):
         if input_scale is None:  # weight-only: the matmul runs in 16-bit
@@ -498,7 +529,8 @@ FLOAT8_E4M3FN = Fp8Format("float8_e4m3fn", **_FP8_KW)
 FLOAT8_E5M2 = Fp8Format("float8_e5m2", **_FP8_KW)
 # int8: per-row weight scale, dynamic per-row int8 activations; optional ConvRot rotation
 INT8_TENSORWISE = Int8Format("int8_tensorwise", "TensorWiseINT8Layout", (7, 5), False, False, "row", 16, 1,
-                             options=("convrot", "convrot_groupsize"), lean_kernel="int8_linear")
+                             options=("convrot", "convrot_groupsize"), lean_kernel="int8_linear",
+                             quantize_input=False)
 # MXFP8: E4M3 values with one E8M0 scale per 32; dynamic activations
 MXFP8 = MxFp8Format("mxfp8", "TensorCoreMXFP8Layout", (10, 0), False, False, "", 32, 1,
                     native_gate="supports_mxfp8_compute")
@@ -508,7 +540,7 @@ NVFP4 = NvFp4Format("nvfp4", "TensorCoreNVFP4Layout", (10, 0), True, False, "ten
 # Hadamard-rotated signed int4 weights and activations (int4 MMA)
 CONVROT_W4A4 = ConvRotW4A4Format("convrot_w4a4", "TensorCoreConvRotW4A4Layout", (7, 5), False, False, "row", 64, 1,
                                  options=("convrot_groupsize", "linear_dtype"), lowrank=True, values_per_element=2,
-                                 qmax=7, rotated=True)
+                                 quantize_input=False, qmax=7, rotated=True)
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
     FLOAT8_E4M3FN, FLOAT8_E5M2, INT8_TENSORWISE, MXFP8, NVFP4, CONVROT_W4A4)}

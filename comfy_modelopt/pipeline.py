@@ -17,7 +17,7 @@ import torch
 
 from . import __version__
 from .errors import ModelOptError, OutputError, PlanError, QuantizeError
-from .families import family_named
+from .families import Family, family_named
 from .fileformat import (META_CALIBRATION, META_FAMILY, META_LOADER, META_PREFIX, META_RECIPE, META_REPORT,
                          META_SOURCE, META_VERSION, OWN_LOADER, QUANT_METADATA)
 from .folding import Folds, plan_folds, read_rows_scaled
@@ -193,7 +193,7 @@ def output_metadata(plan: Plan, report: QuantReport, source_meta: dict, source_i
 
 def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict | None = None,
                     progress: Progress | None = None, check_interrupt: Callable[[], None] | None = None,
-                    family: str = "auto", refuse_unknown: bool = False) -> QuantReport:
+                    family: str | Family = "auto", refuse_unknown: bool = False) -> QuantReport:
     """Quantize ``source`` into ``sink`` layer by layer; returns the report.  ``family``: "auto"
     (detect; a file of no known family is refused with ``refuse_unknown``, else planned with the
     generic rules), "generic", or a family name (families.FAMILY_CHOICES)."""
@@ -228,11 +228,12 @@ def _check_needs_stats(recipe: Recipe, stats) -> None:
                         f"statistics (--stats FILE, or the calibration input of Quantize Model)")
 
 
-def _plan_and_report(source, recipe: Recipe, stats, family: str = "auto",
+def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto",
                      refuse_unknown: bool = False) -> tuple[Plan, QuantReport]:
     """The plan, checked against the statistics, and the report it starts (every layer 16-bit)."""
-    plan = make_plan(source.tensors, recipe, stats=stats, refuse_unknown=refuse_unknown,
-                     family=None if family == "auto" else family_named(family))
+    if isinstance(family, str):
+        family = None if family == "auto" else family_named(family)
+    plan = make_plan(source.tensors, recipe, stats=stats, refuse_unknown=refuse_unknown, family=family)
     if stats is not None:
         stats.check_model({l.rel: (l.n, l.k) for l in plan.layers})
     report = QuantReport(plan.family.name, recipe.to_dict(), [kept_report(l) for l in plan.layers])
@@ -311,7 +312,7 @@ def _add_notes(plan: Plan, report: QuantReport, stats) -> None:
 
 
 def quantize(state_dict: dict[str, torch.Tensor], recipe: Recipe, stats=None, metadata: dict | None = None,
-             progress: Progress | None = None, family: str = "auto"
+             progress: Progress | None = None, family: str | Family = "auto"
              ) -> tuple[dict[str, torch.Tensor], dict[str, str], QuantReport]:
     """Quantize an in-memory state dict (a diffusion model's, any prefix ComfyUI knows):
     returns the output state dict (CPU tensors, ``state_dict`` itself untouched), the
@@ -341,7 +342,7 @@ def sha256_file(path: str, chunk: int = 1 << 24) -> str:
 def quantize_file(src: str | os.PathLike, out: str | os.PathLike, recipe: Recipe,
                   stats: "ActivationStats | str | os.PathLike | None" = None, overwrite: bool = False,
                   hash_source: bool = False, progress: Progress | None = None, device=None,
-                  family: str = "auto") -> QuantReport:
+                  family: str | Family = "auto") -> QuantReport:
     """Quantize checkpoint ``src`` (a diffusion model, or a full checkpoint holding one) into
     ``out``, written atomically (``src`` is only read); returns the report.
 

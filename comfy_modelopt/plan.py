@@ -121,7 +121,7 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
     marked = [k for k in source if k.endswith(QUANT_MARKERS) or k == "scaled_fp8"]
     if marked:
         raise PlanError(f"already quantized (e.g. {marked[0]}): quantize from the 16-bit model")
-    prefix = diffusion_prefix(source)
+    prefix = family.prefix if family is not None and family.prefix is not None else diffusion_prefix(source)
     rel_shapes = {k[len(prefix):]: v[1] for k, v in source.items() if k.startswith(prefix)}
     if not rel_shapes:
         raise PlanError("no diffusion-model tensors found")

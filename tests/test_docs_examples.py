@@ -37,3 +37,19 @@ def test_readme_library_example_runs(tmp_path, flux_file, capsys):
     assert (tmp_path / "out.safetensors").exists()
     assert "quantized" in capsys.readouterr().out
     assert comfy_modelopt.quantize_file.__doc__
+
+
+def test_readme_module_example_runs(tmp_path, capsys):
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+    blocks = re.findall(r"```python\n(.*?)```", readme.split("## Library", 1)[1].split("\n## ", 1)[0], re.S)
+    code = [b for b in blocks if "quantize_module" in b][0]
+    code = "\n".join(line[2:] if line.startswith("  ") else line for line in code.splitlines())
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        exec(compile(code, "readme-module-example", "exec"), {})
+    finally:
+        os.chdir(cwd)
+    err = float(capsys.readouterr().out.strip().split("(")[1].split(")")[0])
+    assert 0 < err < 0.05
+    assert (tmp_path / "model-fp8.safetensors").exists()

@@ -1,0 +1,280 @@
+"""Quantize any torch module, and run it the way ComfyUI runs the file.
+
+    quantize_module(module, recipe, stats=None) -> module whose Linear layers are QuantLinear
+    export_state_dict(module) -> (state_dict, metadata): what ``quantize_file`` writes
+    export_file(module, path): that, written atomically
+
+``QuantLinear`` holds one stored layer (kitchen's QuantizedTensor, ``input_scale``, bias, and
+for own-loader layers the low-rank branch and ``smooth_scale``) and computes what ComfyUI's
+mixed-precision Linear (``comfy/ops.py`` ``MixedPrecisionOps.Linear.forward``, inference path)
+computes for it: the activation quantized by the layer's layout where ComfyUI quantizes it,
+then ``F.linear`` on kitchen's QuantizedTensors, so kitchen's dispatch picks the same kernel
+(its CUDA/Triton kernels where the device has them, its eager reference elsewhere).
+tests/comfyui/test_modules.py holds it equal to real ComfyUI's layer for every format.
+
+The core stays ComfyUI-free: this module never imports ``comfy``.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from comfy_kitchen.tensor import QuantizedTensor
+
+from .calibrate import is_linear
+from .errors import QuantizeError
+from .families import Family
+from .fileformat import COMFY_QUANT, CONV_FORMAT, SUFFIX_KEYS, comfy_quant_tensor, decode_comfy_quant, own_base
+from .formats import FORMATS, Format
+from .pipeline import quantize
+from .recipe import Recipe
+from .safetensors_io import write_file
+
+_METADATA = "_modelopt_metadata"
+_REPORT = "_modelopt_report"
+
+
+def _weight_key(suffix: str) -> str:
+    return SUFFIX_KEYS[suffix][1:]  # "weight", "weight_scale", ...
+
+
+class QuantLinear(torch.nn.Module):
+    """One quantized Linear layer as a file stores it, computing what ComfyUI computes for it.
+
+    Build it with ``from_stored`` from the layer's tensors (key suffix -> tensor, as in the
+    file); its ``state_dict`` gives those tensors back, so a model of these layers exports
+    exactly the file it came from."""
+
+    def __init__(self, fmt: Format, conf: dict, weight: QuantizedTensor, in_features: int, out_features: int,
+                 bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
+                 extras: dict[str, torch.Tensor] | None = None):
+        super().__init__()
+        self.fmt, self.conf = fmt, dict(conf)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = weight                      # kitchen QuantizedTensor, orig_dtype = compute dtype
+        # ComfyUI: full_precision_matrix_mult (our weight-only layers) skips the quantized path
+        self.full_precision = bool(conf.get("full_precision_matrix_mult", False))
+        self._native_on: dict = {}                # device -> ComfyUI computes the format natively there
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.register_buffer("input_scale", input_scale)
+        extras = extras or {}
+        for name in ("lowrank_up", "lowrank_down", "smooth_scale"):
+            self.register_buffer(name, extras.get(name))
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_stored(cls, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
+                    dtype: torch.dtype, name: str = "layer") -> "QuantLinear":
+        """The layer from its stored tensors, keyed by what follows the layer name in the file
+        (``weight``, ``weight_scale``, ``comfy_quant``, ``input_scale``, ``bias``, ...).
+        ``dtype``: the compute dtype (ComfyUI's model dtype)."""
+        if "comfy_quant" not in tensors:
+            raise QuantizeError(f"{name}: no comfy_quant entry, not a quantized layer")
+        conf = decode_comfy_quant(tensors["comfy_quant"], name)
+        base = own_base(conf.get("format", "")) or conf.get("format")
+        fmt = FORMATS.get(base)
+        if fmt is None:
+            raise QuantizeError(f"{name}: format {conf.get('format')!r} is not one of {', '.join(FORMATS)}")
+        stored = {s: tensors[_weight_key(s)] for s in SUFFIX_KEYS if _weight_key(s) in tensors}
+        weight = fmt.from_stored(stored, conf, (out_features, in_features), dtype)
+        extras = {k: tensors[k] for k in ("lowrank_up", "lowrank_down", "smooth_scale") if k in tensors}
+        for k in ("lowrank_up", "lowrank_down"):  # the own loader holds the branch in the model dtype
+            if k in extras:
+                extras[k] = extras[k].to(dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32)
+        return cls(fmt, conf, weight, in_features, out_features, tensors.get("bias"),
+                   tensors.get("input_scale"), extras)
+
+    # ------------------------------------------------------------------ running
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.smooth_scale is not None:   # own-loader layers (comfyui/ownloader.py _branch_forward)
+            x = x * self.smooth_scale.to(x.device, x.dtype)
+        y = self._base(x)
+        if self.lowrank_down is not None:
+            down, up = self.lowrank_down.to(x.device, x.dtype), self.lowrank_up.to(x.device, x.dtype)
+            y = y + torch.nn.functional.linear(torch.nn.functional.linear(x, down), up)
+        return y
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
+        """ComfyUI's inference path, step by step (comfy/ops.py MixedPrecisionOps.Linear.forward,
+        forward_comfy_cast_weights, cast_bias_weight)."""
+        weight = self.weight if self.weight.device == x.device else self.weight.to(x.device)
+        bias = None if self.bias is None else self.bias.to(x.device, x.dtype)
+        quantized = not self.full_precision and self._native(x.device)
+        if quantized and self.fmt.quantize_input:
+            shape = x.shape
+            x2 = x.reshape(-1, shape[-1]) if x.ndim >= 3 else x
+            if x2.ndim == 2:  # ComfyUI leaves a 1-D input unquantized
+                scale = None if self.input_scale is None else self.input_scale.to(x.device)
+                qx = self.fmt.quantize_activation(x2, scale)
+                y = torch.nn.functional.linear(qx, self._cast(weight, x.dtype), bias)
+                return y.reshape(*shape[:-1], self.out_features) if x.ndim >= 3 else y
+        if quantized and not self.fmt.quantize_input:
+            # weight-only path in ComfyUI's terms: the weight stays quantized and kitchen's kernel
+            # quantizes the activation rows itself (int8 W8A8, ConvRot W4A4)
+            return torch.nn.functional.linear(x, weight.to(x.dtype), bias)
+        return torch.nn.functional.linear(x, self._cast(weight, x.dtype), bias)
+
+    def _native(self, device: torch.device) -> bool:
+        native = self._native_on.get(device)
+        if native is None:
+            native = self._native_on[device] = self.fmt.native_on(device)
+        return native
+
+    @staticmethod
+    def _cast(weight: QuantizedTensor, dtype: torch.dtype):
+        # cast_bias_weight: a weight of another dtype is cast and dequantized; of the same dtype it
+        # stays quantized and kitchen's linear decides (a 16-bit input dequantizes it)
+        return weight if weight.dtype == dtype else weight.to(dtype).dequantize()
+
+    # ------------------------------------------------------------------ state
+    def _apply(self, fn, recurse=True):
+        self.weight = fn(self.weight)
+        return super()._apply(fn, recurse)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for suffix, t in self.weight.state_dict("").items():
+            destination[prefix + _weight_key(suffix)] = t.view(torch.uint8) if t.dtype == torch.float8_e8m0fnu else t
+        for name in ("input_scale", "lowrank_up", "lowrank_down", "smooth_scale"):
+            t = getattr(self, name)
+            if t is not None:
+                destination[prefix + name] = t
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+        destination[prefix + "comfy_quant"] = comfy_quant_tensor(self.conf)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        raise QuantizeError(f"{prefix.rstrip('.') or 'QuantLinear'}: load a quantized layer with "
+                            f"QuantLinear.from_stored, not load_state_dict")
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"format={self.conf.get('format')}, bias={self.bias is not None}, "
+                f"static_input={self.input_scale is not None}")
+
+
+class QuantConv2d(torch.nn.Conv2d):
+    """An fp8 convolution of comfy-modelopt's own loader (``modelopt_conv_fp8``): the weight
+    dequantized per output channel in float32 on every call (comfyui/ownloader.py)."""
+
+    @classmethod
+    def from_conv(cls, conv: torch.nn.Conv2d, q: torch.Tensor, scale: torch.Tensor, conf: dict) -> "QuantConv2d":
+        new = copy.copy(conv)
+        new.__class__ = cls
+        new._parameters = dict(conv._parameters)
+        new._buffers = dict(conv._buffers)
+        new._parameters["weight"] = torch.nn.Parameter(q.view(conf["shape"]), requires_grad=False)
+        new._buffers["weight_scale"] = scale.float()
+        new.conf = dict(conf)
+        return new
+
+    def forward(self, x):
+        w = (self.weight.float() * self.weight_scale.to(x.device).view(-1, 1, 1, 1)).to(x.dtype)
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return self._conv_forward(x, w.to(x.device), b)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.weight.detach().reshape(self.weight.shape[0], -1)
+        destination[prefix + "weight_scale"] = self.weight_scale
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias.detach()
+        destination[prefix + "comfy_quant"] = comfy_quant_tensor(self.conf)
+
+
+# ====================================================================== entry points
+def module_family(module: torch.nn.Module, keep: tuple[str, ...] = ()) -> Family:
+    """Planning rules for a plain torch module: every Linear layer is quantizable (the recipe's
+    ``keep`` patterns still apply); 2-D weights of other modules (embeddings, ...) are not."""
+    not_linear = tuple(_literal(name) for name, m in module.named_modules()
+                       if name and not is_linear(m) and getattr(m, "weight", None) is not None
+                       and getattr(m.weight, "dim", lambda: 0)() == 2)
+    return Family("module", type(module).__name__, lambda s: True, tuple(keep), not_linear,
+                  notes="every Linear layer of the module", prefix="")
+
+
+def _literal(name: str) -> str:
+    """A glob matching exactly ``name``."""
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+
+
+def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, family: str | Family | None = None,
+                    inplace: bool = False, progress=None) -> torch.nn.Module:
+    """``module`` with every planned Linear layer replaced by a ``QuantLinear`` (and with
+    ``recipe.conv="fp8"`` every planned convolution by a ``QuantConv2d``), computing exactly what
+    ComfyUI computes for the file ``quantize_file`` would write from this module's weights.
+
+    ``stats``: ``ActivationStats`` from ``calibrate(module, ...)`` (or a statistics file) for
+    static input scales, smoothing and GPTQ.  ``family``: the planning rules; by default every
+    Linear layer is quantized (``module_family``); pass "auto" or a family name to plan a
+    diffusion model the way its file would be.  ``inplace=False`` (the default) leaves
+    ``module`` untouched and returns a quantized copy.  The report is ``module_report(result)``.
+    Run the result under ``torch.no_grad()`` or ``torch.inference_mode()`` (inference only)."""
+    target = module if inplace else copy.deepcopy(module)
+    if family is None:
+        family = module_family(target)
+    sd = {k: v.detach() for k, v in target.state_dict().items()}
+    out, metadata, report = quantize(sd, recipe, stats, family=family, progress=progress)
+    dtype_of = {k: v.dtype for k, v in sd.items()}
+    device_of = {k: v.device for k, v in sd.items()}
+    del sd
+    consumed: set[str] = set()
+    for name, sub in list(target.named_modules()):
+        if not name or name + COMFY_QUANT not in out:
+            continue
+        prefix = name + "."
+        tensors = {k[len(prefix):]: v for k, v in out.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+        consumed.update(prefix + k for k in tensors)
+        device = device_of.get(prefix + "weight", torch.device("cpu"))
+        tensors = {k: v.to(device) for k, v in tensors.items()}
+        conf = decode_comfy_quant(tensors["comfy_quant"], name)
+        if conf.get("format") == CONV_FORMAT:
+            new = QuantConv2d.from_conv(sub, tensors["weight"], tensors["weight_scale"], conf)
+        else:
+            new = QuantLinear.from_stored(tensors, sub.in_features, sub.out_features,
+                                          dtype_of.get(prefix + "weight", torch.float32), name)
+        _set_submodule(target, name, new)
+    rest = {k: v for k, v in out.items() if k not in consumed}
+    missing_params = {k for k in rest if k not in dtype_of}
+    if missing_params:  # the pipeline only writes what the module has
+        raise QuantizeError(f"unexpected output tensors {sorted(missing_params)[:3]}")
+    with torch.no_grad():
+        current = target.state_dict(keep_vars=True)
+        for k, v in rest.items():
+            current[k].copy_(v.to(current[k].device, current[k].dtype))
+    setattr(target, _METADATA, dict(metadata))
+    setattr(target, _REPORT, report)
+    return target
+
+
+def _set_submodule(root: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
+
+
+def module_report(module: torch.nn.Module):
+    """The ``QuantReport`` of a module made by ``quantize_module`` (None for any other)."""
+    return getattr(module, _REPORT, None)
+
+
+def export_state_dict(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(state dict, safetensors metadata) of a module made by ``quantize_module``: the tensors
+    and header ``quantize_file`` writes for the same weights and recipe (CPU, contiguous)."""
+    metadata = getattr(module, _METADATA, None)
+    if metadata is None:
+        raise QuantizeError("export_state_dict needs a module made by quantize_module")
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    return sd, dict(metadata)
+
+
+def export_file(module: torch.nn.Module, path: str, overwrite: bool = False) -> str:
+    """Write ``export_state_dict(module)`` to ``path`` atomically (temp file + rename)."""
+    sd, metadata = export_state_dict(module)
+    return write_file(str(path), sd, metadata, overwrite=overwrite)
+
+
+def quantized_layers(module: torch.nn.Module) -> dict[str, QuantLinear]:
+    return {name: m for name, m in module.named_modules() if isinstance(m, QuantLinear)}
+
+
+__all__ = ["QuantConv2d", "QuantLinear", "export_file", "export_state_dict", "module_family", "module_report",
+           "quantize_module", "quantized_layers"]

@@ -1,0 +1,146 @@
+"""quantize_module / export_state_dict: a plain torch module quantized with the file pipeline.
+
+What ComfyUI computes for each layer is proven against real ComfyUI in
+tests/comfyui/test_modules.py; here: the export is the file quantize_file writes, the input
+module is never changed, every Linear (and only Linear) is swapped, and the result runs under
+no_grad and inference_mode.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from comfy_modelopt import Recipe, quantize_file
+from comfy_modelopt.calibrate import calibrate
+from comfy_modelopt.errors import QuantizeError
+from comfy_modelopt.modules import (QuantConv2d, QuantLinear, export_file, export_state_dict, module_family,
+                                    module_report, quantize_module, quantized_layers)
+from comfy_modelopt.safetensors_io import SafetensorsFile, write_file
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = torch.nn.Embedding(32, 128)
+        self.conv = torch.nn.Conv2d(4, 8, 3, padding=1)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(128), "up": torch.nn.Linear(128, 256),
+                                 "down": torch.nn.Linear(256, 128)}) for _ in range(2))
+        self.out = torch.nn.Linear(128, 64)
+
+    def forward(self, ids, img=None):
+        h = self.tok(ids)
+        for b in self.blocks:
+            h = h + b["down"](torch.nn.functional.gelu(b["up"](b["norm"](h))))
+        y = self.out(h)
+        return y if img is None else (y, self.conv(img))
+
+
+@pytest.fixture(scope="module")
+def net_and_stats():
+    torch.manual_seed(0)
+    net = Net().to(torch.bfloat16)
+    ids = [torch.randint(0, 32, (2, 16)) for _ in range(6)]
+    with torch.no_grad():
+        stats = calibrate(net, lambda m: [m(i) for i in ids])
+    return net, stats, ids
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_every_linear_is_swapped_and_nothing_else(net_and_stats):
+    net, stats, ids = net_and_stats
+    q = quantize_module(net, Recipe(), stats)
+    assert set(quantized_layers(q)) == {"blocks.0.up", "blocks.0.down", "blocks.1.up", "blocks.1.down", "out"}
+    assert isinstance(q.tok, torch.nn.Embedding) and isinstance(q.conv, torch.nn.Conv2d)
+    assert all(layer.input_scale is not None for layer in quantized_layers(q).values())  # calibrated: W8A8
+    with torch.no_grad():
+        assert _rel(q(ids[0]), net(ids[0])) < 0.05
+    assert module_report(q).layers and module_report(q).family == "module"
+
+
+def test_input_module_is_untouched(net_and_stats):
+    net, stats, _ = net_and_stats
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    quantize_module(net, Recipe(format="nvfp4"), stats)
+    after = net.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert type(net.out) is torch.nn.Linear
+
+
+def test_inplace_swaps_the_given_module():
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    assert quantize_module(net, Recipe(format="int8_tensorwise"), inplace=True) is net
+    assert isinstance(net[0], QuantLinear)
+
+
+def test_export_is_the_file_quantize_file_writes(tmp_path, net_and_stats):
+    net, stats, _ = net_and_stats
+    recipe = Recipe(format="float8_e4m3fn", keep=("blocks.1.*",))
+    src = tmp_path / "net.safetensors"
+    write_file(str(src), {k: v.contiguous() for k, v in net.state_dict().items()})
+    quantize_file(src, tmp_path / "q.safetensors", recipe, stats, family=module_family(net))
+    q = quantize_module(net, recipe, stats)
+    sd, meta = export_state_dict(q)
+    export_file(q, str(tmp_path / "exported.safetensors"))
+    with SafetensorsFile(str(tmp_path / "q.safetensors")) as f, \
+            SafetensorsFile(str(tmp_path / "exported.safetensors")) as g:
+        assert sorted(f.keys()) == sorted(sd) == sorted(g.keys())
+        for k in f.keys():
+            a, b, c = f.read(k), sd[k], g.read(k)
+            assert a.dtype == b.dtype == c.dtype and a.shape == b.shape, k
+            assert _bytes(a) == _bytes(b) == _bytes(c), k
+        for key in ("_quantization_metadata", "comfy_modelopt.recipe"):
+            assert json.loads(f.metadata[key]) == json.loads(meta[key]) == json.loads(g.metadata[key]), key
+        assert f.metadata["comfy_modelopt.family"] == meta["comfy_modelopt.family"] == "module"
+    kept = [k for k in sd if k.startswith("blocks.1.") and k.endswith("comfy_quant")]
+    assert not kept  # the keep pattern held
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_runs_under_inference_mode_and_no_grad(net_and_stats):
+    net, stats, ids = net_and_stats
+    q = quantize_module(net, Recipe(format="int8_tensorwise", convrot=True), stats)
+    with torch.inference_mode():
+        a = q(ids[1])
+    with torch.no_grad():
+        b = q(ids[1])
+    assert torch.equal(a, b)
+
+
+def test_fp8_convolutions(net_and_stats):
+    net, _, ids = net_and_stats
+    q = quantize_module(net, Recipe(format="int8_tensorwise", conv="fp8"))
+    assert isinstance(q.conv, QuantConv2d) and q.conv.weight.dtype == torch.float8_e4m3fn
+    img = torch.randn(1, 4, 8, 8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert _rel(q(ids[0], img)[1], net(ids[0], img)[1]) < 0.05
+    sd, _ = export_state_dict(q)
+    assert sd["conv.weight"].shape == (8, 36) and sd["conv.weight_scale"].shape == (8,)
+
+
+def test_quantized_layer_refuses_load_state_dict(net_and_stats):
+    net, stats, _ = net_and_stats
+    q = quantize_module(net, Recipe(), stats)
+    with pytest.raises(QuantizeError, match="from_stored"):
+        q.load_state_dict(q.state_dict())
+
+
+def test_export_needs_a_quantized_module():
+    with pytest.raises(QuantizeError, match="quantize_module"):
+        export_state_dict(torch.nn.Linear(4, 4))
+
+
+def test_glob_characters_in_module_names_are_literal():
+    net = torch.nn.Module()
+    net.add_module("emb[0]", torch.nn.Embedding(4, 64))
+    net.add_module("lin", torch.nn.Linear(64, 64))
+    fam = module_family(net)
+    assert not fam.is_linear("emb[0]") and fam.is_linear("emb0") and fam.is_linear("lin")
