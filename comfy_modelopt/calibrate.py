@@ -37,7 +37,7 @@ def linear_layers(module: torch.nn.Module, predicate: Callable = is_linear) -> d
 
 def calibrate(module: torch.nn.Module, forward_loop: Callable[[torch.nn.Module], object],
               options: CalibrationOptions = CalibrationOptions(), stats: ActivationStats | None = None,
-              info: dict | None = None) -> ActivationStats:
+              info: dict | None = None, group: Callable[[], int] | None = None) -> ActivationStats:
     """Run ``forward_loop(module)`` with input statistics collected on every Linear layer.
 
     The hooks live on ``module``'s Linear layers, so ``forward_loop`` must run *that* module (or a
@@ -45,7 +45,9 @@ def calibrate(module: torch.nn.Module, forward_loop: Callable[[torch.nn.Module],
     whole denoising trajectory; what it returns is ignored.  ``options`` bounds the memory (rows
     sampled per layer), seeds the sampling and says what to do with NaN/Inf activations.  Pass
     ``stats`` from an earlier call to keep accumulating (more prompts later); ``info`` is stored
-    with the statistics (shown by the quantized file's report).  Raises ``CalibrationError`` when
+    with the statistics (shown by the quantized file's report).  ``group()`` names the prompt
+    the loop is running (an int): searches choose on some prompts and check on the others; by
+    default every call of ``module`` is its own group.  Raises ``CalibrationError`` when
     the loop never ran the module.  Example (runs as a test, tests/test_docs_examples.py)::
 
         import torch
@@ -81,15 +83,18 @@ def calibrate(module: torch.nn.Module, forward_loop: Callable[[torch.nn.Module],
     # Statistics are updated in place, always under inference mode, whichever mode the caller's
     # loop runs in: tensors created there are inference tensors, which only inference mode may
     # update in place (and normal tensors loaded from a file may be updated there too).
+    calls = [0]
+    first_call = stats.forward_calls
+    current = group if group is not None else (lambda: first_call + calls[0] - 1)
+
     def make_hook(layer_stats: LayerStats):
         def hook(_module, args, kwargs=None):
             x = args[0] if args else None
             if isinstance(x, torch.Tensor) and x.is_floating_point():
                 with torch.inference_mode():
-                    layer_stats.update(x.detach(), graphs)
+                    layer_stats.update(x.detach(), graphs, int(current()))
         return hook
 
-    calls = [0]
 
     def count(_module, _args):
         calls[0] += 1

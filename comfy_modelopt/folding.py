@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .smoothing import search_smoothing
+from .smoothing import choose_smoothing
 
 
 @dataclass(frozen=True)
@@ -153,21 +153,21 @@ def plan_folds(plan, source, stats, recipe, progress=None) -> Folds:
                 folds.notes[p + c] = (f"{recipe.smoothing}: not folded into {g.producer} (quantized with one "
                                       f"per-tensor fp8 scale)")
             continue
-        st = stats.layer(first)
         w = torch.cat([read_rows_scaled(source, p + c + ".weight", folds) for c in g.consumers])
-        dev = w.device
-        res = search_smoothing(w, st.sample().to(dev), st.channel_absmax.float().to(dev),
-                               st.channel_mean_abs().to(dev), fmt, recipe.smoothing,
+        res = choose_smoothing(w, stats.layer(first), fmt, recipe.smoothing,
                                static_input=rel_layers[first].static_input, **rel_layers[first].opts)
         if res.scales is None:
+            held = f" (held-out {res.held_base:.4f})" if res.held_base >= 0 else ""
             for c in g.consumers:
-                folds.notes[p + c] = f"{recipe.smoothing}: no gain"
+                folds.notes[p + c] = f"{recipe.smoothing}: no gain{held}"
             continue
         inv = 1.0 / res.scales
         for c in g.consumers:
             folds.consumer[p + c] = res.scales
             folds.notes[p + c] = (f"{recipe.smoothing} a={res.alpha:.1f} folded into {g.producer} "
-                                  f"(out err {res.base_error:.4f}->{res.error:.4f})")
+                                  f"(out err {res.base_error:.4f}->{res.error:.4f}"
+                                  + (f", held-out {res.held_base:.4f}->{res.held_error:.4f})"
+                                     if res.held_error >= 0 else ")"))
         if g.kind == "norm":
             for suffix in (".weight", ".bias"):
                 folds.rows.setdefault(p + g.producer + suffix, []).append((slice(None), inv, 0.0))

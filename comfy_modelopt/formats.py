@@ -81,6 +81,8 @@ class Format:
     input_search: str = ""    # static input scale searched on the "histogram" or a "sample"
     native_gate: str = ""     # comfy.model_management predicate for native compute ("": always)
     lean_kernel: str = ""     # the lean runtime's direct kernel ("": dequantize, or stock)
+    w8a8_gemm: bool = True          # a quantized-activation GEMM exists for it (fp8 e5m2: no
+    #                                 e5m2 x e5m2 kernel - torch refuses it on Ada/Hopper)
     quantize_input: bool = True     # ComfyUI quantizes the activation before the GEMM (its
     #                                 QUANT_ALGOS "quantize_input"); False: kitchen's kernel does
 
@@ -525,8 +527,10 @@ _FP8_KW = dict(layout="TensorCoreFP8Layout", native_sm=(8, 9), static_input_scal
             native_gate="supports_fp8_compute", lean_kernel="fp8_scaled_mm")
 # fp8 E4M3: per-tensor scale; W8A8 with a calibrated input_scale, else weight-only
 FLOAT8_E4M3FN = Fp8Format("float8_e4m3fn", **_FP8_KW)
-# fp8 E5M2: wider range, 2 mantissa bits
-FLOAT8_E5M2 = Fp8Format("float8_e5m2", **_FP8_KW)
+# fp8 E5M2: wider range, 2 mantissa bits; weight-only (an input_scale would make ComfyUI run an
+# e5m2 x e5m2 GEMM, which torch refuses on an H200: "Multiplication of two Float8_e5m2 matrices
+# is not supported")
+FLOAT8_E5M2 = Fp8Format("float8_e5m2", **_FP8_KW, w8a8_gemm=False)
 # int8: per-row weight scale, dynamic per-row int8 activations; optional ConvRot rotation
 INT8_TENSORWISE = Int8Format("int8_tensorwise", "TensorWiseINT8Layout", (7, 5), False, False, "row", 16, 1,
                              options=("convrot", "convrot_groupsize"), lean_kernel="int8_linear",

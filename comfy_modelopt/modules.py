@@ -47,7 +47,7 @@ class QuantLinear(torch.nn.Module):
 
     def __init__(self, fmt: Format, conf: dict, weight: QuantizedTensor, in_features: int, out_features: int,
                  bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
-                 extras: dict[str, torch.Tensor] | None = None):
+                 extras: dict[str, torch.Tensor] | None = None, native: bool | None = None):
         super().__init__()
         self.fmt, self.conf = fmt, dict(conf)
         self.in_features, self.out_features = in_features, out_features
@@ -55,6 +55,10 @@ class QuantLinear(torch.nn.Module):
         # ComfyUI: full_precision_matrix_mult (our weight-only layers) skips the quantized path
         self.full_precision = bool(conf.get("full_precision_matrix_mult", False))
         self._native_on: dict = {}                # device -> ComfyUI computes the format natively there
+        # None: as ComfyUI on the device at hand (formats it emulates there: weight dequantized,
+        # activation unquantized); True: as on a GPU that computes the format natively (activation
+        # quantized), emulated where this device has no kernel; False: always dequantized
+        self.native = native
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.register_buffer("input_scale", input_scale)
         extras = extras or {}
@@ -64,7 +68,7 @@ class QuantLinear(torch.nn.Module):
     # ------------------------------------------------------------------ building
     @classmethod
     def from_stored(cls, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
-                    dtype: torch.dtype, name: str = "layer") -> "QuantLinear":
+                    dtype: torch.dtype, name: str = "layer", native: bool | None = None) -> "QuantLinear":
         """The layer from its stored tensors, keyed by what follows the layer name in the file
         (``weight``, ``weight_scale``, ``comfy_quant``, ``input_scale``, ``bias``, ...).
         ``dtype``: the compute dtype (ComfyUI's model dtype)."""
@@ -82,7 +86,7 @@ class QuantLinear(torch.nn.Module):
             if k in extras:
                 extras[k] = extras[k].to(dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32)
         return cls(fmt, conf, weight, in_features, out_features, tensors.get("bias"),
-                   tensors.get("input_scale"), extras)
+                   tensors.get("input_scale"), extras, native)
 
     # ------------------------------------------------------------------ running
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,14 +103,19 @@ class QuantLinear(torch.nn.Module):
         forward_comfy_cast_weights, cast_bias_weight)."""
         weight = self.weight if self.weight.device == x.device else self.weight.to(x.device)
         bias = None if self.bias is None else self.bias.to(x.device, x.dtype)
-        quantized = not self.full_precision and self._native(x.device)
+        native = self._native(x.device)
+        quantized = not self.full_precision and (native or self.native is True)
         if quantized and self.fmt.quantize_input:
             shape = x.shape
             x2 = x.reshape(-1, shape[-1]) if x.ndim >= 3 else x
             if x2.ndim == 2:  # ComfyUI leaves a 1-D input unquantized
                 scale = None if self.input_scale is None else self.input_scale.to(x.device)
                 qx = self.fmt.quantize_activation(x2, scale)
-                y = torch.nn.functional.linear(qx, self._cast(weight, x.dtype), bias)
+                if native:
+                    y = torch.nn.functional.linear(qx, self._cast(weight, x.dtype), bias)
+                else:  # emulated: kitchen's quantized operands, dequantized, one float32 GEMM
+                    y = torch.nn.functional.linear(qx.dequantize().float(), weight.dequantize().float(),
+                                                   None if bias is None else bias.float()).to(x.dtype)
                 return y.reshape(*shape[:-1], self.out_features) if x.ndim >= 3 else y
         if quantized and not self.fmt.quantize_input:
             # weight-only path in ComfyUI's terms: the weight stays quantized and kitchen's kernel
@@ -115,6 +124,8 @@ class QuantLinear(torch.nn.Module):
         return torch.nn.functional.linear(x, self._cast(weight, x.dtype), bias)
 
     def _native(self, device: torch.device) -> bool:
+        if self.native is False:
+            return False
         native = self._native_on.get(device)
         if native is None:
             native = self._native_on[device] = self.fmt.native_on(device)
@@ -197,7 +208,7 @@ def _literal(name: str) -> str:
 
 
 def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, family: str | Family | None = None,
-                    inplace: bool = False, progress=None) -> torch.nn.Module:
+                    inplace: bool = False, native: bool | None = None, progress=None) -> torch.nn.Module:
     """``module`` with every planned Linear layer replaced by a ``QuantLinear`` (and with
     ``recipe.conv="fp8"`` every planned convolution by a ``QuantConv2d``), computing exactly what
     ComfyUI computes for the file ``quantize_file`` would write from this module's weights.
@@ -206,7 +217,12 @@ def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, fami
     static input scales, smoothing and GPTQ.  ``family``: the planning rules; by default every
     Linear layer is quantized (``module_family``); pass "auto" or a family name to plan a
     diffusion model the way its file would be.  ``inplace=False`` (the default) leaves
-    ``module`` untouched and returns a quantized copy.  The report is ``module_report(result)``.
+    ``module`` untouched and returns a quantized copy.  ``native``: None computes what ComfyUI
+    computes on the device the layer runs on (a format ComfyUI only emulates there - fp8 before
+    Ada, nvfp4/mxfp8 before Blackwell, any of them on a CPU - runs on its dequantized weight);
+    True computes what a GPU that runs the format natively computes (the activation quantized
+    too), on kitchen's reference where this device has no kernel: measure quality with it on a
+    CPU.  The report is ``module_report(result)``.
     Run the result under ``torch.no_grad()`` or ``torch.inference_mode()`` (inference only)."""
     target = module if inplace else copy.deepcopy(module)
     if family is None:
@@ -230,7 +246,7 @@ def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, fami
             new = QuantConv2d.from_conv(sub, tensors["weight"], tensors["weight_scale"], conf)
         else:
             new = QuantLinear.from_stored(tensors, sub.in_features, sub.out_features,
-                                          dtype_of.get(prefix + "weight", torch.float32), name)
+                                          dtype_of.get(prefix + "weight", torch.float32), name, native)
         _set_submodule(target, name, new)
     rest = {k: v for k, v in out.items() if k not in consumed}
     missing_params = {k for k in rest if k not in dtype_of}

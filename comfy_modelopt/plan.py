@@ -231,6 +231,10 @@ def _decide(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict, family: F
         layer.reason = problem
         return
     layer.format, layer.opts = fmt.name, layer_opts
+    if fmt.needs_input_scale and not fmt.w8a8_gemm:
+        layer.weight_only = True
+        layer.reason = f"{fmt.name}: weight-only (no GPU runs an {fmt.name} x {fmt.name} GEMM)"
+        return
     if stats is not None and not stats.has(layer.rel):
         if fmt.needs_input_scale:
             layer.weight_only = True

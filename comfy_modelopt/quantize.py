@@ -20,9 +20,11 @@ from .plan import LayerPlan, Plan
 from .recipe import Recipe
 from .report import LayerReport
 from .safetensors_io import ITEMSIZE
+from .heldout import Split, rel, split_rows
 from .lowrank import lowrank_split
-from .scales import ClipChoice, choose_input_scale, choose_weight_clip
-from .smoothing import output_error, search_smoothing
+from .scales import ClipChoice, choose_input_scale, choose_weight_clip, squared_error
+from .smoothing import choose_smoothing, output_error
+from .stats import histogram
 
 SENSITIVITY_ROWS = 64
 
@@ -44,6 +46,7 @@ class LayerChoice:
     input_scale: float | None = None    # static input_scale
     pre_scale: torch.Tensor | None = None   # own-loader smooth_scale (1/s) [K]
     branch: tuple | None = None         # (up [N, r], down [r, K]) bf16 low-rank branch
+    split: Split | None = None          # sampled rows by prompt (smoothed basis): fit / held out
     notes: list = field(default_factory=list)
 
 
@@ -80,8 +83,7 @@ def choose(w: torch.Tensor, x: torch.Tensor | None, layer: LayerPlan, plan: Plan
     notes, pre_scale = [f"{k}={v}" for k, v in opts.items() if plan.opts.get(k) != v], None  # shape-fitted
     if layer.rank and recipe.smoothing != "none" and x is not None:
         # own-loader files carry smoothing per layer (smooth_scale multiplies the input)
-        found = search_smoothing(w, x, layer_stats.channel_absmax.float().to(w.device),
-                                 layer_stats.channel_mean_abs().to(w.device), fmt, recipe.smoothing, **opts)
+        found = choose_smoothing(w, layer_stats, fmt, recipe.smoothing, **opts)
         smooth = found.scales if found.scales is not None else torch.ones(layer.k, device=w.device)
         pre_scale = 1.0 / smooth
         notes.append(f"{recipe.smoothing} a={found.alpha:.1f} (smooth_scale)")
@@ -89,6 +91,7 @@ def choose(w: torch.Tensor, x: torch.Tensor | None, layer: LayerPlan, plan: Plan
         smooth = smooth.to(w.device)
         w = w * smooth
         x = x / smooth if x is not None else None
+    split = split_rows(x, layer_stats)
     branch, smoothed = None, w
     if layer.rank:
         parts = lowrank_split(w, layer.rank)
@@ -96,11 +99,56 @@ def choose(w: torch.Tensor, x: torch.Tensor | None, layer: LayerPlan, plan: Plan
         branch = (parts.l1.to(torch.bfloat16).contiguous(), parts.l2.to(torch.bfloat16).contiguous())
         w = parts.residual
         notes.append(f"low-rank r={parts.l1.shape[1]}")
-    input_scale = _input_scale(layer_stats, fmt, recipe, smooth) if layer.static_input else None
-    # output-aware clipping for per-tensor scales; per-row scales chosen on a few hundred sampled
-    # rows overfit them (measured: worse on fresh inputs), so rows use the weight objective
-    clip = choose_weight_clip(w, fmt, recipe.weight_scale, xs=x if fmt.free_scale == "tensor" else None, **opts)
-    return LayerChoice(w, x, smoothed, clip, input_scale, pre_scale, branch, notes)
+    input_scale = None
+    if layer.static_input:
+        input_scale = _input_scale(layer_stats, fmt, recipe, smooth) if split is None else \
+            _held_out_input_scale(layer_stats, fmt, recipe, smooth, split, smoothed, notes)
+    clip = _weight_clip(w, fmt, recipe, x, split, opts, notes)
+    return LayerChoice(w, x, smoothed, clip, input_scale, pre_scale, branch, split, notes)
+
+
+def _weight_clip(w, fmt: Format, recipe: Recipe, x, split: Split | None, opts: dict, notes: list) -> ClipChoice:
+    """Output-aware clipping for per-tensor scales (chosen on the fit prompts, kept only if it
+    beats absmax on the held-out ones); per-row scales chosen on a few hundred sampled rows
+    overfit them (measured: worse on fresh inputs), so rows use the weight objective."""
+    if fmt.free_scale != "tensor":
+        return choose_weight_clip(w, fmt, recipe.weight_scale, **opts)
+    clip = choose_weight_clip(w, fmt, recipe.weight_scale, xs=split.fit if split else x, **opts)
+    if split is not None and clip.alpha is not None:
+        ws, held = fmt.search_space(w, **opts), fmt.search_space(split.held.to(w.device), **opts)
+        if float(squared_error(fmt, ws, clip.alpha, xs=held).sum()) >= float(squared_error(fmt, ws, None, xs=held).sum()):
+            notes.append(f"weight clip {clip.mean_alpha:.2f} worse on held-out prompts: absmax")
+            return ClipChoice(None, 1.0, clip.objective)
+    return clip
+
+
+def _held_out_input_scale(layer_stats, fmt: Format, recipe: Recipe, smooth, split: Split, w: torch.Tensor,
+                          notes: list) -> float:
+    """The static input scale searched on all calibration data (max, percentile or MSE), if the
+    same search run on the fit prompts alone beats no clipping on the held-out prompts
+    (activation rounding seen through the layer's weight).  Where it does not, clipping hurts
+    inputs the search has not seen: no clip, and the headroom the held-out prompts showed past
+    the fit prompts' max (``split.growth``), which new prompts may show past ours."""
+    chosen = _input_scale(layer_stats, fmt, recipe, smooth)
+    no_clip = _input_scale(layer_stats, fmt, Recipe(fmt.name, input_scale="max"), smooth)
+    fit, held, fmax = split.fit, split.held, fmt.input_fmax()
+    amax_fit = float(fit.abs().max())
+    if amax_fit <= 0.0:
+        return chosen
+    searched = choose_input_scale(fmt, recipe.input_scale, amax_fit, histogram(fit).cpu(), fit, recipe.percentile)
+    noop = amax_fit / fmax
+    ref = held @ w.T
+
+    def err(scale: float) -> float:
+        return rel(fmt.fake_act(held, scale) @ w.T - ref, ref)
+    if searched < noop and err(searched) < err(noop):
+        return chosen
+    if chosen < no_clip:
+        notes.append(f"input clip {chosen / no_clip:.2f} worse on held-out prompts: max")
+    growth = split.growth
+    if growth > 1.0:
+        notes.append(f"input headroom x{growth:.2f} (held-out prompts past the calibration max)")
+    return no_clip * growth
 
 
 def _input_scale(layer_stats, fmt: Format, recipe: Recipe, smooth) -> float:
@@ -122,10 +170,26 @@ def encode(choice: LayerChoice, layer: LayerPlan, plan: Plan) -> tuple[dict[str,
         rounding = fmt.gptq_rounding(w, choice.clip.alpha, **opts)
         if rounding is not None:
             quantize_columns, scale = rounding
-            choice.notes.append("gptq")
-            return fmt.encode(gptq.gptq(w, gptq.hessian(x), quantize_columns), scale=scale, **opts)
+            split = choice.split
+            rounded = fmt.encode(gptq.gptq(w, gptq.hessian(split.fit if split else x), quantize_columns),
+                                 scale=scale, **opts)
+            if split is None:
+                choice.notes.append("gptq")
+                return rounded
+            # GPTQ minimises the error on the rows it saw: keep it only where new prompts agree
+            plain = fmt.encode(w, choice.clip.alpha, **opts)
+            errs = [_weight_out_err(qt, w, split.held) for _tensors, qt in (rounded, plain)]
+            choice.notes.append(f"gptq (held-out {errs[1]:.4f}->{errs[0]:.4f})" if errs[0] < errs[1]
+                                else f"gptq worse on held-out prompts ({errs[0]:.4f} vs {errs[1]:.4f}): plain rounding")
+            return rounded if errs[0] < errs[1] else plain
         choice.notes.append(f"gptq n/a for {fmt.name}{'+convrot' if opts.get('convrot') else ''}")
     return fmt.encode(w, choice.clip.alpha, **opts)
+
+
+def _weight_out_err(qt: QuantizedTensor, w: torch.Tensor, x: torch.Tensor) -> float:
+    with kitchen_reference():
+        deq = qt.dequantize().to(torch.float32)
+    return rel(x @ (deq - w).T, x @ w.T)
 
 
 # ---------------------------------------------------------------------- measure
@@ -143,13 +207,19 @@ def measure(w: torch.Tensor, x: torch.Tensor | None, deq: torch.Tensor, choice: 
                          reason=layer.reason, weight_only=layer.weight_only,
                          rel_err=_rel(deq - choice.smoothed, choice.smoothed), alpha=choice.clip.mean_alpha)
     if x is not None:
-        xs = choice.x
-        act = fmt.fake_act(xs, choice.input_scale if not layer.weight_only else None, **opts)
-        if lowrank is None:
-            q_out = act @ fmt.search_space(deq, **opts).T
-        else:  # the branch sees the (smoothed) 16-bit input; only the residual GEMM is quantized
-            q_out = act @ fmt.search_space(deq - lowrank, **opts).T + xs @ lowrank.T
-        report.out_err = _rel(q_out - x @ w.T, x @ w.T)
+        scale = choice.input_scale if not layer.weight_only else None
+
+        def out_err(xs: torch.Tensor) -> float:  # rows in the smoothed basis: xs @ smoothed^T == x @ w^T
+            act = fmt.fake_act(xs, scale, **opts)
+            if lowrank is None:
+                q_out = act @ fmt.search_space(deq, **opts).T
+            else:  # the branch sees the (smoothed) 16-bit input; only the residual GEMM is quantized
+                q_out = act @ fmt.search_space(deq - lowrank, **opts).T + xs @ lowrank.T
+            ref = xs @ choice.smoothed.T
+            return _rel(q_out - ref, ref)
+        report.out_err = out_err(choice.x)
+        if choice.split is not None:
+            report.held_err = out_err(choice.split.held)
         if plan.recipe.sensitivity:
             report.sensitivity = sensitivity(w, x[:SENSITIVITY_ROWS], layer_stats)
     if choice.input_scale is not None:

@@ -22,6 +22,7 @@ class LayerReport:
     weight_only: bool = False
     rel_err: float = 0.0         # ||W - deq(Q(W))|| / ||W||  (kitchen dequantization)
     out_err: float = -1.0        # relative output error on calibration inputs (-1: not measured)
+    held_err: float = -1.0       # ... on the held-out prompts' inputs, which no search saw (-1: none)
     alpha: float = 1.0           # chosen clip factor (mean over rows for per-row formats)
     input_scale: float = 0.0     # static input_scale written (0: none)
     notes: str = ""              # algorithm notes (smoothing applied/skipped, rank, ...)
@@ -31,14 +32,14 @@ class LayerReport:
         # %.4e numbers: the header reserves room for the report, filled in after the run
         return ("{" + f'"format":{json.dumps(self.format)},"bytes":{self.bytes},'
                 f'"bytes_16bit":{self.bytes_16bit},"rel_err":{_e(self.rel_err)},'
-                f'"out_err":{_e(self.out_err)},"alpha":{_e(self.alpha)},'
+                f'"out_err":{_e(self.out_err)},"held_err":{_e(self.held_err)},"alpha":{_e(self.alpha)},'
                 f'"input_scale":{_e(self.input_scale)},"weight_only":{json.dumps(self.weight_only)},'
                 f'"reason":{json.dumps(self.reason)},"notes":{json.dumps(self.notes)},'
                 f'"sensitivity":{json.dumps(self.sensitivity, sort_keys=True)}' + "}")
 
 
 _LAYER_TYPES = {"format": str, "bytes": int, "bytes_16bit": int, "reason": str, "weight_only": bool,
-                "rel_err": float, "out_err": float, "alpha": float, "input_scale": float, "notes": str,
+                "rel_err": float, "out_err": float, "held_err": float, "alpha": float, "input_scale": float, "notes": str,
                 "sensitivity": dict}
 
 
@@ -148,6 +149,11 @@ class QuantReport:
             f"weight error (relative, quantized layers): mean {self.mean_rel_err():.4f}, "
             f"max {self.max_rel_err():.4f}",
         ]
+        held = [l for l in q if l.held_err >= 0]
+        if held:
+            lines.append(f"output error on held-out prompts (no search saw them): mean "
+                         f"{sum(l.held_err for l in held) / len(held):.4f} over {len(held)} layers "
+                         f"(on all calibration prompts: {sum(l.out_err for l in held) / len(held):.4f})")
         convs = self.convs
         if convs:
             lines.append(f"convolutions: {len(convs)} fp8 (per output channel, own loader), weight error "

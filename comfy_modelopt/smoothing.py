@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .formats import Format
+from .heldout import split_rows
 
 ALPHAS = tuple(i / 10 for i in range(11))
 
@@ -33,6 +34,8 @@ class Smoothing:
     alpha: float
     error: float                  # relative output error with the chosen scales
     base_error: float             # ... without smoothing
+    held_error: float = -1.0      # on held-out prompts (-1: no split)
+    held_base: float = -1.0       # ... without smoothing
 
 
 def candidate_scales(method: str, alpha: float, x_absmax: torch.Tensor, x_meanabs: torch.Tensor,
@@ -85,3 +88,35 @@ def search_smoothing(w: torch.Tensor, x: torch.Tensor, x_absmax: torch.Tensor, x
         if err < best.error:
             best = Smoothing(s, method, a, err, base)
     return best
+
+
+def choose_smoothing(w: torch.Tensor, layer_stats, fmt: Format, method: str, static_input: bool = False,
+                     **opts) -> Smoothing:
+    """``search_smoothing`` on a layer's statistics, held out by prompt where the statistics
+    know their prompts: the strength is chosen on the fit rows (with their own channel
+    statistics) and kept only if also better than no smoothing on the held-out rows
+    (heldout.py); the scales then come from all calibration data at that strength."""
+    dev = w.device
+    x = layer_stats.sample().to(dev)
+    split = split_rows(x, layer_stats)
+    if split is None:
+        return search_smoothing(w, x, layer_stats.channel_absmax.float().to(dev),
+                                layer_stats.channel_mean_abs().to(dev), fmt, method,
+                                static_input=static_input, **opts)
+    absmax, meanabs = split.channel_stats()
+    found = search_smoothing(w, split.fit, absmax, meanabs, fmt, method, static_input=static_input, **opts)
+
+    def held(s):
+        amax = float((absmax if s is None else absmax / s).max()) if static_input else None
+        return output_error(fmt, w, split.held, s, amax, **opts)
+    found.held_base = held(None)
+    if found.scales is None:
+        found.held_error = found.held_base
+        return found
+    found.held_error = held(found.scales)
+    if found.held_error >= found.held_base:  # better only on the prompts it was chosen on
+        return Smoothing(None, method, 0.0, found.base_error, found.base_error, found.held_base, found.held_base)
+    # the strength held up on new prompts: its scales from all calibration data
+    found.scales = candidate_scales(method, found.alpha, layer_stats.channel_absmax.float().to(dev),
+                                    layer_stats.channel_mean_abs().to(dev), w)
+    return found

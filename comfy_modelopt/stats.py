@@ -85,9 +85,12 @@ class LayerStats:
     reservoir: torch.Tensor | None = None  # [min(rows, capacity), K] bf16
     seed: int = 0
     sanitize: bool = False                 # zero non-finite inputs before the other statistics
+    # the calibration group (prompt, or forward call) of each reservoir row; -1: unknown (older
+    # files).  Searches choose on some groups and check on others (``held_out_split``).
+    groups: list | None = None
     _chain: "_ReservoirChain | None" = field(default=None, repr=False, compare=False)
 
-    def update(self, x: torch.Tensor, graphs: "UpdateGraphs | None" = None) -> None:
+    def update(self, x: torch.Tensor, graphs: "UpdateGraphs | None" = None, group: int = -1) -> None:
         """Fold a [..., K] input into the statistics (no host synchronisation; a handful of
         passes over the activation, in its own dtype).  With ``graphs`` the per-call partial
         statistics of a CUDA input run as one graph replay (same kernels, same values)."""
@@ -105,10 +108,10 @@ class LayerStats:
         self.hist += hist
         torch.maximum(self.channel_absmax, absmax, out=self.channel_absmax)
         self.channel_abssum += abssum
-        self._sample(x)
+        self._sample(x, group)
         self.rows += x.shape[0]
 
-    def _sample(self, x: torch.Tensor) -> None:
+    def _sample(self, x: torch.Tensor, group: int = -1) -> None:
         """Reservoir sampling of input rows: the first ``capacity`` rows fill the slots in order,
         later ones replace a slot where ``_ReservoirChain`` says so (a handful per call once the
         reservoir is full).  Only those few indices travel to the GPU, through reused pinned
@@ -119,15 +122,20 @@ class LayerStats:
         start, n = self.rows, x.shape[0]
         if self.reservoir is None:
             self.reservoir = torch.zeros(0, self.k, dtype=torch.bfloat16, device=x.device)
+        if self.groups is None:
+            self.groups = [-1] * self.reservoir.shape[0]
         fill_end = min(start + n, self.capacity)
         if fill_end > start:  # filling: row r goes to slot r
             grow = fill_end - self.reservoir.shape[0]
             self.reservoir = torch.cat([self.reservoir, x[:grow].to(torch.bfloat16)])
+            self.groups.extend([group] * grow)
         if self._chain is None:
             self._chain = _ReservoirChain(self.capacity, self.seed)
         chosen = self._chain.take(start, start + n)  # {slot: row}, the last row per slot
         if not chosen:
             return
+        for slot in chosen:
+            self.groups[slot] = group
         index = _to_device(list(chosen.keys()) + [r - start for r in chosen.values()], x.device)
         slots, rows = index[:len(chosen)], index[len(chosen):]
         self.reservoir.index_copy_(0, slots, x.index_select(0, rows).to(torch.bfloat16))
@@ -146,6 +154,22 @@ class LayerStats:
     def sample(self) -> torch.Tensor:
         """Sampled input rows [m, K], float32, on the CPU."""
         return self.reservoir.float().cpu()
+
+    def held_out_split(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Boolean masks (fit, held-out) over the sampled rows, split by calibration group
+        (prompt): every fourth group - at least one - is held out, so a search chosen on the fit
+        rows is checked on prompts it never saw.  None with fewer than two known groups."""
+        if not self.has_sample() or not self.groups:
+            return None
+        known = sorted(set(self.groups) - {-1})
+        if len(known) < 2:
+            return None
+        held_groups = set(known[3::4] or known[-1:])
+        held = torch.tensor([g in held_groups for g in self.groups], dtype=torch.bool)
+        fit = torch.tensor([g != -1 and g not in held_groups for g in self.groups], dtype=torch.bool)
+        if not bool(fit.any()) or not bool(held.any()):
+            return None
+        return fit, held
 
     def amax_value(self) -> float:
         return float(self.amax) if self.amax is not None else 0.0
@@ -202,6 +226,11 @@ def _partials(x: torch.Tensor, sanitize: bool) -> tuple:
     if sanitize:  # keep the other statistics finite too (costs one more pass)
         a = torch.where(bins >= INF_NAN_BIN, torch.zeros_like(a), a)
     return a.amax(dim=0), a.sum(dim=0, dtype=torch.float64), hist
+
+
+def histogram(x: torch.Tensor) -> torch.Tensor:
+    """|x| histogram counts (``HIST_BINS``) of some rows, as the statistics keep them."""
+    return _partials(x, False)[2]
 
 
 class UpdateGraphs:
@@ -432,6 +461,8 @@ class ActivationStats:
             tensors[f"{name}::hist"] = s.hist.long()
             if s.reservoir is not None:
                 tensors[f"{name}::reservoir"] = s.reservoir.contiguous()
+                if s.groups is not None and len(s.groups) == s.reservoir.shape[0]:
+                    tensors[f"{name}::groups"] = torch.tensor(s.groups, dtype=torch.int64)
         meta = {META_STATS: json.dumps({
             "format_version": FORMAT_VERSION, "forward_calls": self.forward_calls, "info": self.info,
             "fingerprint": self.fingerprint, "layers": per_layer}, sort_keys=True)}
@@ -520,6 +551,14 @@ def _read_layer(f, name: str, s: LayerStats) -> None:
             raise CalibrationError(f"{where}: reservoir must be BF16{[rows, s.k]}, got "
                                    f"{info.dtype}{list(info.shape)}")
         s.reservoir = f.read(key)
+        gkey = f"{name}::groups"
+        if gkey in f:  # absent in files from before the held-out split: rows of unknown group
+            info = f.tensors[gkey]
+            if info.dtype != "I64" or info.shape != (rows,):
+                raise CalibrationError(f"{where}: groups must be I64{[rows]}, got {info.dtype}{list(info.shape)}")
+            s.groups = f.read(gkey).tolist()
+            if any(g < -1 for g in s.groups):
+                raise CalibrationError(f"{where}: groups hold negative ids; calibrate again")
         finite = torch.isfinite(s.reservoir)
         if not bool(finite.all()):
             if not s.nonfinite:  # the calibration saw none: the file was damaged since

@@ -61,8 +61,11 @@ def calibrate_by_sampling(model, clip, prompts: list[str], negative: str, steps:
     def callback(step, x0, x, total_steps):
         pbar.update_absolute(done[0] + step + 1, total)
 
+    prompt = [0]
+
     def forward_loop(_module):
         for i, cond in enumerate(conds):
+            prompt[0] = i
             comfy.model_management.throw_exception_if_processing_interrupted()
             noise = comfy.sample.prepare_noise(latent, seed + i)
             comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, cond, negative_cond,
@@ -75,4 +78,5 @@ def calibrate_by_sampling(model, clip, prompts: list[str], negative: str, steps:
             "scheduler": scheduler, "latent_shape": list(latent.shape), "seed": seed,
             "sigmas": [round(float(s), 5) for s in sigmas], "model": type(model.model).__name__,
             "guidance": guidance}
-    return calibrate(model.model.diffusion_model, forward_loop, options, info=info)
+    # a prompt is one calibration group: searches are checked on prompts they were not fitted on
+    return calibrate(model.model.diffusion_model, forward_loop, options, info=info, group=lambda: prompt[0])

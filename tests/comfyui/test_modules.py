@@ -87,7 +87,8 @@ def test_quantized_module_computes_what_comfyui_computes(model_and_stats, varian
             theirs = ops.Linear(ours.in_features, ours.out_features, bias=ours.bias is not None,
                                 device=DEVICE, dtype=torch.bfloat16)
             prefix = name + "."
-            theirs.load_state_dict({k[len(prefix):]: v.to(DEVICE) for k, v in sd.items() if k.startswith(prefix)},
+            # as ComfyUI's loader hands them over: CPU tensors, moved to the device by the layer
+            theirs.load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)},
                                    strict=False)
             assert theirs.quant_format == recipe.format
             assert (getattr(theirs, "input_scale", None) is not None) == (ours.input_scale is not None)

