@@ -326,8 +326,20 @@ class RowwiseIntFormat(Format):
     qmax: int = 127
     rotated: bool = False  # convrot_w4a4 always rotates; int8 only with convrot=True
 
+    convrot_groups: tuple = (1024, 256, 64, 16)  # regular Hadamard sizes kitchen's ConvRot takes
+
     def _rotates(self, opts) -> bool:
         return self.rotated or bool(opts.get("convrot"))
+
+    def layer_options(self, n, k, opts):
+        # the largest rotation group up to the recipe's that divides in_features: a 384-wide
+        # model takes group 64 instead of keeping every layer 16-bit (ComfyUI reads the group
+        # per layer from .comfy_quant, for int8 and convrot_w4a4 alike)
+        group = opts.get("convrot_groupsize", 256)
+        if not self._rotates(opts) or k % group == 0:
+            return opts
+        fits = [g for g in self.convrot_groups if g < group and k % g == 0]
+        return dict(opts, convrot_groupsize=fits[0]) if fits else opts
 
     def shape_problem(self, n, k, convrot_groupsize=256, convrot=False, **opts):
         problem = super().shape_problem(n, k)
@@ -377,16 +389,6 @@ class RowwiseIntFormat(Format):
 
 @dataclass(frozen=True)
 class Int8Format(RowwiseIntFormat):
-    convrot_groups: tuple = (1024, 256, 64, 16)  # regular Hadamard sizes kitchen's int8 ConvRot takes
-
-    def layer_options(self, n, k, opts):
-        # the largest rotation group up to the recipe's that divides in_features: a 384-wide
-        # model takes group 64 instead of keeping every layer 16-bit
-        group = opts.get("convrot_groupsize", 256)
-        if not opts.get("convrot") or k % group == 0:
-            return opts
-        fits = [g for g in self.convrot_groups if g < group and k % g == 0]
-        return dict(opts, convrot_groupsize=fits[0]) if fits else opts
 
     def gptq_rounding(self, w, alpha, convrot=False, **opts):
         if convrot:  # rounding happens in the rotated basis

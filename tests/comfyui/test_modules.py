@@ -42,6 +42,8 @@ VARIANTS = {
     "nvfp4-static-input": Recipe(format="nvfp4", static_nvfp4_input=True),
     "convrot_w4a4": Recipe(format="convrot_w4a4", convrot_groupsize=64),
     "convrot_w4a4-int8-activations": Recipe(format="convrot_w4a4", convrot_groupsize=64, linear_dtype="int8"),
+    # group 1024 divides none of these widths: each layer takes the largest group that does
+    "convrot_w4a4-fitted-group": Recipe(format="convrot_w4a4", convrot_groupsize=1024),
 }
 
 
