@@ -14,14 +14,17 @@ def _example(doc: str) -> str:
     return "\n".join(line[indent:] for line in lines)
 
 
-def test_calibrate_docstring_example_runs(tmp_path, capsys):
-    code = _example(calibrate_mod.calibrate.__doc__)
+def _run_in(folder, code: str, name: str) -> None:
     cwd = os.getcwd()
-    os.chdir(tmp_path)
+    os.chdir(folder)
     try:
-        exec(compile(code, "calibrate-example", "exec"), {})
+        exec(compile(code, name, "exec"), {})
     finally:
         os.chdir(cwd)
+
+
+def test_calibrate_docstring_example_runs(tmp_path, capsys):
+    _run_in(tmp_path, _example(calibrate_mod.calibrate.__doc__), "calibrate-example")
     out = capsys.readouterr().out
     assert "format: float8_e4m3fn" in out and "layers: 2 quantized" in out
     assert "weight-only" not in out  # the statistics gave every layer a static input scale
@@ -44,12 +47,7 @@ def test_readme_module_example_runs(tmp_path, capsys):
     blocks = re.findall(r"```python\n(.*?)```", readme.split("## Library", 1)[1].split("\n## ", 1)[0], re.S)
     code = [b for b in blocks if "quantize_module" in b][0]
     code = "\n".join(line[2:] if line.startswith("  ") else line for line in code.splitlines())
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        exec(compile(code, "readme-module-example", "exec"), {})
-    finally:
-        os.chdir(cwd)
+    _run_in(tmp_path, code, "readme-module-example")
     err = float(capsys.readouterr().out.strip().split("(")[1].split(")")[0])
     assert 0 < err < 0.05
     assert (tmp_path / "model-fp8.safetensors").exists()
