@@ -44,14 +44,20 @@ VARIANTS = [
     ("int8_tensorwise", "ours: mse", dict(), True),
     ("int8_tensorwise", "ours + gptq", dict(gptq=True), True),
     ("int8_tensorwise", "convrot (group fitted per layer)", dict(convrot=True), True),
+    ("int8_tensorwise", "convrot + gptq", dict(convrot=True, gptq=True), True),
     ("mxfp8", "naive", dict(weight_scale="absmax"), False),
     ("nvfp4", "naive (absmax)", dict(weight_scale="absmax"), False),
     ("nvfp4", "ours: mse", dict(), True),
     ("nvfp4", "ours + static input", dict(static_nvfp4_input=True), True),
+    ("nvfp4", "ours + gptq", dict(gptq=True), True),
     ("nvfp4", "ours + low-rank 32 + awq (own loader)", dict(lowrank=32, smoothing="awq"), True),
+    ("nvfp4", "ours + low-rank 32 + awq + gptq (own loader)", dict(lowrank=32, smoothing="awq", gptq=True), True),
     ("convrot_w4a4", "naive (absmax, group 64)", dict(weight_scale="absmax", convrot_groupsize=64), False),
     ("convrot_w4a4", "ours: mse (group 64)", dict(convrot_groupsize=64), True),
+    ("convrot_w4a4", "ours + gptq (group 64)", dict(convrot_groupsize=64, gptq=True), True),
     ("convrot_w4a4", "ours + low-rank 32 (own loader)", dict(convrot_groupsize=64, lowrank=32), True),
+    ("convrot_w4a4", "ours + low-rank 32 + gptq (own loader)", dict(convrot_groupsize=64, lowrank=32, gptq=True),
+     True),
 ]
 
 

@@ -160,10 +160,10 @@ class Format:
         return None
 
     def gptq_rounding(self, w: torch.Tensor, alpha: torch.Tensor | None, **opts):
-        """GPTQ support: ``(quantize_columns, scale)`` - a column rounder with the scales fixed by
-        clip factor ``alpha``, and the explicit scale that re-encodes the rounded weight exactly
-        - or None where error compensation cannot hold (block scales recomputed by the encoder,
-        rounding in a rotated basis)."""
+        """GPTQ support for ``w`` in the search space: ``(quantize_columns, scale)`` - a column
+        rounder with the scales fixed by clip factor ``alpha``, and the explicit scale (or None:
+        the encoder's own) that re-encodes the rounded weight exactly once rotated back - or
+        None where error compensation cannot hold (gptq.py)."""
         return None
 
     # ---------------------------------------------------------------- search
@@ -391,8 +391,8 @@ class RowwiseIntFormat(Format):
 class Int8Format(RowwiseIntFormat):
 
     def gptq_rounding(self, w, alpha, convrot=False, **opts):
-        if convrot:  # rounding happens in the rotated basis
-            return None
+        if convrot:  # w is rotated; kitchen takes ConvRot rows' scales only from their absmax
+            return _anchored_rows(self, w, alpha)
         absmax = w.abs().amax(dim=1)
         if alpha is not None:
             absmax = absmax * alpha.to(w.device)
@@ -426,8 +426,23 @@ class Int8Format(RowwiseIntFormat):
         return conf
 
 
+def _anchored_rows(fmt: RowwiseIntFormat, w: torch.Tensor, alpha):
+    """GPTQ rounding of a rotated weight whose per-row scale the encoder derives (row absmax /
+    qmax): that scale fixed from the unrounded rows, each row's largest element anchored at
+    +-qmax so the encoder derives it again (gptq.py)."""
+    absmax = w.abs().amax(dim=1, keepdim=True)
+    if alpha is not None:
+        absmax = absmax * _row_alpha(alpha, w)
+    scale = absmax.clamp(min=1e-10) / fmt.qmax
+    return gptq.grid_column_quantizer(scale, w.shape[1], gptq.anchors(w, w.shape[1]), float(fmt.qmax),
+                                      torch.round), None
+
+
 @dataclass(frozen=True)
 class ConvRotW4A4Format(RowwiseIntFormat):
+    def gptq_rounding(self, w, alpha, **opts):
+        return _anchored_rows(self, w, alpha)
+
     def _stored_params(self, tensors, conf):
         return {"scale": tensors["_scale"], "convrot_groupsize": int(conf.get("convrot_groupsize", 256)),
                 "quant_group_size": 64, "linear_dtype": conf.get("linear_dtype", "int4")}
@@ -476,6 +491,20 @@ class NvFp4Format(Format):
 
     def _meta_extra(self, meta):
         return {"scale": torch.ones((), device="meta")}
+
+    def _explicit(self, scale):
+        return {"scale": scale.reshape(()).float()}
+
+    def gptq_rounding(self, w, alpha, **opts):
+        # block scales fixed as kitchen derives them from the unrounded weight (E4M3 of
+        # block amax / 6 / global, at most 448); each block's largest element anchored at +-6
+        if w.shape[1] % 16:
+            return None
+        g = self.global_scale(w, alpha)
+        n, k = w.shape
+        bscale = (w.abs().reshape(n, k // 16, 16).amax(dim=-1).float() / F4_E2M1_MAX / g).clamp(max=F8_E4M3_MAX)
+        total = bscale.to(torch.float8_e4m3fn).float() * g
+        return gptq.grid_column_quantizer(total, 16, gptq.anchors(w, 16), F4_E2M1_MAX, _round_e2m1), g
 
     def fake_act(self, x, input_scale=None, **opts):
         amax = None if input_scale is None else torch.tensor(input_scale * F8_E4M3_MAX * F4_E2M1_MAX)

@@ -4,9 +4,15 @@ before rounding and that kitchen re-encodes exactly from the rounded values.
 Columns are rounded one at a time; the rounding error of each is spread over the columns not
 yet rounded, weighted by the inverse Hessian of the layer's output error (H = X^T X from the
 calibration inputs).  Which formats can use it, and with which column rounder, is theirs to
-say (``Format.gptq_rounding``): fp8 per-tensor and int8 per-row scales can; block-scaled
-formats cannot (the encoder recomputes block scales from each block's maximum, which error
-compensation moves), nor ConvRot (rounding happens in the rotated basis).
+say (``Format.gptq_rounding``), on the weight in the format's search space (rotated for
+ConvRot, where the rounding happens; the rotation is its own inverse).
+
+Scales the encoder derives from the weight itself (nvfp4's per-16 block scales, ConvRot W4A4's
+per-row scale) are fixed from the unrounded weight, and each block's (row's) largest element is
+*anchored*: rounded to the grid's end (+-6, +-7) whatever error compensation did to it, that
+error compensated like any other.  The rounded block's maximum then is exactly the fixed scale's,
+so kitchen re-derives the same scale and keeps every value (tests/test_lowrank_gptq.py).
+mxfp8 stays plain (its power-of-two scale of a block can flip at the binade edge).
 """
 from __future__ import annotations
 
@@ -66,4 +72,31 @@ def int8_column_quantizer(row_scale: torch.Tensor):
 
     def quant(cols, _index):
         return (cols / s).round().clamp(-128, 127) * s
+    return quant
+
+
+def anchors(w: torch.Tensor, block: int) -> torch.Tensor:
+    """[N, K] mask of the largest |w| of each row's blocks of ``block`` columns (K % block == 0)."""
+    n, k = w.shape
+    idx = w.abs().reshape(n, k // block, block).argmax(dim=-1)
+    mask = torch.zeros(n, k // block, block, dtype=torch.bool, device=w.device)
+    mask.scatter_(-1, idx.unsqueeze(-1), True)
+    return mask.reshape(n, k)
+
+
+def grid_column_quantizer(scale: torch.Tensor, block: int, anchor: torch.Tensor, qmax: float,
+                          round_fn: Callable[[torch.Tensor], torch.Tensor]):
+    """Columns rounded on a grid ``round_fn`` (values in [-qmax, qmax]) with one fixed scale per
+    row and block of ``block`` columns (``scale`` [N, K / block]); anchored elements go to
+    +-qmax.  A zero scale (an all-zero block) rounds to zero."""
+    scale = scale.float()
+
+    def quant(cols, index):
+        b = index.start // block
+        s = scale[:, b:b + 1]
+        safe = torch.where(s == 0, torch.ones_like(s), s)
+        q = round_fn((cols / safe).clamp(-qmax, qmax))
+        a = anchor[:, index]
+        q = torch.where(a, torch.where(cols < 0, -qmax, qmax), q)
+        return torch.where(s == 0, torch.zeros_like(q), q * s)
     return quant

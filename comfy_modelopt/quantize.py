@@ -167,12 +167,14 @@ def encode(choice: LayerChoice, layer: LayerPlan, plan: Plan) -> tuple[dict[str,
     format can): on-disk tensors by key suffix, and the QuantizedTensor."""
     fmt, opts, w, x = plan.fmt, layer.opts, choice.w, choice.x
     if plan.recipe.gptq and x is not None:
-        rounding = fmt.gptq_rounding(w, choice.clip.alpha, **opts)
+        ws = fmt.search_space(w, **opts)  # where the format rounds (rotated for ConvRot)
+        rounding = fmt.gptq_rounding(ws, choice.clip.alpha, **opts)
         if rounding is not None:
             quantize_columns, scale = rounding
             split = choice.split
-            rounded = fmt.encode(gptq.gptq(w, gptq.hessian(split.fit if split else x), quantize_columns),
-                                 scale=scale, **opts)
+            xs = fmt.search_space((split.fit if split else x).to(w.device), **opts)
+            q = fmt.search_space(gptq.gptq(ws, gptq.hessian(xs), quantize_columns), **opts)  # back
+            rounded = fmt.encode(q, scale=scale, **opts)
             if split is None:
                 choice.notes.append("gptq")
                 return rounded

@@ -75,7 +75,7 @@ def test_plan_keeps_detection_critical_layers(family, fmt):
         assert all("in_features %" in l.reason or "rule" in l.reason for l in plan.kept)
     for l in q:
         assert len(shapes[l.name + ".weight"]) == 2
-        assert FORMATS[fmt].shape_problem(l.n, l.k) is None
+        assert FORMATS[fmt].shape_problem(l.n, l.k, **l.opts) is None  # the layer's fitted options
     # every output tensor is planned exactly once, every source tensor lands in the output, and
     # the planned file is smaller
     planned = list(plan.passthrough) + [k for l in plan.layers + plan.convs for k in l.tensors]

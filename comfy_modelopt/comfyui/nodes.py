@@ -183,7 +183,8 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                                        "stock file (SD1.x/SDXL/Wan attention and FF layers; Flux through its adaLN modulation; fp8: only "
                                        "into LayerNorm or 16-bit producers), else skipped and reported."),
                 io.Boolean.Input("gptq", default=False, advanced=True,
-                                 tooltip="Error-compensated rounding (fp8 and int8 without ConvRot; needs calibration)."),
+                                 tooltip="Error-compensated rounding (every format but mxfp8), kept per layer where it "
+                                         "beats plain rounding on held-out prompts; needs calibration."),
                 io.Boolean.Input("convrot", default=False, advanced=True,
                                  tooltip="int8_tensorwise only: Hadamard-rotate weights and activations (outliers)."),
                 # optional: workflows saved before this input existed still validate
