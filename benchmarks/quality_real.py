@@ -9,8 +9,10 @@ stored layers (tests/comfyui/test_modules.py).  Calibration: ``calibrate`` over 
 comfy-modelopt's default prompts; evaluation: the other 16 prompts (never seen by calibration or
 any search).  Error: relative L2 of the sentence embeddings against the fp32 model
 (``rel_err``), and 1 - mean cosine.  ``vs_naive``: rel_err / that of the naive converter of the
-same format (absmax weight scales; fp8 W8A8 with the calibration max as input scale).  ``bytes``:
-stored Linear bytes / 16-bit Linear bytes.  No ComfyUI needed.
+same format (absmax weight scales; fp8 W8A8 with the calibration max as input scale); the
+planner's rows (mixed precision under a byte budget) compare with naive nvfp4.  ``bytes``: stored
+Linear bytes / 16-bit Linear bytes (the model is float32: a layer the planner keeps costs 4 bytes
+per weight).  No ComfyUI needed.
 """
 from __future__ import annotations
 
@@ -50,6 +52,10 @@ VARIANTS = [
     ("nvfp4", "ours: mse", dict(), True),
     ("nvfp4", "ours + static input", dict(static_nvfp4_input=True), True),
     ("nvfp4", "ours + gptq", dict(gptq=True), True),
+    ("nvfp4", "planner: budget 0.35 (nvfp4 / fp8 / int8+convrot, gptq)",
+     dict(format="int8_tensorwise", convrot=True, gptq=True, budget=0.35), True),
+    ("nvfp4", "planner: budget 0.30 (nvfp4 / fp8 / int8+convrot, gptq)",
+     dict(format="int8_tensorwise", convrot=True, gptq=True, budget=0.30), True),
     ("nvfp4", "ours + low-rank 32 + awq (own loader)", dict(lowrank=32, smoothing="awq"), True),
     ("nvfp4", "ours + low-rank 32 + awq + gptq (own loader)", dict(lowrank=32, smoothing="awq", gptq=True), True),
     ("convrot_w4a4", "naive (absmax, group 64)", dict(weight_scale="absmax", convrot_groupsize=64), False),
@@ -83,7 +89,7 @@ def run(cache: str, only: str | None = None) -> dict:
         if only and fmt != only:
             continue
         t0 = time.perf_counter()
-        q = quantize_module(model, Recipe(format=fmt, **fields), stats if uses_stats else None, native=True)
+        q = quantize_module(model, Recipe(**{"format": fmt, **fields}), stats if uses_stats else None, native=True)
         seconds = time.perf_counter() - t0
         rep = module_report(q)
         quant = rep.quantized

@@ -89,6 +89,13 @@ def _parser() -> argparse.ArgumentParser:
                         "divides each layer's in_features; convrot_w4a4 needs in_features a multiple of it")
     q.add_argument("--linear-dtype", default="int4", choices=LINEAR_DTYPES,
                    help="convrot_w4a4 activation dtype")
+    q.add_argument("--budget", type=float, default=0.0, metavar="FRACTION",
+                   help="mixed precision: each Linear layer gets the candidate format (or 16-bit) that buys "
+                        "the most accuracy per byte, all Linear weights within FRACTION x their 16-bit bytes "
+                        "(e.g. 0.35; needs --stats; 0: one format)")
+    q.add_argument("--candidates", default="", metavar="FMT,FMT",
+                   help="with --budget: the formats to choose from (default nvfp4,float8_e4m3fn,int8_tensorwise; "
+                        "--convrot and --gptq apply to each)")
     q.add_argument("--keep", action="append", default=[], metavar="PATTERN",
                    help="glob of layer names (no .weight suffix) to keep 16-bit; repeatable")
     q.add_argument("--device", default="cpu",
@@ -116,7 +123,8 @@ def _recipe(a):
                   percentile=a.percentile, smoothing=a.smoothing, smooth_alpha=a.smooth_alpha,
                   gptq=a.gptq, static_nvfp4_input=a.static_nvfp4_input, convrot=a.convrot,
                   convrot_groupsize=a.convrot_groupsize, linear_dtype=a.linear_dtype,
-                  keep=tuple(a.keep), lowrank=a.lowrank, conv=a.conv)
+                  keep=tuple(a.keep), lowrank=a.lowrank, conv=a.conv, budget=a.budget,
+                  candidates=tuple(c.strip() for c in a.candidates.split(",") if c.strip()))
 
 
 def _device(name: str):

@@ -22,6 +22,7 @@ from .fileformat import (META_CALIBRATION, META_FAMILY, META_LOADER, META_PREFIX
                          META_SOURCE, META_VERSION, OWN_LOADER, QUANT_METADATA)
 from .folding import Folds, plan_folds, read_rows_scaled
 from .plan import ConvPlan, Plan, make_plan
+from .planner import plan_budget
 from .quantize import kept_report, quantize_conv, quantize_layer
 from .recipe import Recipe
 from .report import QuantReport
@@ -199,7 +200,7 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
     generic rules), "generic", or a family name (families.FAMILY_CHOICES)."""
     t0 = time.perf_counter()
     _check_needs_stats(recipe, stats)
-    plan, report = _plan_and_report(source, recipe, stats, family, refuse_unknown)
+    plan, report = _plan_and_report(source, recipe, stats, family, refuse_unknown, progress)
     folds = Folds()
     if recipe.smoothing != "none" and not recipe.own_loader:  # own-loader files carry it per layer
         folds = plan_folds(plan, source, stats, recipe, progress)
@@ -211,12 +212,23 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
     sink.open(plan.entries(), output_metadata(plan, report, source.metadata, info, summary, width))
     try:
         _stream(plan, report, source, sink, stats, folds, progress, check_interrupt)
+        if plan.planner:
+            report.notes.append(_planner_note(plan.planner, report))
         report.seconds = time.perf_counter() - t0
         sink.close(output_metadata(plan, report, source.metadata, info, summary, width))
     except BaseException:
         sink.abort()
         raise
     return report
+
+
+def _planner_note(summary: dict, report: QuantReport) -> str:
+    measured = sum(l.out_err for l in report.quantized if l.out_err >= 0)
+    counts = ", ".join(f"{n} {f}" for f, n in sorted(summary["counts"].items(), key=lambda x: -x[1]))
+    note = (f"planner: budget {summary['budget']:g} of the 16-bit Linear bytes, used {summary['fraction']:.3f}: "
+            f"{counts}; summed output error of the {summary['layers']} planned layers predicted "
+            f"{summary['predicted']:.4f} (absmax scales), measured {measured:.4f} (chosen scales)")
+    return note + (f"; {summary['speed']}" if summary["speed"] else "")
 
 
 def _check_needs_stats(recipe: Recipe, stats) -> None:
@@ -229,13 +241,15 @@ def _check_needs_stats(recipe: Recipe, stats) -> None:
 
 
 def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto",
-                     refuse_unknown: bool = False) -> tuple[Plan, QuantReport]:
+                     refuse_unknown: bool = False, progress: Progress | None = None) -> tuple[Plan, QuantReport]:
     """The plan, checked against the statistics, and the report it starts (every layer 16-bit)."""
     if isinstance(family, str):
         family = None if family == "auto" else family_named(family)
     plan = make_plan(source.tensors, recipe, stats=stats, refuse_unknown=refuse_unknown, family=family)
     if stats is not None:
         stats.check_model({l.rel: (l.n, l.k) for l in plan.layers})
+    if recipe.budget:
+        plan.planner = plan_budget(plan, source, stats, recipe, progress)
     report = QuantReport(plan.family.name, recipe.to_dict(), [kept_report(l) for l in plan.layers])
     for key, (dtype, shape) in plan.passthrough.items():
         nbytes = source.nbytes[key]
@@ -291,7 +305,7 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
 
 
 def _add_notes(plan: Plan, report: QuantReport, stats) -> None:
-    fmt = plan.fmt
+    fmt = plan.fmt  # the recipe's format (the planner's layers are checked per layer below)
     if plan.family.name == "unknown":
         kept = [l.rel for l in plan.kept if "unknown rule" in l.reason]
         report.notes.append("unknown model family: generic rules kept 16-bit: "

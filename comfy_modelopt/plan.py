@@ -36,6 +36,8 @@ class LayerPlan:
     weight_only: bool = False    # stored quantized, computed dequantized (no input_scale)
     static_input: bool = False   # writes input_scale
     rank: int = 0                # rank of the 16-bit low-rank branch (0: none)
+    eligible: bool = False       # no keep rule, float source: the planner may give it any format
+    predicted: float = -1.0      # the planner's predicted output error (-1: no planner)
     opts: dict = field(default_factory=dict)  # the format's options for this layer (Format.layer_options)
     conf: dict | None = None     # .comfy_quant JSON
     tensors: dict = field(default_factory=dict)  # output key -> (safetensors dtype, shape)
@@ -57,6 +59,7 @@ class Plan:
     fmt: Format | None = None    # the recipe's format, resolved
     opts: dict = field(default_factory=dict)   # its options (Recipe.format_options)
     unmatched_keep: list = field(default_factory=list)  # warnings: --keep patterns that matched nothing
+    planner: dict | None = None  # the mixed-precision planner's summary (planner.plan_budget)
 
     @property
     def quantized(self) -> list[LayerPlan]:
@@ -155,7 +158,7 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
             continue
         _decide(layer, fmt, recipe, opts, family, stats)
         if layer.quantized:
-            _lay_out(layer, fmt, recipe)
+            lay_out(layer, fmt, recipe)
         else:
             layer.tensors = {key: (dtype, tuple(shape))}
         layers.append(layer)
@@ -225,6 +228,14 @@ def _decide(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict, family: F
     if layer.src_dtype not in FLOAT_DTYPES:
         layer.reason = f"source dtype {layer.src_dtype} is not 16/32-bit float"
         return
+    layer.eligible = True
+    assign(layer, fmt, recipe, opts, stats)
+
+
+def assign(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict, stats) -> None:
+    """Give an eligible layer ``fmt`` (with the recipe's ``opts`` fitted to its shape), or keep
+    it 16-bit where the shape does not allow it; weight-only / static input as the statistics allow."""
+    layer.format, layer.weight_only, layer.static_input, layer.reason = None, False, False, ""
     layer_opts = fmt.layer_options(layer.n, layer.k, opts)
     problem = fmt.shape_problem(layer.n, layer.k, **layer_opts)
     if problem:
@@ -248,7 +259,9 @@ def _decide(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict, family: F
     layer.static_input = fmt.needs_input_scale or (fmt.static_input_scale and recipe.static_nvfp4_input)
 
 
-def _lay_out(layer: LayerPlan, fmt: Format, recipe: Recipe) -> None:
+def lay_out(layer: LayerPlan, fmt: Format, recipe: Recipe) -> None:
+    """The output tensors (and .comfy_quant) of a quantized layer."""
+    layer.tensors = {}
     layer.conf = fmt.conf(weight_only=layer.weight_only, **layer.opts)
     for suffix, (dtype, shape) in fmt.planned(layer.n, layer.k, **layer.opts).items():
         layer.tensors[layer.name + SUFFIX_KEYS[suffix]] = (ST_DTYPES[dtype], shape)

@@ -79,8 +79,11 @@ def choose(w: torch.Tensor, x: torch.Tensor | None, layer: LayerPlan, plan: Plan
            smooth: torch.Tensor | None) -> LayerChoice:
     """Smoothing, low-rank branch, static input scale and weight clip for float32 ``w`` [N, K]
     with sampled inputs ``x`` [m, K] (or None)."""
-    fmt, opts, recipe = plan.fmt, layer.opts, plan.recipe
-    notes, pre_scale = [f"{k}={v}" for k, v in opts.items() if plan.opts.get(k) != v], None  # shape-fitted
+    fmt, opts, recipe = FORMATS[layer.format], layer.opts, plan.recipe
+    given = recipe.format_options(layer.format)
+    notes, pre_scale = [f"{k}={v}" for k, v in opts.items() if given.get(k) != v], None  # shape-fitted
+    if layer.format != recipe.format:
+        notes.insert(0, f"planner: {layer.format} (predicted {layer.predicted:.4f})")
     if layer.rank and recipe.smoothing != "none" and x is not None:
         # own-loader files carry smoothing per layer (smooth_scale multiplies the input)
         found = choose_smoothing(w, layer_stats, fmt, recipe.smoothing, **opts)
@@ -165,7 +168,7 @@ def _input_scale(layer_stats, fmt: Format, recipe: Recipe, smooth) -> float:
 def encode(choice: LayerChoice, layer: LayerPlan, plan: Plan) -> tuple[dict[str, torch.Tensor], QuantizedTensor]:
     """kitchen's encoding of the chosen weight (GPTQ-rounded first where the recipe asks and the
     format can): on-disk tensors by key suffix, and the QuantizedTensor."""
-    fmt, opts, w, x = plan.fmt, layer.opts, choice.w, choice.x
+    fmt, opts, w, x = FORMATS[layer.format], layer.opts, choice.w, choice.x
     if plan.recipe.gptq and x is not None:
         ws = fmt.search_space(w, **opts)  # where the format rounds (rotated for ConvRot)
         rounding = fmt.gptq_rounding(ws, choice.clip.alpha, **opts)
@@ -199,7 +202,7 @@ def measure(w: torch.Tensor, x: torch.Tensor | None, deq: torch.Tensor, choice: 
             layer: LayerPlan, plan: Plan, layer_stats) -> LayerReport:
     """The layer's report: weight error, and with sampled inputs ``x`` (unsmoothed, as ``w``)
     the output error of what ComfyUI will compute, and the per-format sensitivity."""
-    fmt, opts = plan.fmt, layer.opts
+    fmt, opts = FORMATS[layer.format], layer.opts
     lowrank = None
     if choice.branch is not None:
         up, down = choice.branch

@@ -41,6 +41,8 @@ class Recipe:
     convrot_groupsize: int = DEFAULT_CONVROT_GROUPSIZE
     linear_dtype: str = "int4"         # convrot_w4a4 activations: int4 or int8
     keep: tuple[str, ...] = field(default_factory=tuple)  # glob patterns forced to 16-bit
+    budget: float = 0.0                # > 0: mixed precision, Linear bytes <= budget x 16-bit (planner.py)
+    candidates: tuple[str, ...] = field(default_factory=tuple)  # the planner's formats (empty: default)
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -62,15 +64,28 @@ class Recipe:
                              f"not {self.format}")
         _check("conv", self.conv, CONV_CHOICES)
         object.__setattr__(self, "keep", tuple(self.keep))
+        object.__setattr__(self, "candidates", tuple(self.candidates))
+        if not 0.0 <= self.budget <= 1.0:
+            raise ValueError(f"budget is a fraction of the 16-bit bytes in (0, 1], got {self.budget}")
+        for name in self.candidates:
+            if name not in FORMATS:
+                raise ValueError(f"unknown candidate format {name!r}; choose from: {', '.join(FORMATS)}")
+        if self.candidates and not self.budget:
+            raise ValueError("candidates are the planner's formats: give a budget too")
+        if self.budget and (self.smoothing != "none" or self.lowrank):
+            raise ValueError("the mixed-precision planner (budget) does not combine with smoothing or the "
+                             "low-rank branch yet: quantize with one of them, or without them")
 
-    def format_options(self) -> dict:
-        """The fields the Format reads (``Format.options``), passed to its encode/plan/conf."""
-        return {name: getattr(self, name) for name in FORMATS[self.format].options}
+    def format_options(self, fmt: str | None = None) -> dict:
+        """The fields a Format (this recipe's, or ``fmt``) reads (``Format.options``), passed to
+        its encode/plan/conf."""
+        return {name: getattr(self, name) for name in FORMATS[fmt or self.format].options}
 
     def needs_statistics(self) -> list[str]:
         """The options set here that mean nothing without activation statistics (refused then)."""
         return [name for name, on in ((f"smoothing={self.smoothing}", self.smoothing != "none"),
-                                      ("gptq", self.gptq), ("static_nvfp4_input", self.static_nvfp4_input)) if on]
+                                      ("gptq", self.gptq), ("static_nvfp4_input", self.static_nvfp4_input),
+                                      (f"budget={self.budget:g}", self.budget > 0)) if on]
 
     @property
     def own_loader(self) -> bool:
@@ -80,6 +95,7 @@ class Recipe:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["keep"] = list(self.keep)
+        d["candidates"] = list(self.candidates)
         return d
 
     @classmethod

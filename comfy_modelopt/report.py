@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from .errors import CheckpointError, one_line
 from .fileformat import CONV_FORMAT, own_base
+from .formats import FORMATS
 
 
 @dataclass
@@ -79,8 +80,8 @@ class QuantReport:
 
     # ------------------------------------------------------------------ totals
     def _is_quantized(self, layer: LayerReport) -> bool:
-        fmt = self.recipe.get("format")
-        return layer.format == fmt or own_base(layer.format) == fmt
+        # per layer: a mixed-precision plan holds several formats
+        return layer.format in FORMATS or own_base(layer.format) in FORMATS
 
     @property
     def quantized(self) -> list[LayerReport]:

@@ -22,10 +22,26 @@ def test_json_round_trip(recipe):
     assert isinstance(back.keep, tuple)
 
 
-def test_every_field_survives():  # a new field that to_dict forgets fails here
-    d = json.loads(NON_DEFAULT.to_json())
+# the planner's fields (they do not combine with smoothing or the low-rank branch)
+PLANNED = Recipe(format="int8_tensorwise", convrot=True, gptq=True, budget=0.35,
+                 candidates=("nvfp4", "int8_tensorwise"))
+
+
+@pytest.mark.parametrize("recipe", [NON_DEFAULT, PLANNED])
+def test_every_field_survives(recipe):  # a new field that to_dict forgets fails here
+    d = json.loads(recipe.to_json())
     assert set(d) == {f.name for f in dataclasses.fields(Recipe)}
-    assert all(getattr(NON_DEFAULT, k) == (tuple(v) if k == "keep" else v) for k, v in d.items())
+    assert all(getattr(recipe, k) == (tuple(v) if k in ("keep", "candidates") else v) for k, v in d.items())
+    assert Recipe.from_json(recipe.to_json()) == recipe
+    default = Recipe()
+    changed = {k for k in d if getattr(default, k) != getattr(recipe, k)}
+    assert changed, "the test recipe sets something"
+
+
+def test_cli_builds_a_planned_recipe():
+    a = cli._parser().parse_args(["quantize", "s.safetensors", "-o", "o.safetensors", "--format", "int8_tensorwise",
+                                  "--convrot", "--gptq", "--budget", "0.35", "--candidates", "nvfp4, int8_tensorwise"])
+    assert cli._recipe(a) == PLANNED
 
 
 def test_unknown_fields_and_values_refused():

@@ -103,3 +103,23 @@ def test_quantized_module_computes_what_comfyui_computes(model_and_stats, varian
         ref, out = model(x).float(), q(x).float()
     bound = 0.4 if FORMATS[recipe.format].values_per_element == 2 else 0.12  # 4-bit weights: looser
     assert float((out - ref).norm() / ref.norm()) < bound
+
+
+def test_mixed_precision_plan_runs_in_comfyui_layer_by_layer(model_and_stats):
+    """A planner file holds several formats; ComfyUI reads each layer's own .comfy_quant."""
+    model, stats = model_and_stats
+    q = quantize_module(model, Recipe(format="nvfp4", budget=0.45), stats)
+    sd, _meta = export_state_dict(q)
+    layers = quantized_layers(q)
+    formats = {name: layer.conf["format"] for name, layer in layers.items()}
+    assert len(set(formats.values()) | ({"16-bit"} if len(layers) < 3 else set())) > 1, formats
+    ops = comfy_ops(torch.bfloat16)
+    with torch.no_grad():
+        for name, ours in layers.items():
+            theirs = ops.Linear(ours.in_features, ours.out_features, bias=ours.bias is not None,
+                                device=DEVICE, dtype=torch.bfloat16)
+            theirs.load_state_dict({k[len(name) + 1:]: v for k, v in sd.items() if k.startswith(name + ".")},
+                                   strict=False)
+            assert theirs.quant_format == formats[name]
+            xi = torch.randn(3, 5, ours.in_features, device=DEVICE, dtype=torch.bfloat16)
+            assert torch.equal(ours(xi), theirs(xi)), name

@@ -154,6 +154,17 @@ def test_lora_applied_upstream_is_baked_in(env):
     assert err_patched < 0.02 < err_base
 
 
+def test_budget_plans_mixed_precision_and_samples(env):
+    """Quantize Model with a budget: a stock MODEL whose layers hold several formats, each one
+    ComfyUI's own quantized layer of its format, sampling like the others."""
+    qmodel, report = quantize(env, format="nvfp4", budget=0.4, runtime="stock")
+    assert "planner: budget 0.4" in report
+    formats = {getattr(m, "quant_format", None) for m in qmodel.model.diffusion_model.modules()} - {None}
+    assert len(formats) > 1 and formats <= {"nvfp4", "float8_e4m3fn", "int8_tensorwise"}, formats
+    out = sample(env, qmodel, 2, 0)
+    assert torch.isfinite(out).all()
+
+
 def test_save_and_reload_identical(env):
     nodes = env["nodes"]
     qmodel, _ = quantize(env)

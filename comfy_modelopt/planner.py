@@ -1,0 +1,183 @@
+"""Mixed precision under a size budget: each Linear layer gets the format that buys the most
+output accuracy per byte, the whole file staying within ``Recipe.budget`` x its 16-bit bytes.
+
+ComfyUI's format is per layer (``.comfy_quant``), so a mixed file loads in stock ComfyUI.
+
+1. Measure: for every quantizable layer and candidate format (``Recipe.candidates``, default
+   ``DEFAULT_CANDIDATES``) the relative output error on the layer's sampled calibration inputs
+   (``smoothing.output_error``: the format's weight rounding with absmax scales, and its
+   activation rounding as ComfyUI runs it - fp8 with its static input scale), and the bytes the
+   layer's tensors take.  Keeping 16-bit costs the 16-bit bytes and no error.
+2. Choose: a multiple-choice knapsack over layers minimising the summed relative output error
+   under the byte budget, solved greedily on each layer's lower convex hull of (bytes, error):
+   every layer starts at its smallest option and the upgrade with the largest error drop per
+   byte is taken while it fits.  The sum of per-layer errors is the objective because each layer
+   adds its own error to a residual network's stream; it is what the report predicts.
+3. The chosen format is laid out per layer like a single-format plan, so the rest of the
+   pipeline (scales, GPTQ, held-out checks, the report's measured error) runs unchanged.
+
+A format the GPU only dequantizes (nvfp4/mxfp8 before Blackwell, fp8 before Ada) is smaller,
+not faster, there: the report says which chosen formats need which GPU to be fast.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import PlanError
+from .formats import FORMATS, Format
+from .smoothing import output_error
+
+DEFAULT_CANDIDATES = ("nvfp4", "float8_e4m3fn", "int8_tensorwise")
+KEEP = "16-bit"
+SAMPLE_ROWS = 256
+
+
+@dataclass
+class Option:
+    fmt: str          # a format name, or KEEP
+    bytes: int
+    error: float
+
+
+@dataclass
+class Choice:
+    layer: object     # LayerPlan
+    options: list     # Option, on the lower convex hull, by bytes
+    at: int = 0       # index of the chosen option
+
+    @property
+    def chosen(self) -> Option:
+        return self.options[self.at]
+
+
+def measure(layer, w: torch.Tensor, layer_stats, candidates: dict, planned_bytes) -> list[Option]:
+    """Every option of one layer: (format, bytes, relative output error on its sampled inputs)."""
+    x = layer_stats.sample()[:SAMPLE_ROWS].to(w.device)
+    options = [Option(KEEP, layer.n * layer.k * 2, 0.0)]
+    amax = layer_stats.amax_value()
+    for name, (fmt, opts) in candidates.items():
+        if fmt.shape_problem(layer.n, layer.k, **fmt.layer_options(layer.n, layer.k, opts)):
+            continue
+        lopts = fmt.layer_options(layer.n, layer.k, opts)
+        err = output_error(fmt, w, x, None, amax if fmt.needs_input_scale else None, **lopts)
+        options.append(Option(name, planned_bytes(layer, fmt, lopts), err))
+    return options
+
+
+def hull(options: list[Option]) -> list[Option]:
+    """The lower convex hull of (bytes, error), by increasing bytes and decreasing error: the
+    options a greedy upgrade path can stop at (dominated ones never pay)."""
+    pts = sorted(options, key=lambda o: (o.bytes, o.error))
+    out: list[Option] = []
+    for o in pts:
+        if out and o.error >= out[-1].error:
+            continue  # more bytes, no less error
+        while len(out) >= 2:
+            a, b = out[-2], out[-1]
+            # b lies on or above the segment a -> o: drop it
+            if (b.error - a.error) * (o.bytes - a.bytes) >= (o.error - a.error) * (b.bytes - a.bytes):
+                out.pop()
+            else:
+                break
+        out.append(o)
+    return out
+
+
+def solve(choices: list[Choice], budget_bytes: int) -> int:
+    """Greedy multiple-choice knapsack on convex hulls; returns the bytes used.  Raises
+    PlanError when even the smallest option of every layer exceeds the budget."""
+    used = sum(c.chosen.bytes for c in choices)
+    if used > budget_bytes:
+        raise PlanError(f"the smallest choice for every layer already takes {used / 2**20:.1f} MiB, over the "
+                        f"budget of {budget_bytes / 2**20:.1f} MiB: raise --budget or add a smaller candidate")
+    while True:
+        best, best_gain = None, 0.0
+        for c in choices:
+            if c.at + 1 >= len(c.options):
+                continue
+            cur, nxt = c.options[c.at], c.options[c.at + 1]
+            extra = nxt.bytes - cur.bytes
+            if used + extra > budget_bytes:
+                continue
+            gain = (cur.error - nxt.error) / max(extra, 1)
+            if gain > best_gain:
+                best, best_gain = c, gain
+        if best is None:
+            return used
+        used += best.options[best.at + 1].bytes - best.chosen.bytes
+        best.at += 1
+
+
+def resolve_candidates(recipe) -> dict[str, tuple[Format, dict]]:
+    names = recipe.candidates or DEFAULT_CANDIDATES
+    return {n: (FORMATS[n], recipe.format_options(n)) for n in names}
+
+
+def speed_note(chosen: dict[str, int]) -> str:
+    """Which chosen formats need which GPU to run faster, not only smaller."""
+    parts = []
+    for name in sorted(chosen):
+        if name == KEEP:
+            continue
+        fmt = FORMATS[name]
+        where = f"SM {fmt.native_sm[0]}.{fmt.native_sm[1]}+" if fmt.native_gate else "every GPU ComfyUI supports"
+        parts.append(f"{name} computed natively on {where}")
+    return "; ".join(parts) + " (elsewhere dequantized: smaller, not faster)" if parts else ""
+
+
+def _planned_bytes(layer, fmt: Format, opts: dict) -> int:
+    total = 0
+    for dtype, shape in fmt.planned(layer.n, layer.k, **opts).values():
+        n = torch.empty((), dtype=dtype).element_size()
+        for d in shape:
+            n *= d
+        total += n
+    return total + (4 if fmt.needs_input_scale or fmt.static_input_scale else 0)
+
+
+def plan_budget(plan, source, stats, recipe, progress=None) -> dict:
+    """Reassign formats of ``plan``'s eligible, calibrated layers under ``recipe.budget``
+    (reads each weight once from ``source``); returns the summary the report shows."""
+    from .plan import assign, lay_out  # plan imports nothing of this module
+    from .safetensors_io import ITEMSIZE
+    candidates = resolve_candidates(recipe)
+    chosen_layers = [l for l in plan.layers if l.eligible and stats is not None and stats.has(l.rel)
+                     and stats.layer(l.rel).has_sample()]
+    ids = {id(l) for l in chosen_layers}
+    fixed = sum(ITEMSIZE[d] * _prod(sh) for l in plan.layers if id(l) not in ids for d, sh in l.tensors.values())
+    total16 = sum(l.n * l.k * 2 for l in plan.layers)
+    choices = []
+    for i, layer in enumerate(chosen_layers):
+        if progress:
+            progress(i, len(chosen_layers), "planning " + layer.rel)
+        w = source.read(layer.name + ".weight").float()
+        options = measure(layer, w, stats.layer(layer.rel), candidates, _planned_bytes)
+        options[0].bytes = layer.n * layer.k * ITEMSIZE[layer.src_dtype]  # kept: its source dtype
+        choices.append(Choice(layer, hull(options)))
+        del w
+    used = solve(choices, int(recipe.budget * total16) - fixed)
+    counts: dict = {}
+    for c in choices:
+        o, layer = c.chosen, c.layer
+        counts[o.fmt] = counts.get(o.fmt, 0) + 1
+        if o.fmt == KEEP:
+            layer.format, layer.conf, layer.weight_only, layer.static_input = None, None, False, False
+            layer.reason = "planner: kept 16-bit (budget)"
+            layer.tensors = {layer.name + ".weight": (layer.src_dtype, (layer.n, layer.k))}
+        else:
+            fmt, opts = candidates[o.fmt]
+            assign(layer, fmt, recipe, opts, stats)
+            lay_out(layer, fmt, recipe)
+        layer.predicted = o.error
+    return {"budget": recipe.budget, "fraction": (used + fixed) / total16 if total16 else 0.0,
+            "counts": counts, "predicted": sum(c.chosen.error for c in choices), "layers": len(choices),
+            "speed": speed_note(counts)}
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,100 @@
+"""The mixed-precision planner (planner.py): budget honoured, error spent where it is cheapest."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from comfy_modelopt import Recipe, quantize
+from comfy_modelopt.calibrate import calibrate
+from comfy_modelopt.errors import PlanError
+from comfy_modelopt.fileformat import decode_comfy_quant
+from comfy_modelopt.planner import Choice, Option, hull, solve
+
+
+def test_hull_drops_dominated_and_concave_options():
+    opts = [Option("a", 100, 1.0), Option("b", 200, 0.2), Option("c", 150, 0.9), Option("d", 300, 0.3),
+            Option("e", 400, 0.0)]
+    assert [o.fmt for o in hull(opts)] == ["a", "b", "e"]  # c above the a-b segment, d dominated
+
+
+def test_greedy_stays_within_budget_and_beats_every_uniform_choice():
+    rnd = random.Random(0)
+    for _ in range(50):
+        layers = []
+        for _ in range(6):
+            size = rnd.randint(1, 8) * 100
+            errs = sorted((rnd.random() for _ in range(3)), reverse=True)
+            layers.append([Option("q4", size, errs[0]), Option("q8", 2 * size, errs[1] * 0.3),
+                           Option("16", 4 * size, 0.0)])
+        budget = rnd.randint(sum(l[0].bytes for l in layers), sum(l[2].bytes for l in layers))
+        choices = [Choice(None, hull(l)) for l in layers]
+        used = solve(choices, budget)
+        assert used <= budget and used == sum(c.chosen.bytes for c in choices)
+        total = sum(c.chosen.error for c in choices)
+        for pick in range(3):  # every uniform assignment that fits is no better
+            if sum(l[pick].bytes for l in layers) <= budget:
+                assert total <= sum(l[pick].error for l in layers) + 1e-12
+        # and within the best integer assignment's reach (greedy on hulls: near-optimal)
+        best = min(sum(o.error for o in combo) for combo in itertools.product(*layers)
+                   if sum(o.bytes for o in combo) <= budget)
+        assert total <= best + max(l[0].error for l in layers)
+
+
+def test_infeasible_budget_is_refused():
+    with pytest.raises(PlanError, match="raise --budget"):
+        solve([Choice(None, [Option("q4", 100, 1.0)])], 50)
+
+
+def _model_and_stats():
+    torch.manual_seed(0)
+    dims = [256, 512, 256, 512, 256]
+    layers = [torch.nn.Linear(a, b) for a, b in zip(dims, dims[1:])]
+    with torch.no_grad():
+        layers[1].weight[:, :4] *= 30  # one layer with outlier columns: costly in 4 bits
+    model = torch.nn.Sequential(*layers)
+    with torch.no_grad():
+        stats = calibrate(model, lambda m: [m(torch.randn(16, 256)) for _ in range(6)])
+    sd = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    return sd, stats
+
+
+def _linear_bytes(out: dict, names) -> int:
+    return sum(t.numel() * t.element_size() for k, t in out.items()
+               if any(k.startswith(n + ".") for n in names) and not k.endswith((".bias", ".comfy_quant")))
+
+
+def test_budget_is_honoured_and_mixes_formats():
+    sd, stats = _model_and_stats()
+    names = ["0", "1", "2", "3"]
+    total16 = sum(sd[n + ".weight"].numel() * 2 for n in names)
+    errs = {}
+    for budget in (0.3, 0.4, 0.6):
+        out, _meta, report = quantize(sd, Recipe(format="nvfp4", budget=budget), stats, family="generic")
+        assert _linear_bytes(out, names) <= budget * total16
+        formats = {decode_comfy_quant(out[n + ".comfy_quant"], n)["format"] if n + ".comfy_quant" in out else "16-bit"
+                   for n in names}
+        note = next(n for n in report.notes if n.startswith("planner:"))
+        assert "predicted" in note and "measured" in note
+        errs[budget] = sum(l.out_err for l in report.quantized) + 0.0
+        if budget == 0.4:
+            assert len(formats) > 1, formats  # more bytes than nvfp4 everywhere, less than 8-bit: a mix
+    _o, _m, uniform = quantize(sd, Recipe(format="nvfp4"), stats, family="generic")
+    nvfp4_err = sum(l.out_err for l in uniform.quantized)
+    assert errs[0.4] < nvfp4_err and errs[0.6] < errs[0.4]
+
+
+def test_planner_needs_statistics_and_a_plain_recipe():
+    sd, _stats = _model_and_stats()
+    with pytest.raises(PlanError, match="budget=0.4 needs activation statistics"):
+        quantize(sd, Recipe(format="nvfp4", budget=0.4), None, family="generic")
+    with pytest.raises(ValueError, match="does not combine with smoothing"):
+        Recipe(format="nvfp4", budget=0.4, smoothing="awq")
+    with pytest.raises(ValueError, match="give a budget"):
+        Recipe(format="nvfp4", candidates=("nvfp4",))
+    with pytest.raises(ValueError, match="unknown candidate"):
+        Recipe(format="nvfp4", budget=0.4, candidates=("fp4",))
+    with pytest.raises(ValueError, match="fraction"):
+        Recipe(budget=1.5)
