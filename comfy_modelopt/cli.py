@@ -143,16 +143,45 @@ def _device(name: str):
     return dev
 
 
+def _torchrun_shard(device):
+    """Under ``torchrun`` (WORLD_SIZE > 1): join the job - NCCL with a CUDA --device, one GPU per
+    local rank; gloo on CPUs - and return this rank's Shard; else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None, device
+    import torch
+    import torch.distributed as dist
+    from .distributed import Shard
+    if device is not None and torch.device(device).type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    return Shard.current(), device
+
+
 def cmd_quantize(a) -> int:
+    device = _device(a.device)
+    shard, device = _torchrun_shard(device)
+    try:
+        return _quantize(a, device, shard)
+    finally:
+        if shard is not None:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def _quantize(a, device, shard) -> int:
     from .pipeline import check_not_input, quantize_file
     from .safetensors_io import atomic_write_bytes, check_output_path
-    check_output_path(a.output, a.overwrite)  # a folder, a missing folder: said first
+    lead = shard is None or shard.rank == 0  # under torchrun: rank 0 writes and speaks
+    if lead:
+        check_output_path(a.output, a.overwrite)  # a folder, a missing folder: said first
     if not a.output.endswith(".safetensors"):
         raise OutputError(f"{a.output}: the output is a safetensors file; give it the .safetensors extension "
                           f"(ComfyUI lists diffusion models by it)")
-    device = _device(a.device)
     recipe = _recipe(a)
-    if a.report:  # the report is a user's file like the model: checked before any work
+    if a.report and lead:  # the report is a user's file like the model: checked before any work
         check_not_input(a.report, a.src, "report")
         if os.path.abspath(a.report) == os.path.abspath(a.output):
             raise OutputError(f"{a.report}: the report and the model cannot be the same file")
@@ -161,9 +190,12 @@ def cmd_quantize(a) -> int:
     if a.stats:
         from .stats import ActivationStats
         stats = ActivationStats.load(a.stats)
+    where = f"{device or 'cpu'}" + (f", {shard.world} processes" if shard is not None else "")
     report = quantize_file(a.src, a.output, recipe, stats=stats, overwrite=a.overwrite,
-                           hash_source=a.hash, progress=_Progress(f"quantizing on {device or 'cpu'}", a.quiet),
-                           device=device, family=a.family)
+                           hash_source=a.hash, progress=_Progress(f"quantizing on {where}", a.quiet or not lead),
+                           device=device, family=a.family, shard=shard)
+    if not lead:
+        return 0
     if a.table:
         print(report.table())
     print(report.summary())

@@ -29,6 +29,11 @@ class LayerReport:
     notes: str = ""              # algorithm notes (smoothing applied/skipped, rank, ...)
     sensitivity: dict = field(default_factory=dict)  # format -> relative output error on samples
 
+    @classmethod
+    def from_json(cls, name: str, text: str) -> "LayerReport":
+        """Parse ``header_json`` output (TypeError / ValueError when malformed)."""
+        return _layer_from_json(name, json.loads(text))
+
     def header_json(self) -> str:
         # %.4e numbers: the header reserves room for the report, filled in after the run
         return ("{" + f'"format":{json.dumps(self.format)},"bytes":{self.bytes},'

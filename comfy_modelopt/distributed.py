@@ -1,0 +1,275 @@
+"""Calibration and quantization across processes with torch.distributed (NCCL between GPUs,
+gloo between CPU processes), launched by ``torchrun``.
+
+Calibration, data-parallel: every rank holds the model and samples its share of the prompts
+(``shard_prompts``), then ``all_reduce_stats`` merges the statistics so every rank holds the
+statistics one process would have collected over all prompts:
+
+- exact statistics reduce exactly: per-channel absmax by max (and the amax from it), per-channel
+  sums of |x|, histogram counts, row/call/non-finite counts by sum;
+- the reservoir (a uniform sample of at most ``capacity`` rows per layer) merges into a uniform
+  sample of the union: how many rows come from each rank is drawn from the multivariate
+  hypergeometric distribution (``capacity`` draws without replacement from all rows seen,
+  partitioned by rank), and that many are taken uniformly from the rank's own reservoir - itself
+  a uniform sample of its rows, never smaller than the draw.  Every subset of the union's rows
+  of that size is then equally likely, as for one process (it is not the same subset: that
+  depends on the order rows arrived in).  Seeded by the statistics' seeds, so every rank draws
+  the same sample.  Rows keep their calibration group (prompt index), so held-out searches
+  split the merged sample by prompt as before.
+
+Quantization, layer-sharded: every rank plans the same file; each quantized layer is encoded
+(scale searches, GPTQ, low-rank) by one rank, chosen to balance the work (``Shard.assign``:
+costliest layers first, to the least-loaded rank; a layer's cost grows like k (n + k)), which
+sends the encoded tensors - whose dtypes and shapes the plan already fixed - and the layer's
+report to rank 0 without waiting (a few layers in flight), and rank 0, the only rank that reads
+unquantized tensors and writes the file, collects them in file order (the streamed atomic writer).
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+import torch
+
+from .stats import ActivationStats, LayerStats
+
+SEND_WINDOW = 8  # encoded layers an owner may have in flight to rank 0
+
+
+# ====================================================================== merge rules (no processes)
+def merge_layer_stats(parts: list[LayerStats], seed: int = 0) -> LayerStats:
+    """One layer's statistics from several disjoint shares of the calibration rows."""
+    live = [p for p in parts if p.hist is not None]
+    first = parts[0]
+    out = LayerStats(first.k, first.capacity, sum(p.calls for p in parts), sum(p.rows for p in parts),
+                     sum(p.nonfinite for p in parts), seed=first.seed, sanitize=first.sanitize)
+    if not live:
+        return out
+    out.channel_absmax = torch.stack([p.channel_absmax.float().cpu() for p in live]).amax(dim=0)
+    out.channel_abssum = torch.stack([p.channel_abssum.double().cpu() for p in live]).sum(dim=0)
+    out.hist = torch.stack([p.hist.long().cpu() for p in live]).sum(dim=0)
+    out.amax = out.channel_absmax.max()
+    with_rows = [p for p in live if p.has_sample()]
+    if with_rows:
+        out.reservoir, out.groups = _merge_reservoirs(with_rows, first.capacity, seed)
+    return out
+
+
+def _merge_reservoirs(parts: list[LayerStats], capacity: int, seed: int) -> tuple[torch.Tensor, list]:
+    rng = random.Random(seed)
+    remaining = [p.rows for p in parts]
+    total = sum(remaining)
+    take = [0] * len(parts)
+    for _ in range(min(capacity, total)):  # sequential draws without replacement: hypergeometric counts
+        r = rng.randrange(sum(remaining))
+        i = 0
+        while r >= remaining[i]:
+            r -= remaining[i]
+            i += 1
+        remaining[i] -= 1
+        take[i] += 1
+    rows, groups = [], []
+    for p, n in zip(parts, take):
+        if n == 0:
+            continue
+        have = p.reservoir.shape[0]
+        if n > have:  # a reservoir holds min(rows, capacity) >= any draw from its rows
+            raise ValueError(f"reservoir of {have} rows cannot give {n}")
+        idx = sorted(rng.sample(range(have), n))
+        rows.append(p.reservoir.cpu()[idx])
+        pg = p.groups if p.groups is not None and len(p.groups) == have else [-1] * have
+        groups.extend(pg[i] for i in idx)
+    return torch.cat(rows), groups
+
+
+def merge_stats(parts: list[ActivationStats]) -> ActivationStats:
+    """The statistics of several processes' shares of the calibration, as one (see module doc)."""
+    first = parts[0]
+    for p in parts[1:]:
+        if p.fingerprint != first.fingerprint:
+            raise ValueError("statistics of different models cannot be merged")
+    out = ActivationStats(fingerprint=dict(first.fingerprint), forward_calls=sum(p.forward_calls for p in parts),
+                          info=dict(first.info, ranks=len(parts)))
+    for name in first.layers:
+        out.layers[name] = merge_layer_stats([p.layers[name] for p in parts], seed=first.layers[name].seed)
+    return out
+
+
+def calibrate_sharded(module: torch.nn.Module, prompts: list, run, options=None, info: dict | None = None,
+                      shard: "Shard | None" = None) -> ActivationStats:
+    """Data-parallel calibration: this rank runs ``run(module, prompt)`` for its share of
+    ``prompts`` (each prompt its calibration group, by its index in ``prompts``), then the
+    statistics of all ranks are merged on every rank (``all_reduce_stats``).  Without a
+    distributed job it is ``calibrate`` over all prompts.  Collective: every rank calls it with
+    the same ``prompts``."""
+    from .calibrate import CalibrationOptions, calibrate
+    shard = shard or Shard.current()
+    rank, world = (shard.rank, shard.world) if shard is not None else (0, 1)
+    mine = shard_prompts(list(range(len(prompts))), rank, world)
+    current = [0]
+
+    def loop(m):
+        for i in mine:
+            current[0] = i
+            run(m, prompts[i])
+    stats = calibrate(module, loop, options or CalibrationOptions(), info=info, group=lambda: current[0])
+    return all_reduce_stats(stats, shard) if shard is not None else stats
+
+
+def shard_prompts(prompts: list, rank: int, world: int) -> list:
+    """This rank's share: prompts ``rank, rank + world, ...`` (keep each prompt's global index as its
+    calibration group: ``calibrate(..., group=...)``)."""
+    return list(prompts)[rank::world]
+
+
+# ====================================================================== collectives
+@dataclass
+class Shard:
+    """This process's place in a torch.distributed job (``current()`` reads the initialised one)."""
+    rank: int
+    world: int
+    device: torch.device          # where collective buffers live (CUDA for NCCL)
+    group: object = None
+
+    @classmethod
+    def current(cls, group=None) -> "Shard | None":
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        backend = dist.get_backend(group)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        return cls(dist.get_rank(group), dist.get_world_size(group), device, group)
+
+    def assign(self, costs: list[float]) -> list[int]:
+        """An owner rank for each of ``costs`` (work items): the costliest first, each to the rank
+        with the least work so far (rank 0 also reads and writes the file: it starts a little
+        loaded).  Deterministic, so every rank computes the same assignment."""
+        load = [0.0] * self.world
+        load[0] = 0.05 * sum(costs) / self.world
+        owners = [0] * len(costs)
+        for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+            r = min(range(self.world), key=lambda r: (load[r], r))
+            owners[i] = r
+            load[r] += costs[i]
+        return owners
+
+    # ---------------------------------------------------------------- point to point
+    def send_layer(self, tensors: dict, report_json: str, dst: int = 0) -> None:
+        """Send one encoded layer without waiting for the receiver (at most ``SEND_WINDOW`` layers
+        in flight, so an owner keeps encoding while rank 0 is behind)."""
+        import torch.distributed as dist
+        data = torch.frombuffer(bytearray(report_json.encode()), dtype=torch.uint8)
+        bufs = [_as_bytes(tensors[key]).to(self.device) for key in sorted(tensors)]
+        bufs += [torch.tensor([data.numel()], dtype=torch.int64, device=self.device), data.to(self.device)]
+        pending = getattr(self, "_pending", None)
+        if pending is None:
+            pending = self._pending = []
+        pending.append((bufs, [dist.isend(b, dst, group=self.group) for b in bufs]))
+        while len(pending) > SEND_WINDOW:
+            self._wait(pending.pop(0))
+
+    def flush(self) -> None:
+        """Wait until every sent layer was received."""
+        for item in getattr(self, "_pending", None) or []:
+            self._wait(item)
+        self._pending = []
+
+    @staticmethod
+    def _wait(item) -> None:
+        for work in item[1]:
+            work.wait()
+
+    def recv_layer(self, planned: dict, src: int) -> tuple[dict, str]:
+        """``planned``: key -> (torch dtype, shape) of the tensors the sender encodes."""
+        import torch.distributed as dist
+        out = {}
+        for key in sorted(planned):
+            dtype, shape = planned[key]
+            n = torch.empty((), dtype=dtype).element_size()
+            for d in shape:
+                n *= d
+            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+            dist.recv(buf, src, group=self.group)
+            out[key] = buf.cpu().view(dtype).reshape(shape)
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        dist.recv(size, src, group=self.group)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.recv(data, src, group=self.group)
+        return out, bytes(data.cpu().numpy()).decode()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def all_reduce_stats(stats: ActivationStats, shard: Shard | None = None) -> ActivationStats:
+    """Every rank's statistics merged (``merge_stats``), on every rank; ``stats`` as it is when
+    not in a distributed job.  Collective: every rank calls it with statistics of the same model."""
+    import torch.distributed as dist
+    shard = shard or Shard.current()
+    if shard is None or shard.world == 1:
+        return stats
+    dev, group = shard.device, shard.group
+    fp = json.dumps(sorted(stats.fingerprint.items())).encode()
+    _check_same(fp, shard)
+    parts = [ActivationStats(fingerprint=dict(stats.fingerprint), info=dict(stats.info)) for _ in range(shard.world)]
+    calls = torch.tensor([stats.forward_calls], dtype=torch.int64, device=dev)
+    gathered = [torch.empty_like(calls) for _ in range(shard.world)]
+    dist.all_gather(gathered, calls, group=group)
+    for p, c in zip(parts, gathered):
+        p.forward_calls = int(c.item())
+    for name, s in stats.layers.items():
+        mine = _pack_layer(s, dev)
+        sizes = [torch.empty_like(mine["meta"]) for _ in range(shard.world)]
+        dist.all_gather(sizes, mine["meta"], group=group)
+        stacks = {}
+        for key in ("absmax", "abssum", "hist", "reservoir", "groups"):
+            t = mine[key]
+            stacks[key] = [torch.empty_like(t) for _ in range(shard.world)]
+            dist.all_gather(stacks[key], t, group=group)
+        for r in range(shard.world):
+            parts[r].layers[name] = _unpack_layer(s, sizes[r], {k: v[r] for k, v in stacks.items()})
+    return merge_stats(parts)
+
+
+def _check_same(fingerprint: bytes, shard: Shard) -> None:
+    import hashlib
+
+    import torch.distributed as dist
+    h = torch.tensor(list(hashlib.sha256(fingerprint).digest()[:8]), dtype=torch.int64, device=shard.device)
+    hs = [torch.empty_like(h) for _ in range(shard.world)]
+    dist.all_gather(hs, h, group=shard.group)
+    if any(not torch.equal(x, h) for x in hs):
+        raise ValueError("ranks calibrated different models: their statistics cannot be merged")
+
+
+def _pack_layer(s: LayerStats, dev) -> dict:
+    """Fixed-size tensors of one layer's statistics (reservoir padded to capacity) for all_gather."""
+    k, cap = s.k, s.capacity
+    has = s.hist is not None
+    m = s.reservoir.shape[0] if (has and s.reservoir is not None) else 0
+    from .stats import HIST_BINS
+    res = torch.zeros(cap, k, dtype=torch.float32, device=dev)
+    groups = torch.full((cap,), -1, dtype=torch.int64, device=dev)
+    if m:
+        res[:m] = s.reservoir.to(dev).float()  # exact; gloo has no 16-bit collectives
+        if s.groups is not None and len(s.groups) == m:
+            groups[:m] = torch.tensor(s.groups, dtype=torch.int64, device=dev)
+    return {"meta": torch.tensor([int(has), s.calls, s.rows, s.nonfinite, m], dtype=torch.int64, device=dev),
+            "absmax": (s.channel_absmax.float().to(dev) if has else torch.zeros(k, device=dev)),
+            "abssum": (s.channel_abssum.double().to(dev) if has else torch.zeros(k, dtype=torch.float64, device=dev)),
+            "hist": (s.hist.long().to(dev) if has else torch.zeros(HIST_BINS, dtype=torch.int64, device=dev)),
+            "reservoir": res, "groups": groups}
+
+
+def _unpack_layer(like: LayerStats, meta: torch.Tensor, t: dict) -> LayerStats:
+    has, calls, rows, nonfinite, m = (int(v) for v in meta.cpu().tolist())
+    s = LayerStats(like.k, like.capacity, calls, rows, nonfinite, seed=like.seed, sanitize=like.sanitize)
+    if has:
+        s.channel_absmax, s.channel_abssum, s.hist = t["absmax"].cpu(), t["abssum"].cpu(), t["hist"].cpu()
+        s.amax = s.channel_absmax.max()
+        if m:
+            s.reservoir = t["reservoir"][:m].cpu().to(torch.bfloat16)
+            s.groups = t["groups"][:m].cpu().tolist()
+    return s
