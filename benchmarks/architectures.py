@@ -76,6 +76,7 @@ HUNYUAN_FULL = {"image_model": "hunyuan_video", "in_channels": 16, "patch_size":
                 "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "depth": 20, "depth_single_blocks": 40,
                 "theta": 256, "qkv_bias": True, "byt5": False, "guidance_embed": True,
                 "use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False}
+HUNYUAN_SMALL = dict(HUNYUAN_FULL, hidden_size=256, num_heads=2, depth=1, depth_single_blocks=1)
 LTXV_FULL = {"image_model": "ltxv", "num_layers": 28, "attention_head_dim": 64, "cross_attention_dim": 4096}
 LUMINA2_FULL = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 2304, "cap_feat_dim": 2304,
                 "n_layers": 26, "qk_norm": True, "n_heads": 24, "n_kv_heads": 8, "axes_dims": [32, 32, 32],
@@ -99,7 +100,7 @@ CONFIGS = {
     "flux": {"full": FLUX_FULL, "small": FLUX_SMALL},
     "wan": {"full": WAN_FULL, "small": WAN_SMALL},
     "qwen_image": {"full": QWEN_FULL, "small": QWEN_SMALL},
-    "hunyuan_video": {"full": HUNYUAN_FULL},
+    "hunyuan_video": {"full": HUNYUAN_FULL, "small": HUNYUAN_SMALL},
     "ltxv": {"full": LTXV_FULL},
     "lumina2": {"full": LUMINA2_FULL},
     "flux2": {"full": FLUX2_FULL},

@@ -7,7 +7,8 @@ linear in that channel: multiply the producer's output channel j by 1/s_j instea
 - a Linear whose output channels reach the layer unchanged through attention (the V projection
   feeding the attention output projection: softmax(QK^T) mixes tokens, not channels);
 - the value half of a GEGLU projection feeding the FF output (value * gelu(gate) is linear in value);
-- an adaLN modulation feeding the layer (Flux's double and single blocks): the input is
+- an adaLN modulation feeding the layer (Flux's and HunyuanVideo's double and single blocks,
+  SD3's joint blocks, Qwen-Image's blocks): the input is
   ``(1 + scale) * LN(x) + shift`` with ``shift`` and ``scale`` chunks of a modulation Linear's
   output, so ``input / s`` is the same expression with ``shift' = shift / s`` (rows and bias
   divided by s) and ``scale' = (1 + scale) / s - 1`` (rows divided by s, bias ``(b + 1) / s - 1``).
@@ -72,6 +73,26 @@ _FLUX_DOUBLE_RULES = (
 _FLUX_SINGLE_RULES = (FoldRule(("linear1",), "modulation.lin", "modulation", chunks=3, shift=0),)
 _FLUX_RULES = ((r"(double_blocks\.\d+)\.img_attn\.qkv$", _FLUX_DOUBLE_RULES),
                (r"(single_blocks\.\d+)\.linear1$", _FLUX_SINGLE_RULES))
+# SD3/SD3.5 joint blocks (mmdit.py DismantledBlock): adaLN_modulation.1 holds 6 chunks (shift,
+# scale, gate for attention, then for the MLP), 2 in the last context block (pre_only), 9 where
+# the block has a second self-attention (SD3.5 Medium: its shift/scale are chunks 6 and 7); the
+# chunk count is told apart by the Linear's width (fold_groups)
+_SD3_RULES = (
+    FoldRule(("attn.qkv",), "adaLN_modulation.1", "modulation", chunks=6, shift=0),
+    FoldRule(("mlp.fc1",), "adaLN_modulation.1", "modulation", chunks=6, shift=3),
+    FoldRule(("attn.qkv",), "adaLN_modulation.1", "modulation", chunks=2, shift=0),
+    FoldRule(("attn.qkv",), "adaLN_modulation.1", "modulation", chunks=9, shift=0),
+    FoldRule(("mlp.fc1",), "adaLN_modulation.1", "modulation", chunks=9, shift=3),
+    FoldRule(("attn2.qkv",), "adaLN_modulation.1", "modulation", chunks=9, shift=6),
+)
+# Qwen-Image blocks: img_mod.1 / txt_mod.1 hold (shift, scale, gate) for attention, then for the MLP
+_QWEN_RULES = (
+    FoldRule(("attn.to_q", "attn.to_k", "attn.to_v"), "img_mod.1", "modulation", chunks=6, shift=0),
+    FoldRule(("img_mlp.net.0.proj",), "img_mod.1", "modulation", chunks=6, shift=3),
+    FoldRule(("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), "txt_mod.1", "modulation", chunks=6,
+             shift=0),
+    FoldRule(("txt_mlp.net.0.proj",), "txt_mod.1", "modulation", chunks=6, shift=3),
+)
 # family -> (block prefix pattern, rules) pairs; linear-producer rules come first so that a layer
 # that is both a producer (rows rescaled) and a consumer is searched with its final rows
 RULES = {
@@ -79,6 +100,9 @@ RULES = {
     "sdxl": ((r"(.*\.transformer_blocks\.\d+)\.attn1\.to_q$", _UNET_RULES),),
     "wan": ((r"(blocks\.\d+)\.self_attn\.q$", _WAN_RULES),),
     "flux": _FLUX_RULES,
+    "hunyuan_video": _FLUX_RULES,   # Flux's DoubleStreamBlock / SingleStreamBlock (hunyuan_video/model.py)
+    "sd3": ((r"(joint_blocks\.\d+\.(?:x_block|context_block))\.attn\.qkv$", _SD3_RULES),),
+    "qwen_image": ((r"(transformer_blocks\.\d+)\.attn\.to_q$", _QWEN_RULES),),
 }
 
 

@@ -180,7 +180,8 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                                tooltip="How calibrated static activation scales are chosen (fp8, nvfp4)."),
                 io.Combo.Input("smoothing", options=list(SMOOTHING_METHODS), default="none",
                                tooltip="Needs calibration. Applied where it folds exactly into the "
-                                       "stock file (SD1.x/SDXL/Wan attention and FF layers; Flux through its adaLN modulation; fp8: only "
+                                       "stock file (SD1.x/SDXL/Wan attention and FF layers; Flux, HunyuanVideo, SD3 and Qwen-Image "
+                                       "through their adaLN modulation; fp8: only "
                                        "into LayerNorm or 16-bit producers), else skipped and reported."),
                 io.Boolean.Input("gptq", default=False, advanced=True,
                                  tooltip="Error-compensated rounding (every format but mxfp8), kept per layer where it "

@@ -52,6 +52,8 @@ def inputs(family: str, seed: int = 0) -> dict:
         "flux": dict(x=r(1, 16, 16, 16), c_crossattn=r(1, 8, 256), y=r(1, 256), guidance=torch.tensor([3.5])),
         "wan": dict(x=r(1, 16, 1, 8, 8), c_crossattn=r(1, 8, 4096)),
         "qwen_image": dict(x=r(1, 16, 1, 8, 8), c_crossattn=r(1, 8, 3584)),
+        "hunyuan_video": dict(x=r(1, 16, 1, 8, 8), c_crossattn=r(1, 8, 4096), y=r(1, 768),
+                              guidance=torch.tensor([3.5])),
     }[family]
 
 
@@ -228,22 +230,39 @@ def test_compiled_blocks_compile_per_shape_not_per_block():
         assert None not in indices and max(indices) > 0  # the options reached it with the real indices
 
 
-def test_flux_modulation_folds_are_exact():
-    """Smoothing folded into Flux's adaLN modulation (double blocks: img/txt qkv and MLP inputs;
-    single blocks: linear1): with random per-channel scales, the folded float32 model computes
-    what the original does, through ComfyUI's own Flux classes; scaling the consumers without the
-    fold changes the output completely."""
+MODULATION_FOLDS = {  # family -> (producer, consumer) kinds its blocks must fold
+    "flux": {("img_mod.lin", "img_attn.qkv"), ("img_mod.lin", "img_mlp.0"), ("txt_mod.lin", "txt_attn.qkv"),
+             ("txt_mod.lin", "txt_mlp.0"), ("modulation.lin", "linear1")},
+    "hunyuan_video": {("img_mod.lin", "img_attn.qkv"), ("img_mod.lin", "img_mlp.0"),
+                      ("txt_mod.lin", "txt_attn.qkv"), ("txt_mod.lin", "txt_mlp.0"), ("modulation.lin", "linear1")},
+    "sd3": {("adaLN_modulation.1", "attn.qkv"), ("adaLN_modulation.1", "mlp.fc1")},
+    "qwen_image": {("img_mod.1", "attn.to_q"), ("img_mod.1", "img_mlp.net.0.proj"), ("txt_mod.1", "attn.add_q_proj"),
+                   ("txt_mod.1", "txt_mlp.net.0.proj")},
+}
+
+
+def _block_relative(name: str, family: str) -> str:
+    parts = name.split(".")
+    depth = {"sd3": 3}.get(family, 2)  # joint_blocks.N.x_block.<layer>
+    return ".".join(parts[depth:])
+
+
+@pytest.mark.parametrize("family", sorted(MODULATION_FOLDS))
+def test_modulation_folds_are_exact(family):
+    """Smoothing folded into an adaLN modulation Linear (its shift and scale rows and bias): with
+    random per-channel scales, the folded float32 model computes what the original does, through
+    ComfyUI's own classes; scaling the consumers without the fold changes the output completely."""
     from comfy_modelopt.folding import Folds, fold_groups, producer_rows, read_rows_scaled
     from comfy_modelopt.pipeline import DictSource
     from comfy_modelopt.plan import make_plan
     from comfy_modelopt.recipe import Recipe
-    _, sd = models.build("flux", "small", seed=2, dtype=torch.float32)
+    _, sd = models.build(family, "small", seed=2, dtype=torch.float32)
     plan = make_plan({k: ("F32", tuple(v.shape)) for k, v in sd.items()}, Recipe("int8_tensorwise"))
+    assert plan.family.name == family
     rel = {l.rel: l for l in plan.layers}
-    groups = fold_groups("flux", rel, set(sd))
-    kinds = {(g.producer.split(".")[-2], g.consumers[0].split(".", 2)[-1]) for g in groups}
-    assert kinds == {("img_mod", "img_attn.qkv"), ("img_mod", "img_mlp.0"), ("txt_mod", "txt_attn.qkv"),
-                     ("txt_mod", "txt_mlp.0"), ("modulation", "linear1")}, kinds
+    groups = fold_groups(family, rel, set(sd))
+    kinds = {(_block_relative(g.producer, family), _block_relative(g.consumers[0], family)) for g in groups}
+    assert kinds == MODULATION_FOLDS[family], kinds
     g = torch.Generator().manual_seed(0)
     folds = Folds()
     for grp in groups:
@@ -264,11 +283,11 @@ def test_flux_modulation_folds_are_exact():
     consumers_only = {**sd, **consumers_only}
 
     def run(state):
-        patcher = comfy.sd.load_diffusion_model_state_dict(state)
-        return forward(patcher, "flux")
+        patcher = comfy.sd.load_diffusion_model_state_dict(dict(state))
+        return forward(patcher, family)
     ref = run(sd)
     err = float((run(folded) - ref).norm() / ref.norm())
     broken = float((run(consumers_only) - ref).norm() / ref.norm())
-    print(f"folded {err:.2e}, consumers only {broken:.3f}")
+    print(f"{family}: folded {err:.2e}, consumers only {broken:.3f}")
     assert err < 1e-4, err
     assert broken > 0.1, broken
