@@ -67,6 +67,15 @@ def conds(family: str, inputs: str, txt: int, dtype):
 
 
 STOCK_16BIT, OTHER_16BIT, STOCK_FP8 = "16-bit, stock ComfyUI", "other 16-bit dtype, stock", "fp8 file, stock ComfyUI"
+# --quality: files made with these recipes from one calibration (8 noise levels, statistics with
+# sampled rows), sampled in stock ComfyUI: the final-latent difference a user sees per format
+QUALITY_RECIPES = {
+    "fp8 W8A8 (calibrated, mse)": dict(format="float8_e4m3fn"),
+    "int8 + ConvRot": dict(format="int8_tensorwise", convrot=True),
+    "nvfp4 (mse)": dict(format="nvfp4"),
+    "planner 0.35 (nvfp4 / fp8 / int8 + ConvRot)": dict(format="int8_tensorwise", convrot=True, budget=0.35),
+}
+QUALITY_SIGMAS = (1.0, 0.85, 0.7, 0.55, 0.4, 0.25, 0.12, 0.04)
 CFG = {"flux": 1.0, "sdxl": 7.0, "wan": 5.0}
 
 
@@ -116,6 +125,9 @@ def main(argv=None):
                     help="after its runs, profile one more steady run of each variant (torch.profiler: where the "
                          "wall time of a whole run goes outside the model's kernels)")
     ap.add_argument("--reduced", action="store_true", help="the model at a small configuration (CPU smoke run)")
+    ap.add_argument("--quality", action="store_true",
+                    help="also sample files of QUALITY_RECIPES (calibrated on 8 noise levels) in stock ComfyUI: "
+                         "final-latent difference vs 16-bit next to the other-dtype yardstick")
     a = ap.parse_args(argv)
     spec = (REDUCED if a.reduced else SPECS)[a.model]
     wanted = a.runtimes or [STOCK_16BIT, OTHER_16BIT, STOCK_FP8] + [r for r in RUNTIMES if r != "stock"] + [EAGER_NOISE]
@@ -160,6 +172,31 @@ def main(argv=None):
         common.free(alt)
         base = common.load_stock(sd)
     x, sigma, kw = common.inputs(inputs, 1, spec["res"], spec.get("txt", 77), spec["dtype"], frames=spec.get("frames", 1))
+    if a.quality:
+        from comfy_modelopt.calibrate import calibrate
+        from comfy_modelopt.errors import ModelOptError
+        from comfy_modelopt.recipe import Recipe
+        with torch.inference_mode():
+            stats = calibrate(base.model.diffusion_model, lambda m: [
+                base.model.apply_model(x, torch.full_like(sigma, s_), **kw) for s_ in QUALITY_SIGMAS])
+        common.free(base)
+        for label, fields in QUALITY_RECIPES.items():
+            t0 = time.perf_counter()
+            try:
+                q_sd_, meta_, rep = common.quantize_sd(sd, Recipe(**fields, sensitivity=False), stats)
+            except ModelOptError as e:  # e.g. a budget below what a float32 model keeps
+                results["rows"].append({"variant": label, "error": str(e)})
+                print(f"  {label}: {e}")
+                continue
+            q = common.load_stock(q_sd_, meta_)
+            row, _ = _run_variant(label, q, max(1, a.runs - 1), sample, ref)
+            row["quantize_s"] = round(time.perf_counter() - t0, 1)
+            row["bytes_vs_16bit"] = round(rep.total_bytes() / rep.total_bytes_16bit(), 4)
+            row["notes"] = [n for n in rep.notes if n.startswith("planner")]
+            record(row)
+            common.free(q)
+            del q_sd_
+        base = common.load_stock(sd)
     q_sd, meta = common.calibrated_fp8(base, sd, x, sigma, kw)
     common.free(base)
     del sd

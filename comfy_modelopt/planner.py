@@ -90,8 +90,9 @@ def solve(choices: list[Choice], budget_bytes: int) -> int:
     PlanError when even the smallest option of every layer exceeds the budget."""
     used = sum(c.chosen.bytes for c in choices)
     if used > budget_bytes:
-        raise PlanError(f"the smallest choice for every layer already takes {used / 2**20:.1f} MiB, over the "
-                        f"budget of {budget_bytes / 2**20:.1f} MiB: raise --budget or add a smaller candidate")
+        raise PlanError(f"the smallest choice for every planned layer takes {used / 2**20:.1f} MiB, over the "
+                        f"{max(budget_bytes, 0) / 2**20:.1f} MiB the budget leaves them: raise --budget or add a "
+                        f"smaller candidate")
     while True:
         best, best_gain = None, 0.0
         for c in choices:
@@ -157,6 +158,10 @@ def plan_budget(plan, source, stats, recipe, progress=None) -> dict:
         options[0].bytes = layer.n * layer.k * ITEMSIZE[layer.src_dtype]  # kept: its source dtype
         choices.append(Choice(layer, hull(options)))
         del w
+    if fixed >= recipe.budget * total16:
+        raise PlanError(f"the Linear layers the planner cannot change (kept 16-bit by rules or --keep, not "
+                        f"calibrated) already take {fixed / total16:.3f} of the 16-bit Linear bytes, more than "
+                        f"--budget {recipe.budget:g}: raise it")
     used = solve(choices, int(recipe.budget * total16) - fixed)
     counts: dict = {}
     for c in choices:
