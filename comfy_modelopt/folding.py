@@ -153,9 +153,13 @@ class Folds:
     notes: dict = field(default_factory=dict)      # layer name -> note
 
 
-def plan_folds(plan, source, stats, recipe, progress=None) -> Folds:
+def plan_folds(plan, source, stats, recipe, progress=None, given=None) -> Folds:
     """Search smoothing scales for every exact fold group of ``plan`` (whose weights ``source``
-    reads) on the calibration ``stats``, and record what to rescale.  ``progress(i, n, what)``."""
+    reads) on the calibration ``stats``, and record what to rescale.  ``progress(i, n, what)``.
+    ``given``: layer -> scales chosen elsewhere (the ModelOpt engine) instead of the search; a
+    group takes the geometric mean of its layers' scales, and layers in no group lose theirs."""
+    if given is not None:
+        return _given_folds(plan, source, given, progress)
     folds = Folds()
     p = plan.prefix
     rel_layers = {l.rel: l for l in plan.layers}
@@ -192,15 +196,45 @@ def plan_folds(plan, source, stats, recipe, progress=None) -> Folds:
                                   f"(out err {res.base_error:.4f}->{res.error:.4f}"
                                   + (f", held-out {res.held_base:.4f}->{res.held_error:.4f})"
                                      if res.held_error >= 0 else ")"))
-        if g.kind == "norm":
-            for suffix in (".weight", ".bias"):
-                folds.rows.setdefault(p + g.producer + suffix, []).append((slice(None), inv, 0.0))
-        else:
-            for rows, offset in producer_rows(g, rel_layers[g.producer].n):
-                # the weight rows scale alone; the offset moves only the bias
-                folds.rows.setdefault(p + g.producer + ".weight", []).append((rows, inv, 0.0))
-                if p + g.producer + ".bias" in source.tensors:
-                    folds.rows.setdefault(p + g.producer + ".bias", []).append((rows, inv, offset))
+        _record(folds, g, inv, p, rel_layers, source)
+    return folds
+
+
+def _record(folds: Folds, g: FoldGroup, inv: torch.Tensor, p: str, rel_layers: dict, source) -> None:
+    """The producer rows (and bias) a group's scales 1/s fold into."""
+    if g.kind == "norm":
+        for suffix in (".weight", ".bias"):
+            folds.rows.setdefault(p + g.producer + suffix, []).append((slice(None), inv, 0.0))
+        return
+    for rows, offset in producer_rows(g, rel_layers[g.producer].n):
+        # the weight rows scale alone; the offset moves only the bias
+        folds.rows.setdefault(p + g.producer + ".weight", []).append((rows, inv, 0.0))
+        if p + g.producer + ".bias" in source.tensors:
+            folds.rows.setdefault(p + g.producer + ".bias", []).append((rows, inv, offset))
+
+
+def _given_folds(plan, source, given: dict, progress=None) -> Folds:
+    folds = Folds()
+    p = plan.prefix
+    rel_layers = {l.rel: l for l in plan.layers}
+    rel_tensors = {k[len(p):] for k in source.tensors if k.startswith(p)}
+    groups = fold_groups(plan.family.name, rel_layers, rel_tensors)
+    folded = set()
+    for g in groups:
+        if not all(c in given for c in g.consumers):
+            continue
+        if g.kind != "norm" and plan.fmt.one_weight_scale and rel_layers[g.producer].quantized:
+            continue  # as plan_folds: not into a quantized producer with one fp8 scale
+        s = torch.exp(torch.stack([torch.log(given[c].float().clamp(min=1e-12)) for c in g.consumers]).mean(0))
+        for c in g.consumers:
+            folds.consumer[p + c] = s
+            folds.notes[p + c] = f"ModelOpt smoothing folded into {g.producer}" + (
+                f" (one scale for {len(g.consumers)} layers: their geometric mean)" if len(g.consumers) > 1 else "")
+            folded.add(c)
+        _record(folds, g, 1.0 / s, p, rel_layers, source)
+    for name in given:
+        if name not in folded and name in rel_layers:
+            folds.notes[p + name] = "ModelOpt smoothing dropped: no exact fold into a stock ComfyUI file for this layer"
     return folds
 
 

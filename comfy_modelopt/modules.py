@@ -208,7 +208,8 @@ def _literal(name: str) -> str:
 
 
 def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, family: str | Family | None = None,
-                    inplace: bool = False, native: bool | None = None, progress=None) -> torch.nn.Module:
+                    inplace: bool = False, native: bool | None = None, progress=None,
+                    engine=None) -> torch.nn.Module:
     """``module`` with every planned Linear layer replaced by a ``QuantLinear`` (and with
     ``recipe.conv="fp8"`` every planned convolution by a ``QuantConv2d``), computing exactly what
     ComfyUI computes for the file ``quantize_file`` would write from this module's weights.
@@ -222,13 +223,14 @@ def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, fami
     Ada, nvfp4/mxfp8 before Blackwell, any of them on a CPU - runs on its dequantized weight);
     True computes what a GPU that runs the format natively computes (the activation quantized
     too), on kitchen's reference where this device has no kernel: measure quality with it on a
-    CPU.  The report is ``module_report(result)``.
+    CPU.  ``engine``: ModelOpt's calibration of this module (``modelopt_engine.modelopt_calibrate``)
+    used instead of the own searches.  The report is ``module_report(result)``.
     Run the result under ``torch.no_grad()`` or ``torch.inference_mode()`` (inference only)."""
     target = module if inplace else copy.deepcopy(module)
     if family is None:
         family = module_family(target)
     sd = {k: v.detach() for k, v in target.state_dict().items()}
-    out, metadata, report = quantize(sd, recipe, stats, family=family, progress=progress)
+    out, metadata, report = quantize(sd, recipe, stats, family=family, progress=progress, engine=engine)
     dtype_of = {k: v.dtype for k, v in sd.items()}
     device_of = {k: v.device for k, v in sd.items()}
     del sd

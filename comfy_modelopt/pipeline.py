@@ -210,17 +210,31 @@ def output_metadata(plan: Plan, report: QuantReport, source_meta: dict, source_i
 
 def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict | None = None,
                     progress: Progress | None = None, check_interrupt: Callable[[], None] | None = None,
-                    family: str | Family = "auto", refuse_unknown: bool = False, shard=None) -> QuantReport:
+                    family: str | Family = "auto", refuse_unknown: bool = False, shard=None,
+                    engine=None) -> QuantReport:
     """Quantize ``source`` into ``sink`` layer by layer; returns the report.  ``family``: "auto"
     (detect; a file of no known family is refused with ``refuse_unknown``, else planned with the
     generic rules), "generic", or a family name (families.FAMILY_CHOICES).  ``shard``
     (``distributed.Shard``): every rank of a torch.distributed job calls this alike; the
-    quantized layers are encoded across the ranks and rank 0 writes ``sink`` (others: NullSink)."""
+    quantized layers are encoded across the ranks and rank 0 writes ``sink`` (others: NullSink).
+    ``engine`` (``modelopt_engine.EngineResult``): ModelOpt's calibration choices (input ranges,
+    absmax weights, its smoothing folded where exact) instead of the own searches."""
     t0 = time.perf_counter()
     _check_needs_stats(recipe, stats)
+    if engine is not None and stats is None:
+        raise PlanError("the ModelOpt engine's choices go with activation statistics of the same model: "
+                        "calibrate it too (the same forward loop) and pass both")
+    if engine is not None and engine.format != recipe.format:
+        raise PlanError(f"the ModelOpt calibration was made for {engine.format}, the recipe asks {recipe.format}")
     plan, report = _plan_and_report(source, recipe, stats, family, refuse_unknown, progress)
     folds = Folds()
-    if recipe.smoothing != "none" and not recipe.own_loader:  # own-loader files carry it per layer
+    plan.engine = engine
+    given = {n: l.smooth for n, l in engine.layers.items() if l.smooth is not None} if engine is not None else {}
+    if engine is not None:
+        report.notes.append(engine.note())
+        if given:
+            folds = plan_folds(plan, source, stats, recipe, progress, given=given)
+    elif recipe.smoothing != "none" and not recipe.own_loader:  # own-loader files carry it per layer
         folds = plan_folds(plan, source, stats, recipe, progress)
     summary = stats.summary_json() if stats is not None else None
     info = dict(source_info or {})
@@ -330,7 +344,7 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
             layer_stats = stats.layer(layer.rel) if stats is not None and stats.has(layer.rel) else None
             tensors, rep = quantize_layer(w, layer, plan, layer_stats, smooth=folds.consumer.get(layer.name))
             del w
-            if recipe.smoothing != "none" and not recipe.own_loader:
+            if (recipe.smoothing != "none" and not recipe.own_loader) or layer.name in folds.notes:
                 fold_note = folds.notes.get(layer.name, "smoothing skipped: no exact fold into a stock "
                                                         "ComfyUI file for this layer")
                 rep.notes = ", ".join(x for x in (fold_note, rep.notes) if x)
@@ -370,7 +384,7 @@ def _add_notes(plan: Plan, report: QuantReport, stats) -> None:
 
 
 def quantize(state_dict: dict[str, torch.Tensor], recipe: Recipe, stats=None, metadata: dict | None = None,
-             progress: Progress | None = None, family: str | Family = "auto"
+             progress: Progress | None = None, family: str | Family = "auto", engine=None
              ) -> tuple[dict[str, torch.Tensor], dict[str, str], QuantReport]:
     """Quantize an in-memory state dict (a diffusion model's, any prefix ComfyUI knows):
     returns the output state dict (CPU tensors, ``state_dict`` itself untouched), the
@@ -384,7 +398,7 @@ def quantize(state_dict: dict[str, torch.Tensor], recipe: Recipe, stats=None, me
     stats = _stats_of(stats)
     sink = DictSink()
     report = quantize_source(DictSource.from_state_dict(state_dict, metadata), sink, recipe, stats,
-                             progress=progress, family=family, refuse_unknown=True)
+                             progress=progress, family=family, refuse_unknown=True, engine=engine)
     return sink.tensors, sink.metadata, report
 
 

@@ -60,6 +60,7 @@ class Plan:
     opts: dict = field(default_factory=dict)   # its options (Recipe.format_options)
     unmatched_keep: list = field(default_factory=list)  # warnings: --keep patterns that matched nothing
     planner: dict | None = None  # the mixed-precision planner's summary (planner.plan_budget)
+    engine: object = None        # modelopt_engine.EngineResult: ModelOpt's calibration choices
 
     @property
     def quantized(self) -> list[LayerPlan]:

@@ -102,6 +102,14 @@ def choose(w: torch.Tensor, x: torch.Tensor | None, layer: LayerPlan, plan: Plan
         branch = (parts.l1.to(torch.bfloat16).contiguous(), parts.l2.to(torch.bfloat16).contiguous())
         w = parts.residual
         notes.append(f"low-rank r={parts.l1.shape[1]}")
+    engine = plan.engine.layers.get(layer.rel) if plan.engine is not None else None
+    if engine is not None:  # ModelOpt's choices: its input range, absmax weights (its max calibrator)
+        input_scale = None
+        if layer.static_input:
+            input_scale = (engine.input_amax / fmt.input_fmax() if smooth is None and engine.input_amax
+                           else _input_scale(layer_stats, fmt, Recipe(fmt.name, input_scale="max"), smooth))
+        return LayerChoice(w, x, smoothed, ClipChoice(None, 1.0, "weight"), input_scale, pre_scale, branch, split,
+                           notes)
     input_scale = None
     if layer.static_input:
         input_scale = _input_scale(layer_stats, fmt, recipe, smooth) if split is None else \

@@ -1,0 +1,114 @@
+"""NVIDIA ModelOpt as an optional calibration engine (``pip install comfy-modelopt[modelopt]``).
+
+``modelopt_calibrate(module, forward_loop, recipe, algorithm)`` runs ``mtq.quantize`` on a copy
+of ``module`` (the caller's module is never changed) with a configuration restricted to what
+ComfyUI's native format can express - the weight and input quantizers of Linear layers, nothing
+else (ModelOpt's default configurations also quantize other modules' inputs) - and reads back,
+per Linear layer, what its calibration chose:
+
+- ``input_amax``: the static activation range (fp8 W8A8 ``input_scale`` = amax / 448; nvfp4's
+  optional static input scale);
+- ``weight_amax``: the weight range ModelOpt would quantize with (a clip factor for our encoder);
+- ``smooth``: SmoothQuant's / AWQ's per-channel scale, as ``s`` with the layer computing
+  ``(x / s) @ (W * s)^T`` (ModelOpt's ``pre_quant_scale`` is ``1 / s``).
+
+``quantize_module(..., engine=EngineResult)`` / ``quantize(..., engine=...)`` then write the same
+files as the own engine, encoded by comfy-kitchen: the smoothing scales are folded exactly into
+their producers where the file allows it (``folding``: one scale per fold group, the geometric
+mean of its layers' ModelOpt scales) and dropped - with a report note - where it does not.
+
+Algorithms: ``max`` (fp8, int8, nvfp4; runs on a CPU), ``smoothquant`` (int8; CPU),
+``awq_lite`` (nvfp4; ModelOpt's fp4 fake quantization needs CUDA - refused without it).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from .calibrate import linear_layers
+from .errors import ModelOptError
+
+ALGORITHMS = ("max", "smoothquant", "awq_lite")
+_FORMATS = {  # our format -> (weight quantizer cfg, input quantizer cfg)
+    "float8_e4m3fn": ({"num_bits": (4, 3), "axis": None}, {"num_bits": (4, 3), "axis": None}),
+    "int8_tensorwise": ({"num_bits": 8, "axis": 0}, {"num_bits": 8, "axis": None}),
+    "nvfp4": ({"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}},
+              {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}),
+}
+# ModelOpt 0.47's smoothquant smooths int8 quantizers only (with fp8 ones it smoothed nothing)
+_ALGORITHM_FORMATS = {"max": tuple(_FORMATS), "smoothquant": ("int8_tensorwise",), "awq_lite": ("nvfp4",)}
+_NEEDS_CUDA = {"awq_lite"}
+
+
+@dataclass
+class EngineLayer:
+    input_amax: float | None = None
+    weight_amax: torch.Tensor | None = None    # scalar (per tensor) or [N] (per row), of W * smooth
+    smooth: torch.Tensor | None = None         # s [K]: x / s, W * s
+
+
+@dataclass
+class EngineResult:
+    algorithm: str
+    format: str
+    layers: dict[str, EngineLayer] = field(default_factory=dict)
+    version: str = ""
+
+    def note(self) -> str:
+        return f"calibration engine: NVIDIA ModelOpt {self.version} ({self.algorithm})"
+
+
+def require_modelopt():
+    try:
+        import modelopt
+        import modelopt.torch.quantization as mtq
+    except ImportError as e:
+        raise ModelOptError(f"the ModelOpt engine needs NVIDIA ModelOpt: pip install 'comfy-modelopt[modelopt]' "
+                            f"({type(e).__name__}: {e})") from None
+    return mtq, modelopt.__version__
+
+
+def _literal(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+
+
+def modelopt_calibrate(module: torch.nn.Module, forward_loop, recipe, algorithm: str = "max") -> EngineResult:
+    """ModelOpt's calibration of ``module``'s Linear layers (on a copy) for ``recipe.format``."""
+    if algorithm not in ALGORITHMS:
+        raise ModelOptError(f"unknown ModelOpt algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    if recipe.format not in _ALGORITHM_FORMATS[algorithm]:
+        raise ModelOptError(f"ModelOpt {algorithm} does not export to {recipe.format} here; it does to "
+                            f"{', '.join(_ALGORITHM_FORMATS[algorithm])}")
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    if algorithm in _NEEDS_CUDA and device.type != "cuda":
+        raise ModelOptError(f"ModelOpt {algorithm} runs fake {recipe.format} quantization, which needs CUDA: put "
+                            f"the model on a GPU (the module is on {device})")
+    mtq, version = require_modelopt()
+    work = copy.deepcopy(module)
+    names = list(linear_layers(work))
+    wcfg, icfg = _FORMATS[recipe.format]
+    quant_cfg = [{"quantizer_name": "*", "enable": False}]
+    for n in names:
+        quant_cfg.append({"quantizer_name": _literal(n) + ".weight_quantizer", "cfg": wcfg})
+        quant_cfg.append({"quantizer_name": _literal(n) + ".input_quantizer", "cfg": icfg})
+    algo = {"method": "smoothquant", "alpha": recipe.smooth_alpha} if algorithm == "smoothquant" else algorithm
+    mtq.quantize(work, {"quant_cfg": quant_cfg, "algorithm": algo}, forward_loop)
+    result = EngineResult(algorithm, recipe.format, version=version)
+    for n in names:
+        m = work.get_submodule(n)
+        wq, iq = getattr(m, "weight_quantizer", None), getattr(m, "input_quantizer", None)
+        if wq is None:
+            continue
+        layer = EngineLayer()
+        if iq is not None and getattr(iq, "amax", None) is not None:
+            layer.input_amax = float(iq.amax.float().max())
+        if getattr(wq, "amax", None) is not None:
+            layer.weight_amax = wq.amax.detach().float().reshape(-1).cpu()
+        pqs = getattr(iq, "pre_quant_scale", None) if iq is not None else None
+        if pqs is not None:
+            layer.smooth = (1.0 / pqs.detach().float().reshape(-1)).cpu()
+        result.layers[n] = layer
+    del work
+    return result

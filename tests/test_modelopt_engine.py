@@ -1,0 +1,89 @@
+"""NVIDIA ModelOpt as the calibration engine (modelopt_engine.py), on the CPU: its max
+calibrator and INT8 SmoothQuant, exported into the files the own engine writes."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt is not installed "
+                    "(pip install 'comfy-modelopt[modelopt]'); requirements-test.txt installs it")
+
+from comfy_modelopt import Recipe, quantize  # noqa: E402
+from comfy_modelopt.calibrate import calibrate  # noqa: E402
+from comfy_modelopt.errors import ModelOptError, PlanError  # noqa: E402
+from comfy_modelopt.formats import FORMATS  # noqa: E402
+from comfy_modelopt.modelopt_engine import modelopt_calibrate, require_modelopt  # noqa: E402
+from comfy_modelopt.pipeline import DictSink, DictSource, quantize_source  # noqa: E402
+
+from helpers import SDBlock, init_sd_block  # noqa: E402
+from test_smoothing import PREFIX, _Root  # noqa: E402
+
+
+def _setup():
+    block = init_sd_block(SDBlock(), 0)
+    root = _Root(block)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(2, 16, 64, generator=g), torch.randn(2, 8, 48, generator=g)) for _ in range(6)]
+    loop = lambda mod: [mod(x, c) for x, c in data]  # noqa: E731
+    with torch.no_grad():
+        stats = calibrate(root, loop)
+    sd = {PREFIX + k: v.detach().clone() for k, v in block.state_dict().items()}
+    sd["input_blocks.0.0.weight"] = torch.zeros(64, 4, 3, 3)  # an SD1.x UNet by its keys
+    return root, loop, stats, sd
+
+
+def test_max_calibration_gives_the_static_input_scales_of_the_max_rule():
+    root, loop, stats, sd = _setup()
+    before = {k: v.clone() for k, v in root.state_dict().items()}
+    recipe = Recipe("float8_e4m3fn", sensitivity=False)
+    with torch.no_grad():
+        engine = modelopt_calibrate(root, loop, recipe, "max")
+    assert all(torch.equal(before[k], v) for k, v in root.state_dict().items())  # the module is untouched
+    out, _meta, report = quantize(sd, recipe, stats, engine=engine)
+    assert any(n.startswith("calibration engine: NVIDIA ModelOpt") for n in report.notes)
+    fmax = FORMATS["float8_e4m3fn"].input_fmax()
+    for name, layer in engine.layers.items():
+        key = PREFIX + name.split("transformer_blocks.0.", 1)[1] + ".input_scale"
+        if key in out:  # ModelOpt's amax and ours saw the same inputs
+            assert float(out[key]) == pytest.approx(layer.input_amax / fmax, rel=1e-6)
+            assert layer.input_amax == pytest.approx(stats.layer(name).amax_value(), rel=1e-6)
+
+
+def test_int8_smoothquant_folds_where_exact_and_says_where_not():
+    root, loop, stats, sd = _setup()
+    recipe = Recipe("int8_tensorwise", sensitivity=False)
+    with torch.no_grad():
+        engine = modelopt_calibrate(root, loop, recipe, "smoothquant")
+    assert sum(1 for l in engine.layers.values() if l.smooth is not None) >= 6
+    sink = DictSink()
+    report = quantize_source(DictSource.from_state_dict(sd), sink, recipe, stats, engine=engine)
+    notes = {l.name[len(PREFIX):]: l.notes for l in report.quantized}
+    assert "ModelOpt smoothing folded into" in notes["attn1.to_q"] and "geometric mean" in notes["attn1.to_q"]
+    assert "ModelOpt smoothing folded into" in notes["ff.net.2"]  # the GEGLU value rows
+    assert not torch.equal(sink.tensors[PREFIX + "norm1.weight"], sd[PREFIX + "norm1.weight"])  # folded
+    assert "dropped" in notes["attn2.to_v"]  # cross-attention values read the text context: no fold
+
+
+def test_engine_needs_statistics_and_its_own_format():
+    root, loop, stats, sd = _setup()
+    with torch.no_grad():
+        engine = modelopt_calibrate(root, loop, Recipe("int8_tensorwise"), "max")
+    with pytest.raises(PlanError, match="statistics"):
+        quantize(sd, Recipe("int8_tensorwise"), None, engine=engine)
+    with pytest.raises(PlanError, match="made for int8_tensorwise"):
+        quantize(sd, Recipe("nvfp4"), stats, engine=engine)
+
+
+def test_refusals_are_clear(monkeypatch):
+    root, loop, _stats, _sd = _setup()
+    with pytest.raises(ModelOptError, match="needs CUDA"):
+        modelopt_calibrate(root, loop, Recipe("nvfp4"), "awq_lite")
+    with pytest.raises(ModelOptError, match="does not export to nvfp4"):
+        modelopt_calibrate(root, loop, Recipe("nvfp4"), "smoothquant")
+    with pytest.raises(ModelOptError, match="unknown ModelOpt algorithm"):
+        modelopt_calibrate(root, loop, Recipe("nvfp4"), "svdquant")
+    monkeypatch.setitem(sys.modules, "modelopt", None)
+    with pytest.raises(ModelOptError, match=r"pip install 'comfy-modelopt\[modelopt\]'"):
+        require_modelopt()
