@@ -93,8 +93,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="mixed precision: each Linear layer gets the candidate format (or 16-bit) that buys "
                         "the most accuracy per byte, all Linear weights within FRACTION x their 16-bit bytes "
                         "(e.g. 0.35; needs --stats; 0: one format)")
+    q.add_argument("--max-error", type=float, default=0.0, metavar="E",
+                   help="mixed precision the other way round: the smallest file whose summed predicted "
+                        "relative output error over the planned layers stays within E (needs --stats)")
     q.add_argument("--candidates", default="", metavar="FMT,FMT",
-                   help="with --budget: the formats to choose from (default nvfp4,float8_e4m3fn,int8_tensorwise; "
+                   help="with --budget / --max-error: the formats to choose from (default "
+                        "nvfp4,float8_e4m3fn,int8_tensorwise; "
                         "--convrot and --gptq apply to each)")
     q.add_argument("--keep", action="append", default=[], metavar="PATTERN",
                    help="glob of layer names (no .weight suffix) to keep 16-bit; repeatable")
@@ -123,7 +127,7 @@ def _recipe(a):
                   percentile=a.percentile, smoothing=a.smoothing, smooth_alpha=a.smooth_alpha,
                   gptq=a.gptq, static_nvfp4_input=a.static_nvfp4_input, convrot=a.convrot,
                   convrot_groupsize=a.convrot_groupsize, linear_dtype=a.linear_dtype,
-                  keep=tuple(a.keep), lowrank=a.lowrank, conv=a.conv, budget=a.budget,
+                  keep=tuple(a.keep), lowrank=a.lowrank, conv=a.conv, budget=a.budget, max_error=a.max_error,
                   candidates=tuple(c.strip() for c in a.candidates.split(",") if c.strip()))
 
 

@@ -257,7 +257,9 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
 def _planner_note(summary: dict, report: QuantReport) -> str:
     measured = sum(l.out_err for l in report.quantized if l.out_err >= 0)
     counts = ", ".join(f"{n} {f}" for f, n in sorted(summary["counts"].items(), key=lambda x: -x[1]))
-    note = (f"planner: budget {summary['budget']:g} of the 16-bit Linear bytes, used {summary['fraction']:.3f}: "
+    goal = (f"budget {summary['budget']:g} of the 16-bit Linear bytes" if summary["budget"] else
+            f"max summed error {summary['max_error']:g}")
+    note = (f"planner: {goal}, used {summary['fraction']:.3f} of the 16-bit Linear bytes: "
             f"{counts}; summed output error of the {summary['layers']} planned layers predicted "
             f"{summary['predicted']:.4f} (absmax scales), measured {measured:.4f} (chosen scales)")
     return note + (f"; {summary['speed']}" if summary["speed"] else "")
@@ -280,7 +282,7 @@ def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto
     plan = make_plan(source.tensors, recipe, stats=stats, refuse_unknown=refuse_unknown, family=family)
     if stats is not None:
         stats.check_model({l.rel: (l.n, l.k) for l in plan.layers})
-    if recipe.budget:
+    if recipe.planned:
         plan.planner = plan_budget(plan, source, stats, recipe, progress)
     report = QuantReport(plan.family.name, recipe.to_dict(), [kept_report(l) for l in plan.layers])
     for key, (dtype, shape) in plan.passthrough.items():

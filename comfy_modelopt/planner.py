@@ -1,5 +1,6 @@
 """Mixed precision under a size budget: each Linear layer gets the format that buys the most
-output accuracy per byte, the whole file staying within ``Recipe.budget`` x its 16-bit bytes.
+output accuracy per byte, the whole file staying within ``Recipe.budget`` x its 16-bit bytes -
+or, with ``Recipe.max_error``, the smallest file whose summed predicted error stays within it.
 
 ComfyUI's format is per layer (``.comfy_quant``), so a mixed file loads in stock ComfyUI.
 
@@ -111,6 +112,31 @@ def solve(choices: list[Choice], budget_bytes: int) -> int:
         best.at += 1
 
 
+def solve_error(choices: list[Choice], max_error: float) -> int:
+    """The smallest file whose summed predicted error stays within ``max_error``: every layer
+    starts at its most accurate option (the hull's last), and the step down that saves the most
+    bytes per unit of error added is taken while the total allows it.  Returns the bytes used."""
+    for c in choices:
+        c.at = len(c.options) - 1
+    err = sum(c.chosen.error for c in choices)
+    while True:
+        best, best_rate = None, -1.0
+        for c in choices:
+            if c.at == 0:
+                continue
+            cur, lower = c.options[c.at], c.options[c.at - 1]
+            added = lower.error - cur.error
+            if err + added > max_error:
+                continue
+            rate = (cur.bytes - lower.bytes) / max(added, 1e-12)
+            if rate > best_rate:
+                best, best_rate = c, rate
+        if best is None:
+            return sum(c.chosen.bytes for c in choices)
+        err += best.options[best.at - 1].error - best.chosen.error
+        best.at -= 1
+
+
 def resolve_candidates(recipe) -> dict[str, tuple[Format, dict]]:
     names = recipe.candidates or DEFAULT_CANDIDATES
     return {n: (FORMATS[n], recipe.format_options(n)) for n in names}
@@ -158,11 +184,14 @@ def plan_budget(plan, source, stats, recipe, progress=None) -> dict:
         options[0].bytes = layer.n * layer.k * ITEMSIZE[layer.src_dtype]  # kept: its source dtype
         choices.append(Choice(layer, hull(options)))
         del w
-    if fixed >= recipe.budget * total16:
-        raise PlanError(f"the Linear layers the planner cannot change (kept 16-bit by rules or --keep, not "
-                        f"calibrated) already take {fixed / total16:.3f} of the 16-bit Linear bytes, more than "
-                        f"--budget {recipe.budget:g}: raise it")
-    used = solve(choices, int(recipe.budget * total16) - fixed)
+    if recipe.max_error:
+        used = solve_error(choices, recipe.max_error)
+    else:
+        if fixed >= recipe.budget * total16:
+            raise PlanError(f"the Linear layers the planner cannot change (kept 16-bit by rules or --keep, not "
+                            f"calibrated) already take {fixed / total16:.3f} of the 16-bit Linear bytes, more "
+                            f"than --budget {recipe.budget:g}: raise it")
+        used = solve(choices, int(recipe.budget * total16) - fixed)
     counts: dict = {}
     for c in choices:
         o, layer = c.chosen, c.layer
@@ -176,7 +205,7 @@ def plan_budget(plan, source, stats, recipe, progress=None) -> dict:
             assign(layer, fmt, recipe, opts, stats)
             lay_out(layer, fmt, recipe)
         layer.predicted = o.error
-    return {"budget": recipe.budget, "fraction": (used + fixed) / total16 if total16 else 0.0,
+    return {"budget": recipe.budget, "max_error": recipe.max_error, "fraction": (used + fixed) / total16 if total16 else 0.0,
             "counts": counts, "predicted": sum(c.chosen.error for c in choices), "layers": len(choices),
             "speed": speed_note(counts)}
 

@@ -43,6 +43,7 @@ class Recipe:
     keep: tuple[str, ...] = field(default_factory=tuple)  # glob patterns forced to 16-bit
     budget: float = 0.0                # > 0: mixed precision, Linear bytes <= budget x 16-bit (planner.py)
     candidates: tuple[str, ...] = field(default_factory=tuple)  # the planner's formats (empty: default)
+    max_error: float = 0.0             # > 0: the planner's smallest file with summed predicted error <= this
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -70,9 +71,13 @@ class Recipe:
         for name in self.candidates:
             if name not in FORMATS:
                 raise ValueError(f"unknown candidate format {name!r}; choose from: {', '.join(FORMATS)}")
-        if self.candidates and not self.budget:
-            raise ValueError("candidates are the planner's formats: give a budget too")
-        if self.budget and (self.smoothing != "none" or self.lowrank):
+        if self.max_error < 0:
+            raise ValueError(f"max_error must be >= 0, got {self.max_error}")
+        if self.budget and self.max_error:
+            raise ValueError("give the planner a size budget or an error budget, not both")
+        if self.candidates and not self.planned:
+            raise ValueError("candidates are the planner's formats: give a budget (or max_error) too")
+        if self.planned and (self.smoothing != "none" or self.lowrank):
             raise ValueError("the mixed-precision planner (budget) does not combine with smoothing or the "
                              "low-rank branch yet: quantize with one of them, or without them")
 
@@ -85,7 +90,13 @@ class Recipe:
         """The options set here that mean nothing without activation statistics (refused then)."""
         return [name for name, on in ((f"smoothing={self.smoothing}", self.smoothing != "none"),
                                       ("gptq", self.gptq), ("static_nvfp4_input", self.static_nvfp4_input),
-                                      (f"budget={self.budget:g}", self.budget > 0)) if on]
+                                      (f"budget={self.budget:g}", self.budget > 0),
+                                      (f"max_error={self.max_error:g}", self.max_error > 0)) if on]
+
+    @property
+    def planned(self) -> bool:
+        """The mixed-precision planner chooses each layer's format (planner.py)."""
+        return self.budget > 0 or self.max_error > 0
 
     @property
     def own_loader(self) -> bool:

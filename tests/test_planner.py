@@ -11,7 +11,7 @@ from comfy_modelopt import Recipe, quantize
 from comfy_modelopt.calibrate import calibrate
 from comfy_modelopt.errors import PlanError
 from comfy_modelopt.fileformat import decode_comfy_quant
-from comfy_modelopt.planner import Choice, Option, hull, solve
+from comfy_modelopt.planner import Choice, Option, hull, solve, solve_error
 
 
 def test_hull_drops_dominated_and_concave_options():
@@ -98,3 +98,38 @@ def test_planner_needs_statistics_and_a_plain_recipe():
         Recipe(format="nvfp4", budget=0.4, candidates=("fp4",))
     with pytest.raises(ValueError, match="fraction"):
         Recipe(budget=1.5)
+
+
+def test_error_budget_gives_the_smallest_file_within_it():
+    rnd = random.Random(1)
+    for _ in range(50):
+        layers = []
+        for _ in range(6):
+            size = rnd.randint(1, 8) * 100
+            e4, e8 = sorted((rnd.random(), rnd.random() * 0.3), reverse=True)
+            layers.append([Option("q4", size, e4), Option("q8", 2 * size, e8), Option("16", 4 * size, 0.0)])
+        max_error = rnd.random() * sum(l[0].error for l in layers)
+        choices = [Choice(None, hull(l)) for l in layers]
+        used = solve_error(choices, max_error)
+        assert sum(c.chosen.error for c in choices) <= max_error + 1e-12
+        assert used == sum(c.chosen.bytes for c in choices)
+        best = min(sum(o.bytes for o in combo) for combo in itertools.product(*layers)
+                   if sum(o.error for o in combo) <= max_error)
+        assert used <= best + max(l[2].bytes - l[0].bytes for l in layers)  # within one layer's step
+    choices = [Choice(None, hull(l)) for l in layers]
+    assert solve_error(choices, 0.0) == sum(l[2].bytes for l in layers)        # nothing may err: 16-bit
+    assert solve_error(choices, 1e9) == sum(l[0].bytes for l in layers)        # anything goes: smallest
+
+
+def test_error_budget_end_to_end():
+    sd, stats = _model_and_stats()
+    sizes, predicted = [], []
+    for max_error in (0.05, 0.2, 0.6):
+        out, _meta, report = quantize(sd, Recipe(format="nvfp4", max_error=max_error), stats, family="generic")
+        note = next(n for n in report.notes if n.startswith("planner: max summed error"))
+        predicted.append(float(note.split("predicted ")[1].split(" ")[0]))
+        sizes.append(_linear_bytes(out, ["0", "1", "2", "3"]))
+        assert predicted[-1] <= max_error
+    assert sizes[0] >= sizes[1] >= sizes[2] and sizes[0] > sizes[2]
+    with pytest.raises(ValueError, match="not both"):
+        Recipe(format="nvfp4", budget=0.4, max_error=0.1)

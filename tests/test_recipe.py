@@ -38,6 +38,11 @@ def test_every_field_survives(recipe):  # a new field that to_dict forgets fails
     assert changed, "the test recipe sets something"
 
 
+def test_cli_builds_an_error_budget_recipe():
+    a = cli._parser().parse_args(["quantize", "s.safetensors", "-o", "o.safetensors", "--max-error", "0.5"])
+    assert cli._recipe(a) == Recipe(max_error=0.5)
+
+
 def test_cli_builds_a_planned_recipe():
     a = cli._parser().parse_args(["quantize", "s.safetensors", "-o", "o.safetensors", "--format", "int8_tensorwise",
                                   "--convrot", "--gptq", "--budget", "0.35", "--candidates", "nvfp4, int8_tensorwise"])
