@@ -206,6 +206,11 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                                        "int8 or 16-bit - whichever buys the most accuracy per byte - with all "
                                        "Linear weights within this fraction of their 16-bit size (e.g. 0.35). "
                                        "0: the format above for every layer."),
+                io.Float.Input("max_error", default=0.0, min=0.0, max=1000.0, step=0.01, advanced=True,
+                               optional=True,
+                               tooltip="Mixed precision the other way round (needs calibration; instead of "
+                                       "budget): the smallest model whose summed predicted relative output "
+                                       "error over its Linear layers stays within this. 0: off."),
                 io.Combo.Input("runtime", options=list(RUNTIMES), default=DEFAULT_RUNTIME, tooltip=RUNTIME_TOOLTIP),
                 io.Float.Input("dequant_cache_gib", default=0.0, min=0.0, max=1024.0, step=0.5, advanced=True,
                                optional=True, tooltip=DEQUANT_CACHE_TOOLTIP),
@@ -217,11 +222,12 @@ class ModelOptQuantizeUNet(io.ComfyNode):
     @classmethod
     def execute(cls, model, format, weight_scale, input_scale, smoothing, gptq, convrot, static_nvfp4_input,
                 keep, runtime="lean", lowrank=0, conv="none", calibration=None,
-                dequant_cache_gib=0.0, budget=0.0) -> io.NodeOutput:
+                dequant_cache_gib=0.0, budget=0.0, max_error=0.0) -> io.NodeOutput:
         try:
             recipe = Recipe(format=format, weight_scale=weight_scale, input_scale=input_scale, smoothing=smoothing,
                             gptq=gptq, convrot=convrot, static_nvfp4_input=static_nvfp4_input,
-                            keep=_pattern_lines(keep), lowrank=lowrank, conv=conv, budget=budget)
+                            keep=_pattern_lines(keep), lowrank=lowrank, conv=conv, budget=budget,
+                            max_error=max_error)
         except ValueError as e:
             raise NodeError(str(e)) from None
         if recipe.needs_statistics() and calibration is None:

@@ -163,6 +163,10 @@ def test_budget_plans_mixed_precision_and_samples(env):
     assert len(formats) > 1 and formats <= {"nvfp4", "float8_e4m3fn", "int8_tensorwise"}, formats
     out = sample(env, qmodel, 2, 0)
     assert torch.isfinite(out).all()
+    _, report = quantize(env, format="nvfp4", max_error=0.5, runtime="stock")
+    assert "planner: max summed error 0.5" in report
+    with pytest.raises(Exception, match="not both"):
+        quantize(env, format="nvfp4", budget=0.4, max_error=0.5)
 
 
 def test_save_and_reload_identical(env):
