@@ -27,8 +27,9 @@ unquantized tensors and writes the file, collects them in file order (the stream
 from __future__ import annotations
 
 import json
+import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -131,6 +132,7 @@ class Shard:
     world: int
     device: torch.device          # where collective buffers live (CUDA for NCCL)
     group: object = None
+    _pending: list = field(default_factory=list, repr=False, compare=False)  # layers sent, not yet received
 
     @classmethod
     def current(cls, group=None) -> "Shard | None":
@@ -162,18 +164,14 @@ class Shard:
         data = torch.frombuffer(bytearray(report_json.encode()), dtype=torch.uint8)
         bufs = [_as_bytes(tensors[key]).to(self.device) for key in sorted(tensors)]
         bufs += [torch.tensor([data.numel()], dtype=torch.int64, device=self.device), data.to(self.device)]
-        pending = getattr(self, "_pending", None)
-        if pending is None:
-            pending = self._pending = []
-        pending.append((bufs, [dist.isend(b, dst, group=self.group) for b in bufs]))
-        while len(pending) > SEND_WINDOW:
-            self._wait(pending.pop(0))
+        self._pending.append((bufs, [dist.isend(b, dst, group=self.group) for b in bufs]))
+        while len(self._pending) > SEND_WINDOW:
+            self._wait(self._pending.pop(0))
 
     def flush(self) -> None:
         """Wait until every sent layer was received."""
-        for item in getattr(self, "_pending", None) or []:
-            self._wait(item)
-        self._pending = []
+        while self._pending:
+            self._wait(self._pending.pop(0))
 
     @staticmethod
     def _wait(item) -> None:
@@ -186,10 +184,7 @@ class Shard:
         out = {}
         for key in sorted(planned):
             dtype, shape = planned[key]
-            n = torch.empty((), dtype=dtype).element_size()
-            for d in shape:
-                n *= d
-            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+            buf = torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8, device=self.device)
             dist.recv(buf, src, group=self.group)
             out[key] = buf.cpu().view(dtype).reshape(shape)
         size = torch.empty(1, dtype=torch.int64, device=self.device)

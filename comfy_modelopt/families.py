@@ -42,6 +42,11 @@ class Family:
         return not any(fnmatch.fnmatchcase(layer, p) for p in self.not_linear)
 
 
+def literal_glob(name: str) -> str:
+    """A glob matching exactly ``name`` (its glob characters bracketed)."""
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+
+
 def _has(*keys):
     return lambda s: all(k in s for k in keys)
 

@@ -158,8 +158,6 @@ def plan_folds(plan, source, stats, recipe, progress=None, given=None) -> Folds:
     reads) on the calibration ``stats``, and record what to rescale.  ``progress(i, n, what)``.
     ``given``: layer -> scales chosen elsewhere (the ModelOpt engine) instead of the search; a
     group takes the geometric mean of its layers' scales, and layers in no group lose theirs."""
-    if given is not None:
-        return _given_folds(plan, source, given, progress)
     folds = Folds()
     p = plan.prefix
     rel_layers = {l.rel: l for l in plan.layers}
@@ -170,33 +168,44 @@ def plan_folds(plan, source, stats, recipe, progress=None, given=None) -> Folds:
         if progress:
             progress(i, len(groups), "smoothing " + g.consumers[0])
         first = g.consumers[0]
-        if not stats.has(first) or not stats.layer(first).has_sample():
-            continue
-        if g.kind != "norm" and fmt.one_weight_scale and rel_layers[g.producer].quantized:
-            # dividing a quantized producer's rows by s shrinks some rows far below the one
-            # per-tensor fp8 scale they share, and the consumer's search cannot see that error
-            # (an SD block, tests/test_calibration.py: 1.28x the unsmoothed error with these
-            # folds, 0.88x without; full SDXL in docs/benchmarks.md)
-            for c in g.consumers:
-                folds.notes[p + c] = (f"{recipe.smoothing}: not folded into {g.producer} (quantized with one "
-                                      f"per-tensor fp8 scale)")
-            continue
-        w = torch.cat([read_rows_scaled(source, p + c + ".weight", folds) for c in g.consumers])
-        res = choose_smoothing(w, stats.layer(first), fmt, recipe.smoothing,
-                               static_input=rel_layers[first].static_input, **rel_layers[first].opts)
-        if res.scales is None:
-            held = f" (held-out {res.held_base:.4f})" if res.held_base >= 0 else ""
-            for c in g.consumers:
-                folds.notes[p + c] = f"{recipe.smoothing}: no gain{held}"
-            continue
-        inv = 1.0 / res.scales
+        # dividing a quantized producer's rows by s shrinks some rows far below the one
+        # per-tensor fp8 scale they share, and the consumer's search cannot see that error
+        # (an SD block, tests/test_calibration.py: 1.28x the unsmoothed error with these
+        # folds, 0.88x without; full SDXL in docs/benchmarks.md)
+        fp8_producer = g.kind != "norm" and fmt.one_weight_scale and rel_layers[g.producer].quantized
+        if given is not None:
+            if not all(c in given for c in g.consumers) or fp8_producer:
+                continue
+            s = torch.exp(torch.stack([torch.log(given[c].float().clamp(min=1e-12)) for c in g.consumers]).mean(0))
+            note = f"ModelOpt smoothing folded into {g.producer}" + (
+                f" (one scale for {len(g.consumers)} layers: their geometric mean)" if len(g.consumers) > 1 else "")
+        else:
+            if not stats.has(first) or not stats.layer(first).has_sample():
+                continue
+            if fp8_producer:
+                for c in g.consumers:
+                    folds.notes[p + c] = (f"{recipe.smoothing}: not folded into {g.producer} (quantized with one "
+                                          f"per-tensor fp8 scale)")
+                continue
+            w = torch.cat([read_rows_scaled(source, p + c + ".weight", folds) for c in g.consumers])
+            res = choose_smoothing(w, stats.layer(first), fmt, recipe.smoothing,
+                                   static_input=rel_layers[first].static_input, **rel_layers[first].opts)
+            if res.scales is None:
+                held = f" (held-out {res.held_base:.4f})" if res.held_base >= 0 else ""
+                for c in g.consumers:
+                    folds.notes[p + c] = f"{recipe.smoothing}: no gain{held}"
+                continue
+            s = res.scales
+            note = (f"{recipe.smoothing} a={res.alpha:.1f} folded into {g.producer} "
+                    f"(out err {res.base_error:.4f}->{res.error:.4f}"
+                    + (f", held-out {res.held_base:.4f}->{res.held_error:.4f})" if res.held_error >= 0 else ")"))
         for c in g.consumers:
-            folds.consumer[p + c] = res.scales
-            folds.notes[p + c] = (f"{recipe.smoothing} a={res.alpha:.1f} folded into {g.producer} "
-                                  f"(out err {res.base_error:.4f}->{res.error:.4f}"
-                                  + (f", held-out {res.held_base:.4f}->{res.held_error:.4f})"
-                                     if res.held_error >= 0 else ")"))
-        _record(folds, g, inv, p, rel_layers, source)
+            folds.consumer[p + c] = s
+            folds.notes[p + c] = note
+        _record(folds, g, 1.0 / s, p, rel_layers, source)
+    for name in given or ():
+        if p + name not in folds.consumer and name in rel_layers:
+            folds.notes[p + name] = "ModelOpt smoothing dropped: no exact fold into a stock ComfyUI file for this layer"
     return folds
 
 
@@ -211,31 +220,6 @@ def _record(folds: Folds, g: FoldGroup, inv: torch.Tensor, p: str, rel_layers: d
         folds.rows.setdefault(p + g.producer + ".weight", []).append((rows, inv, 0.0))
         if p + g.producer + ".bias" in source.tensors:
             folds.rows.setdefault(p + g.producer + ".bias", []).append((rows, inv, offset))
-
-
-def _given_folds(plan, source, given: dict, progress=None) -> Folds:
-    folds = Folds()
-    p = plan.prefix
-    rel_layers = {l.rel: l for l in plan.layers}
-    rel_tensors = {k[len(p):] for k in source.tensors if k.startswith(p)}
-    groups = fold_groups(plan.family.name, rel_layers, rel_tensors)
-    folded = set()
-    for g in groups:
-        if not all(c in given for c in g.consumers):
-            continue
-        if g.kind != "norm" and plan.fmt.one_weight_scale and rel_layers[g.producer].quantized:
-            continue  # as plan_folds: not into a quantized producer with one fp8 scale
-        s = torch.exp(torch.stack([torch.log(given[c].float().clamp(min=1e-12)) for c in g.consumers]).mean(0))
-        for c in g.consumers:
-            folds.consumer[p + c] = s
-            folds.notes[p + c] = f"ModelOpt smoothing folded into {g.producer}" + (
-                f" (one scale for {len(g.consumers)} layers: their geometric mean)" if len(g.consumers) > 1 else "")
-            folded.add(c)
-        _record(folds, g, 1.0 / s, p, rel_layers, source)
-    for name in given:
-        if name not in folded and name in rel_layers:
-            folds.notes[p + name] = "ModelOpt smoothing dropped: no exact fold into a stock ComfyUI file for this layer"
-    return folds
 
 
 def read_rows_scaled(source, key: str, folds: Folds) -> torch.Tensor:

@@ -471,6 +471,12 @@ def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
     return torch.copysign(torch.round(mag / step) * step, x)
 
 
+def _nvfp4_block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """The E4M3 scale of each 16-value block as kitchen derives it: block amax / 6 / global
+    scale, at most 448, rounded to E4M3 (float32 result)."""
+    return (block_amax.float() / F4_E2M1_MAX / global_scale).clamp(max=F8_E4M3_MAX).to(torch.float8_e4m3fn).float()
+
+
 @dataclass(frozen=True)
 class NvFp4Format(Format):
     def input_fmax(self):  # the activation global scale: amax / (6 * 448)
@@ -502,8 +508,7 @@ class NvFp4Format(Format):
             return None
         g = self.global_scale(w, alpha)
         n, k = w.shape
-        bscale = (w.abs().reshape(n, k // 16, 16).amax(dim=-1).float() / F4_E2M1_MAX / g).clamp(max=F8_E4M3_MAX)
-        total = bscale.to(torch.float8_e4m3fn).float() * g
+        total = _nvfp4_block_scales(w.abs().reshape(n, k // 16, 16).amax(dim=-1), g) * g
         return gptq.grid_column_quantizer(total, 16, gptq.anchors(w, 16), F4_E2M1_MAX, _round_e2m1), g
 
     def fake_act(self, x, input_scale=None, **opts):
@@ -521,9 +526,7 @@ class NvFp4Format(Format):
         x = torch.nn.functional.pad(w, (0, pad_k, 0, pad_n)) if pad_n or pad_k else w
         s = self.global_scale(w, alpha, amax)
         blocks = x.reshape(x.shape[0], -1, 16)
-        bscale = (blocks.abs().amax(dim=-1).float() / F4_E2M1_MAX / s).clamp(max=F8_E4M3_MAX)
-        bscale = bscale.to(torch.float8_e4m3fn).float()
-        total = s * bscale
+        total = s * _nvfp4_block_scales(blocks.abs().amax(dim=-1), s)
         safe = torch.where(total == 0, torch.ones_like(total), total).unsqueeze(-1)
         scaled = torch.where(total.unsqueeze(-1) == 0, torch.zeros_like(blocks), blocks / safe)
         q = _round_e2m1(scaled.clamp(-F4_E2M1_MAX, F4_E2M1_MAX))

@@ -46,5 +46,6 @@ def split_rows(x: torch.Tensor | None, layer_stats) -> Split | None:
 
 
 def rel(diff: torch.Tensor, ref: torch.Tensor) -> float:
+    """||diff|| / ||ref|| (0 for a zero reference): the relative error every measure reports."""
     denom = float(ref.norm())
     return float(diff.norm()) / denom if denom > 0 else 0.0

@@ -29,6 +29,7 @@ import torch
 
 from .calibrate import linear_layers
 from .errors import ModelOptError
+from .families import literal_glob
 
 ALGORITHMS = ("max", "smoothquant", "awq_lite")
 _FORMATS = {  # our format -> (weight quantizer cfg, input quantizer cfg)
@@ -70,10 +71,6 @@ def require_modelopt():
     return mtq, modelopt.__version__
 
 
-def _literal(name: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
-
-
 def modelopt_calibrate(module: torch.nn.Module, forward_loop, recipe, algorithm: str = "max") -> EngineResult:
     """ModelOpt's calibration of ``module``'s Linear layers (on a copy) for ``recipe.format``."""
     if algorithm not in ALGORITHMS:
@@ -91,8 +88,8 @@ def modelopt_calibrate(module: torch.nn.Module, forward_loop, recipe, algorithm:
     wcfg, icfg = _FORMATS[recipe.format]
     quant_cfg = [{"quantizer_name": "*", "enable": False}]
     for n in names:
-        quant_cfg.append({"quantizer_name": _literal(n) + ".weight_quantizer", "cfg": wcfg})
-        quant_cfg.append({"quantizer_name": _literal(n) + ".input_quantizer", "cfg": icfg})
+        quant_cfg.append({"quantizer_name": literal_glob(n) + ".weight_quantizer", "cfg": wcfg})
+        quant_cfg.append({"quantizer_name": literal_glob(n) + ".input_quantizer", "cfg": icfg})
     algo = {"method": "smoothquant", "alpha": recipe.smooth_alpha} if algorithm == "smoothquant" else algorithm
     mtq.quantize(work, {"quant_cfg": quant_cfg, "algorithm": algo}, forward_loop)
     result = EngineResult(algorithm, recipe.format, version=version)

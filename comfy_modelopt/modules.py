@@ -23,7 +23,7 @@ from comfy_kitchen.tensor import QuantizedTensor
 
 from .calibrate import is_linear
 from .errors import QuantizeError
-from .families import Family
+from .families import Family, literal_glob
 from .fileformat import COMFY_QUANT, CONV_FORMAT, SUFFIX_KEYS, comfy_quant_tensor, decode_comfy_quant, own_base
 from .formats import FORMATS, Format
 from .pipeline import quantize
@@ -195,16 +195,11 @@ class QuantConv2d(torch.nn.Conv2d):
 def module_family(module: torch.nn.Module, keep: tuple[str, ...] = ()) -> Family:
     """Planning rules for a plain torch module: every Linear layer is quantizable (the recipe's
     ``keep`` patterns still apply); 2-D weights of other modules (embeddings, ...) are not."""
-    not_linear = tuple(_literal(name) for name, m in module.named_modules()
+    not_linear = tuple(literal_glob(name) for name, m in module.named_modules()
                        if name and not is_linear(m) and getattr(m, "weight", None) is not None
                        and getattr(m.weight, "dim", lambda: 0)() == 2)
     return Family("module", type(module).__name__, lambda s: True, tuple(keep), not_linear,
                   notes="every Linear layer of the module", prefix="")
-
-
-def _literal(name: str) -> str:
-    """A glob matching exactly ``name``."""
-    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
 
 
 def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, family: str | Family | None = None,

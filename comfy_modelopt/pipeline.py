@@ -301,7 +301,8 @@ def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto
 def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, progress, check_interrupt,
             shard=None) -> None:
     """Every planned tensor from ``source`` into ``sink``: copies first, then one layer at a time.
-    Sharded: quantized layer i is encoded by rank ``shard.owner(i)``; rank 0 writes everything."""
+    Sharded: each quantized layer is encoded by the rank ``shard.assign`` gives it; rank 0
+    writes everything."""
     recipe, nonfinite = plan.recipe, []
     writes = shard is None or shard.rank == 0
     for key, (dtype, _shape) in plan.passthrough.items():
@@ -311,11 +312,11 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
         sink.write(key, _passthrough(source, key, folds, dtype, nonfinite))
     by_name = {l.name: i for i, l in enumerate(plan.layers)}
     total = len(plan.layers) + len(plan.convs)  # convolutions count toward the bar too
-    index = -1  # among the quantized Linear layers: who encodes it
     if shard is not None:
         # measured on an H200 (GPTQ, Flux widths): a layer's time grows like k (n + k) - GPTQ's
         # column loop, launch-bound, runs k steps over n rows - not like its k^3 Cholesky
-        owners = shard.assign([l.k * (l.n + l.k) for l in plan.layers if l.quantized])
+        quantized = plan.quantized
+        owner = dict(zip((l.name for l in quantized), shard.assign([l.k * (l.n + l.k) for l in quantized])))
     for done, layer in enumerate(plan.layers + plan.convs):
         if check_interrupt:
             check_interrupt()
@@ -332,15 +333,13 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
                 _check_memory(source, key)
                 sink.write(key, _passthrough(source, key, folds, layer.tensors[key][0], nonfinite))
             continue
-        elif shard is not None and owners[index + 1] != shard.rank:
-            index += 1
+        elif shard is not None and owner[layer.name] != shard.rank:
             if not writes:
                 continue  # another rank's layer, and rank 0 collects it
             planned = {k: (TORCH_DTYPES[d], tuple(sh)) for k, (d, sh) in layer.tensors.items()}
-            tensors, text = shard.recv_layer(planned, owners[index])
+            tensors, text = shard.recv_layer(planned, owner[layer.name])
             report.layers[by_name[layer.name]] = LayerReport.from_json(layer.name, text)
         else:
-            index += 1
             _check_memory(source, key, float32_copies=3)
             w = read_rows_scaled(source, key, folds) if key in folds.rows else source.read(key)
             layer_stats = stats.layer(layer.rel) if stats is not None and stats.has(layer.rel) else None

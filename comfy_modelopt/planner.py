@@ -22,6 +22,7 @@ not faster, there: the report says which chosen formats need which GPU to be fas
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,9 +60,9 @@ def measure(layer, w: torch.Tensor, layer_stats, candidates: dict, planned_bytes
     options = [Option(KEEP, layer.n * layer.k * 2, 0.0)]
     amax = layer_stats.amax_value()
     for name, (fmt, opts) in candidates.items():
-        if fmt.shape_problem(layer.n, layer.k, **fmt.layer_options(layer.n, layer.k, opts)):
-            continue
         lopts = fmt.layer_options(layer.n, layer.k, opts)
+        if fmt.shape_problem(layer.n, layer.k, **lopts):
+            continue
         err = output_error(fmt, w, x, None, amax if fmt.needs_input_scale else None, **lopts)
         options.append(Option(name, planned_bytes(layer, fmt, lopts), err))
     return options
@@ -155,12 +156,7 @@ def speed_note(chosen: dict[str, int]) -> str:
 
 
 def _planned_bytes(layer, fmt: Format, opts: dict) -> int:
-    total = 0
-    for dtype, shape in fmt.planned(layer.n, layer.k, **opts).values():
-        n = torch.empty((), dtype=dtype).element_size()
-        for d in shape:
-            n *= d
-        total += n
+    total = sum(math.prod(shape) * dtype.itemsize for dtype, shape in fmt.planned(layer.n, layer.k, **opts).values())
     return total + (4 if fmt.needs_input_scale or fmt.static_input_scale else 0)
 
 
@@ -168,12 +164,12 @@ def plan_budget(plan, source, stats, recipe, progress=None) -> dict:
     """Reassign formats of ``plan``'s eligible, calibrated layers under ``recipe.budget``
     (reads each weight once from ``source``); returns the summary the report shows."""
     from .plan import assign, lay_out  # plan imports nothing of this module
-    from .safetensors_io import ITEMSIZE
+    from .safetensors_io import ITEMSIZE, entries_nbytes
     candidates = resolve_candidates(recipe)
     chosen_layers = [l for l in plan.layers if l.eligible and stats is not None and stats.has(l.rel)
                      and stats.layer(l.rel).has_sample()]
     ids = {id(l) for l in chosen_layers}
-    fixed = sum(ITEMSIZE[d] * _prod(sh) for l in plan.layers if id(l) not in ids for d, sh in l.tensors.values())
+    fixed = sum(entries_nbytes(l.tensors) for l in plan.layers if id(l) not in ids)
     total16 = sum(l.n * l.k * 2 for l in plan.layers)
     choices = []
     for i, layer in enumerate(chosen_layers):
@@ -208,10 +204,3 @@ def plan_budget(plan, source, stats, recipe, progress=None) -> dict:
     return {"budget": recipe.budget, "max_error": recipe.max_error, "fraction": (used + fixed) / total16 if total16 else 0.0,
             "counts": counts, "predicted": sum(c.chosen.error for c in choices), "layers": len(choices),
             "speed": speed_note(counts)}
-
-
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -19,7 +19,7 @@ from .fileformat import (COMFY_QUANT, INPUT_SCALE, LOWRANK_DOWN, LOWRANK_UP, SMO
 from .plan import LayerPlan, Plan
 from .recipe import Recipe
 from .report import LayerReport
-from .safetensors_io import ITEMSIZE
+from .safetensors_io import entries_nbytes
 from .heldout import Split, rel, split_rows
 from .lowrank import lowrank_split
 from .scales import ClipChoice, choose_input_scale, choose_weight_clip, squared_error
@@ -86,7 +86,7 @@ def choose(w: torch.Tensor, x: torch.Tensor | None, layer: LayerPlan, plan: Plan
         notes.insert(0, f"planner: {layer.format} (predicted {layer.predicted:.4f})")
     if layer.rank and recipe.smoothing != "none" and x is not None:
         # own-loader files carry smoothing per layer (smooth_scale multiplies the input)
-        found = choose_smoothing(w, layer_stats, fmt, recipe.smoothing, **opts)
+        found = choose_smoothing(w, layer_stats, fmt, recipe.smoothing, x=x, **opts)
         smooth = found.scales if found.scales is not None else torch.ones(layer.k, device=w.device)
         pre_scale = 1.0 / smooth
         notes.append(f"{recipe.smoothing} a={found.alpha:.1f} (smooth_scale)")
@@ -216,9 +216,9 @@ def measure(w: torch.Tensor, x: torch.Tensor | None, deq: torch.Tensor, choice: 
         up, down = choice.branch
         lowrank = up.float() @ down.float()
         deq = deq + lowrank
-    report = LayerReport(layer.name, layer.conf["format"], _nbytes(layer.tensors), layer.n * layer.k * 2,
+    report = LayerReport(layer.name, layer.conf["format"], entries_nbytes(layer.tensors), layer.n * layer.k * 2,
                          reason=layer.reason, weight_only=layer.weight_only,
-                         rel_err=_rel(deq - choice.smoothed, choice.smoothed), alpha=choice.clip.mean_alpha)
+                         rel_err=rel(deq - choice.smoothed, choice.smoothed), alpha=choice.clip.mean_alpha)
     if x is not None:
         scale = choice.input_scale if not layer.weight_only else None
 
@@ -229,7 +229,7 @@ def measure(w: torch.Tensor, x: torch.Tensor | None, deq: torch.Tensor, choice: 
             else:  # the branch sees the (smoothed) 16-bit input; only the residual GEMM is quantized
                 q_out = act @ fmt.search_space(deq - lowrank, **opts).T + xs @ lowrank.T
             ref = xs @ choice.smoothed.T
-            return _rel(q_out - ref, ref)
+            return rel(q_out - ref, ref)
         report.out_err = out_err(choice.x)
         if choice.split is not None:
             report.held_err = out_err(choice.split.held)
@@ -253,21 +253,6 @@ def sensitivity(w: torch.Tensor, x: torch.Tensor, layer_stats) -> dict[str, floa
     return out
 
 
-def _rel(diff: torch.Tensor, ref: torch.Tensor) -> float:
-    denom = float(ref.norm())
-    return float(diff.norm()) / denom if denom > 0 else 0.0
-
-
-def _nbytes(entries: dict) -> int:
-    total = 0
-    for dtype, shape in entries.values():
-        n = ITEMSIZE[dtype]
-        for d in shape:
-            n *= d
-        total += n
-    return total
-
-
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 # A channel's absmax is stored at 224, not 448: ComfyUI applies a LoRA to a plain fp8 weight by
 # adding the (mapped) delta and rounding back to fp8, which saturates at 448, so the headroom
@@ -287,12 +272,12 @@ def quantize_conv(w: torch.Tensor, conv) -> tuple[dict, LayerReport]:
     deq = q.float() * scale[:, None]
     tensors = {conv.name + ".weight": q, conv.name + ".weight_scale": scale,
                conv.name + COMFY_QUANT: comfy_quant_tensor(conv.conf)}
-    report = LayerReport(conv.name, conv.conf["format"], _nbytes(conv.tensors), w2.numel() * 2,
-                         weight_only=True, rel_err=_rel(deq - w2, w2),
+    report = LayerReport(conv.name, conv.conf["format"], entries_nbytes(conv.tensors), w2.numel() * 2,
+                         weight_only=True, rel_err=rel(deq - w2, w2),
                          notes=f"conv {'x'.join(str(d) for d in w.shape[2:])}, fp8 per output channel")
     return tensors, report
 
 
 def kept_report(layer: LayerPlan) -> LayerReport:
-    return LayerReport(layer.name, layer.src_dtype.lower(), _nbytes(layer.tensors),
+    return LayerReport(layer.name, layer.src_dtype.lower(), entries_nbytes(layer.tensors),
                        layer.n * layer.k * 2, reason=layer.reason)

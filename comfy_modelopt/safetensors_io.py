@@ -240,6 +240,11 @@ def _pickle_hint(fd: int) -> str:
 
 
 # ====================================================================== writing
+def entries_nbytes(entries: dict[str, tuple[str, tuple]]) -> int:
+    """Data bytes of planned entries (key -> (safetensors dtype, shape))."""
+    return sum(math.prod(shape) * ITEMSIZE[dtype] for dtype, shape in entries.values())
+
+
 def header_bytes(entries: dict[str, tuple[str, tuple]], metadata: dict[str, str] | None
                  ) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """safetensors header (padded to 8 bytes) and each tensor's data offsets."""

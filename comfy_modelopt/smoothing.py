@@ -91,13 +91,14 @@ def search_smoothing(w: torch.Tensor, x: torch.Tensor, x_absmax: torch.Tensor, x
 
 
 def choose_smoothing(w: torch.Tensor, layer_stats, fmt: Format, method: str, static_input: bool = False,
-                     **opts) -> Smoothing:
+                     x: torch.Tensor | None = None, **opts) -> Smoothing:
     """``search_smoothing`` on a layer's statistics, held out by prompt where the statistics
     know their prompts: the strength is chosen on the fit rows (with their own channel
     statistics) and kept only if also better than no smoothing on the held-out rows
-    (heldout.py); the scales then come from all calibration data at that strength."""
+    (heldout.py); the scales then come from all calibration data at that strength.  ``x``: the
+    layer's sampled rows on ``w``'s device, where the caller has them already."""
     dev = w.device
-    x = layer_stats.sample().to(dev)
+    x = layer_stats.sample().to(dev) if x is None else x
     split = split_rows(x, layer_stats)
     if split is None:
         return search_smoothing(w, x, layer_stats.channel_absmax.float().to(dev),

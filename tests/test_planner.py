@@ -20,15 +20,21 @@ def test_hull_drops_dominated_and_concave_options():
     assert [o.fmt for o in hull(opts)] == ["a", "b", "e"]  # c above the a-b segment, d dominated
 
 
+def _random_layers(rnd: random.Random, n: int = 6) -> list[list[Option]]:
+    """Six layers, each with a 4-bit, an 8-bit and a 16-bit option (error falling with bytes)."""
+    layers = []
+    for _ in range(n):
+        size = rnd.randint(1, 8) * 100
+        errs = sorted((rnd.random() for _ in range(3)), reverse=True)
+        layers.append([Option("q4", size, errs[0]), Option("q8", 2 * size, errs[1] * 0.3),
+                       Option("16", 4 * size, 0.0)])
+    return layers
+
+
 def test_greedy_stays_within_budget_and_beats_every_uniform_choice():
     rnd = random.Random(0)
     for _ in range(50):
-        layers = []
-        for _ in range(6):
-            size = rnd.randint(1, 8) * 100
-            errs = sorted((rnd.random() for _ in range(3)), reverse=True)
-            layers.append([Option("q4", size, errs[0]), Option("q8", 2 * size, errs[1] * 0.3),
-                           Option("16", 4 * size, 0.0)])
+        layers = _random_layers(rnd)
         budget = rnd.randint(sum(l[0].bytes for l in layers), sum(l[2].bytes for l in layers))
         choices = [Choice(None, hull(l)) for l in layers]
         used = solve(choices, budget)
@@ -103,11 +109,7 @@ def test_planner_needs_statistics_and_a_plain_recipe():
 def test_error_budget_gives_the_smallest_file_within_it():
     rnd = random.Random(1)
     for _ in range(50):
-        layers = []
-        for _ in range(6):
-            size = rnd.randint(1, 8) * 100
-            e4, e8 = sorted((rnd.random(), rnd.random() * 0.3), reverse=True)
-            layers.append([Option("q4", size, e4), Option("q8", 2 * size, e8), Option("16", 4 * size, 0.0)])
+        layers = _random_layers(rnd)
         max_error = rnd.random() * sum(l[0].error for l in layers)
         choices = [Choice(None, hull(l)) for l in layers]
         used = solve_error(choices, max_error)
