@@ -217,8 +217,10 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
         else:
             continue  # natively computed formats without a lean path (e.g. nvfp4 on Blackwell)
 
-        def forward(self, input, *args, _fast=fast, _stock=stock, **kwargs):
-            if _fast_path_ok(self, input):
+        def forward(self, input, *args, _fast=fast, _stock=stock, _on=device.type, **kwargs):
+            # the kernel was picked for the load device: evaluated elsewhere (a CPU run on a GPU
+            # host), the stock path decides
+            if input.device.type == _on and _fast_path_ok(self, input):
                 return _fast(self, input)
             return _stock(input, *args, **kwargs)
         setattr(owner, attr, types.MethodType(forward, module))

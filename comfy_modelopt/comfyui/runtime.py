@@ -41,9 +41,9 @@ RUNTIME_TOOLTIP = ("lean: the same kernels as stock ComfyUI without its per-laye
                    "runs while the model stays loaded (bit-exact; falls back to eager when offloading or "
                    "patched); + compiled blocks: the graphs run TorchInductor-fused norms/modulation/"
                    "activations between the GEMMs - fastest steady runs (H200, fp8, 20 steps: Flux 1.53x, "
-                   "SDXL 1.49x the 16-bit model) but the first run compiles (27-41 s; about 10 s with a warm "
-                   "compile cache), checked against eager and turned off with a logged reason if it "
-                   "differs; needs Triton; + int8 attention: kitchen's SageAttention-style INT8 attention "
+                   "SDXL 1.39-1.49x the 16-bit model); they compile in the background (Flux ~15 s, 6 s with "
+                   "a warm compile cache) while the first run samples on the uncompiled graphs, are checked "
+                   "against eager and turned off with a logged reason if they differ; needs Triton; + int8 attention: kitchen's SageAttention-style INT8 attention "
                    "(changes attention numerics; left off on Hopper, where it measured slower than cuDNN's "
                    "flash attention); stock: ComfyUI's own layers.")
 
