@@ -38,6 +38,7 @@ _FORMATS = {  # our format -> (weight quantizer cfg, input quantizer cfg)
     "nvfp4": ({"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}},
               {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}),
 }
+ENGINE_FORMATS = tuple(_FORMATS)
 # ModelOpt 0.47's smoothquant smooths int8 quantizers only (with fp8 ones it smoothed nothing)
 _ALGORITHM_FORMATS = {"max": tuple(_FORMATS), "smoothquant": ("int8_tensorwise",), "awq_lite": ("nvfp4",)}
 _NEEDS_CUDA = {"awq_lite"}
@@ -71,20 +72,41 @@ def require_modelopt():
     return mtq, modelopt.__version__
 
 
-def modelopt_calibrate(module: torch.nn.Module, forward_loop, recipe, algorithm: str = "max") -> EngineResult:
-    """ModelOpt's calibration of ``module``'s Linear layers (on a copy) for ``recipe.format``."""
+def check_request(fmt: str, algorithm: str, device) -> tuple:
+    """Refuse, before any work, what the engine cannot do: an unknown algorithm, a format it does
+    not export to, a CUDA-only algorithm on another device, ModelOpt not installed.  Returns
+    (``mtq``, ModelOpt's version)."""
     if algorithm not in ALGORITHMS:
         raise ModelOptError(f"unknown ModelOpt algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-    if recipe.format not in _ALGORITHM_FORMATS[algorithm]:
-        raise ModelOptError(f"ModelOpt {algorithm} does not export to {recipe.format} here; it does to "
+    if fmt not in _ALGORITHM_FORMATS[algorithm]:
+        raise ModelOptError(f"ModelOpt {algorithm} does not export to {fmt} here; it does to "
                             f"{', '.join(_ALGORITHM_FORMATS[algorithm])}")
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    if algorithm in _NEEDS_CUDA and device.type != "cuda":
-        raise ModelOptError(f"ModelOpt {algorithm} runs fake {recipe.format} quantization, which needs CUDA: put "
+    if algorithm in _NEEDS_CUDA and torch.device(device).type != "cuda":
+        raise ModelOptError(f"ModelOpt {algorithm} runs fake {fmt} quantization, which needs CUDA: put "
                             f"the model on a GPU (the module is on {device})")
-    mtq, version = require_modelopt()
+    return require_modelopt()
+
+
+def _register_linear_subclasses(classes) -> None:
+    """ModelOpt converts the module types in its registry, nn.Linear and subclasses that keep its
+    forward; a subclass with a forward of its own - every ComfyUI Linear (``comfy.ops``: weight
+    casting, LoRA weight functions) - was left unconverted ("Inserted 0 quantizers").  Registered
+    here with ModelOpt's own Linear quantization: its input quantizer wraps the forward's input and
+    its weight quantizer the ``weight`` the forward reads, so the subclass's forward runs as is."""
+    from modelopt.torch.quantization.nn import QuantModuleRegistry
+    from modelopt.torch.quantization.nn.modules.quant_linear import _QuantLinear
+    for cls in classes:
+        if issubclass(cls, torch.nn.Linear) and cls not in QuantModuleRegistry:
+            QuantModuleRegistry.register({cls: f"comfy_modelopt.{cls.__module__}.{cls.__qualname__}"})(_QuantLinear)
+
+
+def modelopt_calibrate(module: torch.nn.Module, forward_loop, recipe, algorithm: str = "max") -> EngineResult:
+    """ModelOpt's calibration of ``module``'s Linear layers (on a copy) for ``recipe.format``."""
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    mtq, version = check_request(recipe.format, algorithm, device)
     work = copy.deepcopy(module)
     names = list(linear_layers(work))
+    _register_linear_subclasses({type(work.get_submodule(n)) for n in names})
     wcfg, icfg = _FORMATS[recipe.format]
     quant_cfg = [{"quantizer_name": "*", "enable": False}]
     for n in names:

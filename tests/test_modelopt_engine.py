@@ -87,3 +87,21 @@ def test_refusals_are_clear(monkeypatch):
     monkeypatch.setitem(sys.modules, "modelopt", None)
     with pytest.raises(ModelOptError, match=r"pip install 'comfy-modelopt\[modelopt\]'"):
         require_modelopt()
+
+
+def test_linear_subclasses_with_their_own_forward_are_calibrated():
+    """ModelOpt converts nn.Linear and subclasses that keep its forward; a subclass with its own
+    forward (every ComfyUI Linear) used to get no quantizer at all.  Registered by the engine: the
+    subclass's forward runs, and its layers are calibrated like plain Linears."""
+    class CastLinear(torch.nn.Linear):  # like comfy.ops: its own forward around F.linear
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight.to(x.dtype), self.bias)
+
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(CastLinear(32, 64), torch.nn.GELU(), CastLinear(64, 16))
+    data = [torch.randn(8, 32, generator=g) * (i + 1) for i in range(4)]
+    with torch.no_grad():
+        engine = modelopt_calibrate(model, lambda m: [m(x) for x in data], Recipe("int8_tensorwise"), "max")
+    assert set(engine.layers) == {"0", "2"}
+    assert engine.layers["0"].input_amax == pytest.approx(float(max(x.abs().max() for x in data)), rel=1e-6)
+    assert type(model[0]) is CastLinear and type(model[2]) is CastLinear  # the caller's module: not converted

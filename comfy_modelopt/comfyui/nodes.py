@@ -17,7 +17,8 @@ from comfy_api.latest import ComfyExtension, io
 
 from ..calibrate import CalibrationOptions
 from ..checkpoint import inspect_file
-from ..errors import PlanError
+from ..errors import ModelOptError, PlanError
+from ..modelopt_engine import ALGORITHMS as MODELOPT_ALGORITHMS, ENGINE_FORMATS, check_request
 from ..pipeline import DictSink, quantize_source
 from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS
 from ..recipe import (CONV_CHOICES, DEFAULT_FORMAT, FORMAT_CHOICES, INPUT_SCALE_METHODS, SMOOTHING_METHODS, WEIGHT_SCALE_METHODS,
@@ -28,7 +29,7 @@ from .cuda_graphs import enable_cuda_graphs
 from .runtime import DEFAULT_RUNTIME, DEQUANT_CACHE_TOOLTIP, RUNTIME_TOOLTIP, RUNTIMES, apply_runtime, gpu_note
 from . import ownloader
 from .model import NodeError, PatcherSource, artifact_of, build_quantized_model, compute_device, log
-from .sampling import calibrate_by_sampling, empty_latent
+from .sampling import calibrate_by_sampling, empty_latent, modelopt_by_sampling
 
 CALIBRATION = io.Custom("MODELOPT_CALIBRATION")
 CATEGORY = "modelopt"
@@ -45,6 +46,22 @@ def register_folders() -> None:
 
 def _node_id(cls) -> str | None:
     return getattr(cls.hidden, "unique_id", None) if cls.hidden is not None else None
+
+
+class EngineCalibration:
+    """What Calibrate Model hands over with ``engine = modelopt``: this pack's activation statistics
+    (held-out searches, GPTQ, the planner, the report) and NVIDIA ModelOpt's calibration choices
+    (input ranges, smoothing scales) for one format."""
+
+    def __init__(self, stats: ActivationStats, engine):
+        self.stats, self.engine = stats, engine
+
+
+def _calibration_parts(calibration):
+    """(statistics, ModelOpt engine result or None) of a CALIBRATION input."""
+    if isinstance(calibration, EngineCalibration):
+        return calibration.stats, calibration.engine
+    return calibration, None
 
 
 def _pattern_lines(text: str) -> tuple[str, ...]:
@@ -87,6 +104,19 @@ class ModelOptCalibrationHelper(io.ComfyNode):
                                 "models/modelopt_calibration/<save_name>.safetensors (for the CLI's --stats)."),
                 io.Latent.Input("latent", optional=True, tooltip="Sample this latent instead of an empty "
                                 "width x height image (video models need their own latent)."),
+                # optional: workflows saved before these inputs existed still validate
+                io.Combo.Input("engine", options=["own", "modelopt"], default="own", advanced=True, optional=True,
+                               tooltip="modelopt: also calibrate with NVIDIA ModelOpt (pip install "
+                                       "'comfy-modelopt[modelopt]') on the same prompts - its input ranges and "
+                                       "SmoothQuant/AWQ scales, for one format (modelopt_format); Quantize "
+                                       "Model then writes them into the same stock file. Samples the prompts "
+                                       "twice (ours, then ModelOpt's on a copy of the model: twice its VRAM)."),
+                io.Combo.Input("modelopt_algorithm", options=list(MODELOPT_ALGORITHMS), default="max", advanced=True,
+                               optional=True, tooltip="max: ModelOpt's amax calibrators (fp8, int8, nvfp4); "
+                                                      "smoothquant: int8; awq_lite: nvfp4, needs CUDA."),
+                io.Combo.Input("modelopt_format", options=list(ENGINE_FORMATS), default=ENGINE_FORMATS[0],
+                               advanced=True, optional=True,
+                               tooltip="The format Quantize Model will write (ModelOpt calibrates for one)."),
             ],
             outputs=[CALIBRATION.Output(display_name="calibration"), io.String.Output(display_name="summary")],
             hidden=[io.Hidden.unique_id],
@@ -94,8 +124,14 @@ class ModelOptCalibrationHelper(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, clip, prompts, negative_prompt, num_prompts, steps, cfg, sampler_name, scheduler,
-                width, height, seed, guidance, samples_mib_per_layer, save_name, latent=None) -> io.NodeOutput:
+                width, height, seed, guidance, samples_mib_per_layer, save_name, latent=None, engine="own",
+                modelopt_algorithm="max", modelopt_format=ENGINE_FORMATS[0]) -> io.NodeOutput:
         lines = [p.strip() for p in prompts.splitlines() if p.strip()][:num_prompts]
+        if engine == "modelopt":  # what ModelOpt cannot do is refused before any sampling
+            try:
+                check_request(modelopt_format, modelopt_algorithm, model.load_device)
+            except ModelOptError as e:
+                raise NodeError(str(e)) from None
         if latent is not None:
             samples = _latent_samples(model, latent)
         else:
@@ -105,6 +141,19 @@ class ModelOptCalibrationHelper(io.ComfyNode):
                                       samples, seed, guidance if guidance > 0 else None, opts,
                                       node_id=_node_id(cls))
         summary = _stats_text(stats)
+        result = stats
+        if engine == "modelopt":
+            try:
+                found = modelopt_by_sampling(model, clip, lines, negative_prompt, steps, cfg, sampler_name, scheduler,
+                                             samples, seed, guidance if guidance > 0 else None, modelopt_format,
+                                             modelopt_algorithm, node_id=_node_id(cls))
+            except ModelOptError as e:
+                raise NodeError(str(e)) from None
+            result = EngineCalibration(stats, found)
+            summary += (f"\n{found.note()} for {found.format}: {len(found.layers)} Linear layers, "
+                        f"{sum(l.smooth is not None for l in found.layers.values())} with smoothing scales")
+            if save_name.strip():
+                summary += "\n(the saved file holds this pack's statistics only, not ModelOpt's choices)"
         if save_name.strip():
             register_folders()
             folder = folder_paths.get_folder_paths(CALIBRATION_FOLDER)[0]
@@ -114,7 +163,7 @@ class ModelOptCalibrationHelper(io.ComfyNode):
             stats.save(path, overwrite=True)
             summary += f"\nsaved: {path}"
         log(summary)
-        return io.NodeOutput(stats, summary)
+        return io.NodeOutput(result, summary)
 
 
 def _latent_samples(model, latent: dict) -> torch.Tensor:
@@ -230,6 +279,7 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                             max_error=max_error)
         except ValueError as e:
             raise NodeError(str(e)) from None
+        calibration, engine = _calibration_parts(calibration)
         if recipe.needs_statistics() and calibration is None:
             raise NodeError(f"{', '.join(recipe.needs_statistics())} needs calibration: connect Calibrate Model "
                             "(or Load Calibration) to the calibration input")
@@ -242,7 +292,7 @@ class ModelOptQuantizeUNet(io.ComfyNode):
         sink = DictSink("cpu")
         try:  # a MODEL ComfyUI loaded is a diffusion model: an unknown family gets the generic rules
             report = quantize_source(source, sink, recipe, calibration, {"name": "ComfyUI MODEL"}, progress,
-                                     comfy.model_management.throw_exception_if_processing_interrupted)
+                                     comfy.model_management.throw_exception_if_processing_interrupted, engine=engine)
         except PlanError as e:
             raise NodeError(str(e)) from None
         qmodel = build_quantized_model(sink.tensors, sink.metadata, report, model)

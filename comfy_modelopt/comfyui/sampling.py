@@ -42,37 +42,43 @@ def without_cuda_graphs(model):
     return clone
 
 
+def _sampling_loop(model, clip, prompts: list[str], negative: str, steps: int, cfg: float, sampler_name: str,
+                   scheduler: str, latent: torch.Tensor, seed: int, guidance: float | None, node_id: str | None,
+                   prompt: list):
+    """A forward loop sampling each prompt (seed + i) through ComfyUI's sampler, with a progress bar;
+    ``prompt[0]`` holds the index of the prompt being sampled."""
+    if not prompts:
+        raise ValueError("no calibration prompts: give at least one prompt (one per line)")
+    if clip is None:
+        raise ValueError("the CLIP input is empty: connect the text encoder that belongs to this model")
+    negative_cond = encode(clip, negative, None)
+    conds = [encode(clip, p, guidance) for p in prompts]
+    total = len(prompts) * steps
+    pbar = comfy.utils.ProgressBar(total, node_id=node_id)
+
+    def forward_loop(_module):
+        done = 0
+        for i, cond in enumerate(conds):
+            prompt[0] = i
+            comfy.model_management.throw_exception_if_processing_interrupted()
+            noise = comfy.sample.prepare_noise(latent, seed + i)
+            comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, cond, negative_cond, latent,
+                                seed=seed + i, disable_pbar=True,
+                                callback=lambda step, x0, x, n, d=done: pbar.update_absolute(d + step + 1, total))
+            done += steps
+            pbar.update_absolute(done, total)
+    return forward_loop
+
+
 def calibrate_by_sampling(model, clip, prompts: list[str], negative: str, steps: int, cfg: float,
                           sampler_name: str, scheduler: str, latent: torch.Tensor, seed: int,
                           guidance: float | None, options: CalibrationOptions,
                           node_id: str | None = None) -> ActivationStats:
     """Sample each prompt (seed + i) with statistics hooks on the diffusion model's Linears."""
-    if not prompts:
-        raise ValueError("no calibration prompts: give at least one prompt (one per line)")
-    if clip is None:
-        raise ValueError("the CLIP input is empty: connect the text encoder that belongs to this model")
     model = without_cuda_graphs(model)
-    negative_cond = encode(clip, negative, None)
-    conds = [encode(clip, p, guidance) for p in prompts]
-    total = len(prompts) * steps
-    pbar = comfy.utils.ProgressBar(total, node_id=node_id)
-    done = [0]
-
-    def callback(step, x0, x, total_steps):
-        pbar.update_absolute(done[0] + step + 1, total)
-
     prompt = [0]
-
-    def forward_loop(_module):
-        for i, cond in enumerate(conds):
-            prompt[0] = i
-            comfy.model_management.throw_exception_if_processing_interrupted()
-            noise = comfy.sample.prepare_noise(latent, seed + i)
-            comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, cond, negative_cond,
-                                latent, seed=seed + i, callback=callback, disable_pbar=True)
-            done[0] += steps
-            pbar.update_absolute(done[0], total)
-
+    forward_loop = _sampling_loop(model, clip, prompts, negative, steps, cfg, sampler_name, scheduler, latent,
+                                  seed, guidance, node_id, prompt)
     sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), scheduler, steps)
     info = {"prompts": len(prompts), "steps": steps, "cfg": cfg, "sampler": sampler_name,
             "scheduler": scheduler, "latent_shape": list(latent.shape), "seed": seed,
@@ -80,3 +86,30 @@ def calibrate_by_sampling(model, clip, prompts: list[str], negative: str, steps:
             "guidance": guidance}
     # a prompt is one calibration group: searches are checked on prompts they were not fitted on
     return calibrate(model.model.diffusion_model, forward_loop, options, info=info, group=lambda: prompt[0])
+
+
+def modelopt_by_sampling(model, clip, prompts: list[str], negative: str, steps: int, cfg: float,
+                         sampler_name: str, scheduler: str, latent: torch.Tensor, seed: int,
+                         guidance: float | None, fmt: str, algorithm: str, node_id: str | None = None):
+    """NVIDIA ModelOpt's calibration (``modelopt_engine.modelopt_calibrate``) of the diffusion
+    model, its forward loop the same sampling runs as ours: ModelOpt quantizes a copy of the
+    diffusion model, and while its loop runs the copy stands in for the original inside the
+    model ComfyUI samples (put back afterwards, also on error or interruption)."""
+    from ..modelopt_engine import modelopt_calibrate
+    from ..recipe import Recipe
+    model = without_cuda_graphs(model)
+    # loaded (and LoRA-patched) in place first: ModelOpt copies the weights as they are, and
+    # sampling then finds the model loaded and does not patch the copy again
+    comfy.model_management.load_models_gpu([model], force_full_load=True)
+    base = model.model
+    original = base.diffusion_model
+    loop = _sampling_loop(model, clip, prompts, negative, steps, cfg, sampler_name, scheduler, latent, seed,
+                          guidance, node_id, [0])
+
+    def forward_loop(work):
+        base.diffusion_model = work
+        try:
+            loop(work)
+        finally:
+            base.diffusion_model = original
+    return modelopt_calibrate(original, forward_loop, Recipe(format=fmt), algorithm)

@@ -106,6 +106,57 @@ def test_calibration_never_samples_through_cuda_graphs(env):
     assert graphed.model_options["model_function_wrapper"] is runner  # the input MODEL keeps its graphs
 
 
+def _calibrate_with(env, **kw):
+    args = dict(model=env["model"], clip=env["clip"], prompts="a red fox in snow\na city at night",
+                negative_prompt="blurry", num_prompts=2, steps=2, cfg=4.0, sampler_name="euler", scheduler="simple",
+                width=64, height=64, seed=0, guidance=0.0, samples_mib_per_layer=0.5, save_name="")
+    args.update(kw)
+    with torch.inference_mode():
+        return env["nodes"].ModelOptCalibrationHelper.execute(**args).args
+
+
+def test_modelopt_engine_through_the_nodes(env):
+    """Calibrate Model with engine = modelopt: ModelOpt's INT8 SmoothQuant (it runs on a CPU)
+    calibrates on the same sampling runs, on a copy of the diffusion model that stands in for the
+    original only while its loop samples; Quantize Model writes its choices into a stock int8
+    file (report names the engine; SD1.x folds the smoothing into the LayerNorms) that samples.
+    The input MODEL is untouched; a format other than the calibrated one, and awq_lite without
+    CUDA, are refused with the reason."""
+    pytest.importorskip("modelopt.torch.quantization",
+                        reason="NVIDIA ModelOpt is not installed here: pip install 'comfy-modelopt[modelopt]'")
+    model = env["model"]
+    dm = model.model.diffusion_model
+    before = {k: v.clone() for k, v in dm.state_dict().items()}
+    calib, summary = _calibrate_with(env, engine="modelopt", modelopt_algorithm="smoothquant",
+                                     modelopt_format="int8_tensorwise")
+    assert model.model.diffusion_model is dm  # the copy stood in only while ModelOpt's loop sampled
+    assert all(torch.equal(v, before[k]) for k, v in dm.state_dict().items())
+    engine = calib.engine
+    assert engine.algorithm == "smoothquant" and engine.format == "int8_tensorwise"
+    smoothed = [n for n, layer in engine.layers.items() if layer.smooth is not None]
+    assert len(engine.layers) == len(calib.stats.layers) and smoothed, summary
+    assert all(layer.input_amax and layer.input_amax > 0 for layer in engine.layers.values())
+    assert calib.stats.forward_calls == 2 * 2 and "NVIDIA ModelOpt" in summary
+    qmodel, report = quantize(env, format="int8_tensorwise", calibration=calib, smoothing="smoothquant")
+    assert "calibration engine: NVIDIA ModelOpt" in report and "(smoothquant)" in report
+    assert "folded" in report, report
+    g = torch.Generator().manual_seed(0)
+    x, c = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 8, 768, generator=g)
+    with torch.inference_mode():
+        ref = model.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)
+        out = qmodel.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)
+    assert torch.isfinite(out).all() and float((out - ref).norm() / ref.norm()) < 0.2
+    with pytest.raises(Exception, match="made for int8_tensorwise"):
+        quantize(env, format="float8_e4m3fn", calibration=calib)
+    # refused before any sampling (clip=None would fail the sampling first)
+    with pytest.raises(Exception, match="does not export to float8_e4m3fn"):
+        _calibrate_with(env, clip=None, engine="modelopt", modelopt_algorithm="smoothquant",
+                        modelopt_format="float8_e4m3fn")
+    if not torch.cuda.is_available():
+        with pytest.raises(Exception, match="needs CUDA"):
+            _calibrate_with(env, clip=None, engine="modelopt", modelopt_algorithm="awq_lite", modelopt_format="nvfp4")
+
+
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8_tensorwise", "nvfp4"])
 def test_quantized_model_is_stock_and_input_untouched(env, fmt):
     model = env["model"]
