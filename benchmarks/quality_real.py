@@ -12,7 +12,9 @@ any search).  Error: relative L2 of the sentence embeddings against the fp32 mod
 same format (absmax weight scales; fp8 W8A8 with the calibration max as input scale); the
 planner's rows (mixed precision under a byte budget) compare with naive nvfp4.  ``bytes``: stored
 Linear bytes / 16-bit Linear bytes (the model is float32: a layer the planner keeps costs 4 bytes
-per weight).  No ComfyUI needed.
+per weight).  ``floor`` rows round only the activations (as ComfyUI does for the format, with
+kitchen's quantizer) and keep every weight exact: the error no stored weights can go below.
+No ComfyUI needed.
 """
 from __future__ import annotations
 
@@ -76,6 +78,31 @@ ENGINE_VARIANTS = [
 ]
 
 
+# floors: only the activations rounded as ComfyUI rounds them for the format (kitchen's quantizer,
+# fp8 with the calibration max as static scale, nvfp4 dynamic), every weight exact - the error
+# no choice of weights can go below (errors of weights and activations add about in quadrature)
+FLOORS = [("float8_e4m3fn", "floor: activations only (weights exact)", True),
+          ("nvfp4", "floor: activations only (weights exact)", False)]
+
+
+def activations_only(model, stats, fmt_name: str, static: bool):
+    """Hooks rounding every Linear input to ``fmt_name`` and back (weights untouched); removers."""
+    from comfy_modelopt.calibrate import linear_layers
+    from comfy_modelopt.formats import FORMATS
+    fmt = FORMATS[fmt_name]
+
+    def hook(mod, args, scale):
+        x = args[0]
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        return (fmt.quantize_activation(x2, scale).dequantize().float().reshape(x.shape).to(x.dtype),)
+    handles = []
+    for name, m in linear_layers(model).items():
+        scale = (torch.tensor(stats.layer(name).amax_value() / fmt.input_fmax(), dtype=torch.float32)
+                 if static else None)
+        handles.append(m.register_forward_pre_hook(lambda mod, a, s=scale: hook(mod, a, s)))
+    return handles
+
+
 def embed(model, tok, texts: list[str]) -> torch.Tensor:
     with torch.no_grad():
         return model(*tok.batch(texts)).float()
@@ -112,6 +139,18 @@ def run(cache: str, only: str | None = None) -> dict:
         print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  1-cos {row['one_minus_cos']:.5f}  "
               f"vs naive {row['vs_naive']:.2f}x  bytes {row['bytes']:.3f}  ({len(quant)}/{len(rep.layers)} "
               f"layers, {seconds:.1f} s)", flush=True)
+    for fmt, name, static in FLOORS:
+        if only and fmt != only:
+            continue
+        handles = activations_only(model, stats, fmt, static)
+        try:
+            row = {"format": fmt, "variant": name, "calibrated": static, **errors(embed(model, tok, HELD_OUT), ref)}
+        finally:
+            for h in handles:
+                h.remove()
+        row["vs_naive"] = row["rel_err"] / naive[fmt]
+        rows.append(row)
+        print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  vs naive {row['vs_naive']:.2f}x", flush=True)
     try:
         from comfy_modelopt.modelopt_engine import modelopt_calibrate, require_modelopt
         require_modelopt()

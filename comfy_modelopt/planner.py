@@ -54,18 +54,25 @@ class Choice:
         return self.options[self.at]
 
 
+def format_errors(w: torch.Tensor, x: torch.Tensor, amax: float | None, candidates: dict):
+    """(name, format, layer options, relative output error on ``x``) of every candidate
+    ``{name: (Format, recipe options)}`` the layer's shape allows: absmax scales, the calibrated
+    static input scale where the format has one.  The planner's options and the report's
+    sensitivity column are both this."""
+    n, k = w.shape
+    for name, (fmt, opts) in candidates.items():
+        lopts = fmt.layer_options(n, k, opts)
+        if fmt.shape_problem(n, k, **lopts):
+            continue
+        yield name, fmt, lopts, output_error(fmt, w, x, None, amax if fmt.needs_input_scale else None, **lopts)
+
+
 def measure(layer, w: torch.Tensor, layer_stats, candidates: dict, planned_bytes) -> list[Option]:
     """Every option of one layer: (format, bytes, relative output error on its sampled inputs)."""
     x = layer_stats.sample()[:SAMPLE_ROWS].to(w.device)
-    options = [Option(KEEP, layer.n * layer.k * 2, 0.0)]
-    amax = layer_stats.amax_value()
-    for name, (fmt, opts) in candidates.items():
-        lopts = fmt.layer_options(layer.n, layer.k, opts)
-        if fmt.shape_problem(layer.n, layer.k, **lopts):
-            continue
-        err = output_error(fmt, w, x, None, amax if fmt.needs_input_scale else None, **lopts)
-        options.append(Option(name, planned_bytes(layer, fmt, lopts), err))
-    return options
+    return [Option(KEEP, layer.n * layer.k * 2, 0.0)] + [
+        Option(name, planned_bytes(layer, fmt, lopts), err)
+        for name, fmt, lopts, err in format_errors(w, x, layer_stats.amax_value(), candidates)]
 
 
 def hull(options: list[Option]) -> list[Option]:

@@ -17,6 +17,7 @@ from .errors import QuantizeError
 from .fileformat import (COMFY_QUANT, INPUT_SCALE, LOWRANK_DOWN, LOWRANK_UP, SMOOTH_SCALE, SUFFIX_KEYS,
                          comfy_quant_tensor)
 from .plan import LayerPlan, Plan
+from .planner import format_errors
 from .recipe import Recipe
 from .report import LayerReport
 from .safetensors_io import entries_nbytes
@@ -244,13 +245,8 @@ def measure(w: torch.Tensor, x: torch.Tensor | None, deq: torch.Tensor, choice: 
 def sensitivity(w: torch.Tensor, x: torch.Tensor, layer_stats) -> dict[str, float]:
     """Relative output error of this layer on sampled inputs, per candidate format (absmax
     scales; fp8 with its calibrated static input scale)."""
-    out = {}
-    for name, fmt in FORMATS.items():
-        if fmt.shape_problem(w.shape[0], w.shape[1]):
-            continue
-        amax = layer_stats.amax_value() if fmt.needs_input_scale else None
-        out[name] = round(output_error(fmt, w, x, None, amax), 6)
-    return out
+    return {name: round(err, 6) for name, _fmt, _opts, err in
+            format_errors(w, x, layer_stats.amax_value(), {n: (f, {}) for n, f in FORMATS.items()})}
 
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
