@@ -319,8 +319,8 @@ class CudaGraphs:
         (``CompiledBlocks.installed`` is per thread), and nothing it replays is touched; the next
         evaluation after a successful check captures the compiled blocks.  A compilation that
         fails, or differs from eager, turns compiled blocks off with the reason logged, as before;
-        one that fails because the weights moved meanwhile (ComfyUI unloaded the model) is
-        forgotten and starts again at the next capture."""
+        one during which the weights moved or changed (ComfyUI unloaded the model, a LoRA was
+        merged) is forgotten and starts again at the next capture."""
         if sig in self.compiling:
             return
         x, t, c = x.clone(), _clone_tree(t, x.device), dict(_clone_tree({k: v for k, v in c.items()
@@ -332,7 +332,7 @@ class CudaGraphs:
         copied.record()  # the copies above, queued on this thread's stream
 
         def work():
-            t0 = time.perf_counter()
+            t0, checks = time.perf_counter(), len(self.compiled.checks)
             try:
                 torch.cuda.set_device(device)
                 with torch.inference_mode(modes[0]), torch.set_grad_enabled(modes[1]):
@@ -342,11 +342,15 @@ class CudaGraphs:
                         run = lambda: apply_model(x, t, **c)  # noqa: E731
                         ok = self.compiled.validate(run, run(), lambda: apply_model(rounding_noise(x, dtype), t, **c))
                     stream.synchronize()
-                if ok:
-                    self.validated.add(sig)
-                elif self._weights_key() != weights and self.compiled.reason and "failed" in self.compiled.reason:
-                    self.compiled.enabled, self.compiled.reason = True, None
+                if self._weights_key() != weights:
+                    # the weights moved or changed meanwhile (ComfyUI unloaded the model, a LoRA was
+                    # applied): whatever this check found is about other weights - forget it
+                    if not ok:
+                        self.compiled.enabled, self.compiled.reason = True, None
+                    del self.compiled.checks[checks:]
                     self.warmed.discard(sig)
+                elif ok:
+                    self.validated.add(sig)
             except Exception as e:  # the eager reference itself failed: the model went away meanwhile
                 logging.info(f"[comfy-modelopt] background compilation abandoned: {type(e).__name__}: {str(e)[:200]}")
                 self.warmed.discard(sig)
