@@ -30,7 +30,8 @@ import minilm  # noqa: E402
 import torch  # noqa: E402
 
 from comfy_modelopt import Recipe, quantize_module  # noqa: E402
-from comfy_modelopt.calibrate import calibrate  # noqa: E402
+from comfy_modelopt.calibrate import calibrate, linear_layers  # noqa: E402
+from comfy_modelopt.formats import FORMATS  # noqa: E402
 from comfy_modelopt.modules import module_report  # noqa: E402
 from comfy_modelopt.prompts import DEFAULT_PROMPTS  # noqa: E402
 
@@ -87,8 +88,6 @@ FLOORS = [("float8_e4m3fn", "floor: activations only (weights exact)", True),
 
 def activations_only(model, stats, fmt_name: str, static: bool):
     """Hooks rounding every Linear input to ``fmt_name`` and back (weights untouched); removers."""
-    from comfy_modelopt.calibrate import linear_layers
-    from comfy_modelopt.formats import FORMATS
     fmt = FORMATS[fmt_name]
 
     def hook(mod, args, scale):

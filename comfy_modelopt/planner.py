@@ -29,6 +29,8 @@ import torch
 
 from .errors import PlanError
 from .formats import FORMATS, Format
+from .plan import assign, lay_out
+from .safetensors_io import ITEMSIZE, entries_nbytes
 from .smoothing import output_error
 
 DEFAULT_CANDIDATES = ("nvfp4", "float8_e4m3fn", "int8_tensorwise")
@@ -68,9 +70,10 @@ def format_errors(w: torch.Tensor, x: torch.Tensor, amax: float | None, candidat
 
 
 def measure(layer, w: torch.Tensor, layer_stats, candidates: dict, planned_bytes) -> list[Option]:
-    """Every option of one layer: (format, bytes, relative output error on its sampled inputs)."""
+    """Every option of one layer: (format, bytes, relative output error on its sampled inputs);
+    kept, the layer costs its source dtype's bytes and no error."""
     x = layer_stats.sample()[:SAMPLE_ROWS].to(w.device)
-    return [Option(KEEP, layer.n * layer.k * 2, 0.0)] + [
+    return [Option(KEEP, layer.n * layer.k * ITEMSIZE[layer.src_dtype], 0.0)] + [
         Option(name, planned_bytes(layer, fmt, lopts), err)
         for name, fmt, lopts, err in format_errors(w, x, layer_stats.amax_value(), candidates)]
 
@@ -170,8 +173,6 @@ def _planned_bytes(layer, fmt: Format, opts: dict) -> int:
 def plan_budget(plan, source, stats, recipe, progress=None) -> dict:
     """Reassign formats of ``plan``'s eligible, calibrated layers under ``recipe.budget``
     (reads each weight once from ``source``); returns the summary the report shows."""
-    from .plan import assign, lay_out  # plan imports nothing of this module
-    from .safetensors_io import ITEMSIZE, entries_nbytes
     candidates = resolve_candidates(recipe)
     chosen_layers = [l for l in plan.layers if l.eligible and stats is not None and stats.has(l.rel)
                      and stats.layer(l.rel).has_sample()]
@@ -183,9 +184,7 @@ def plan_budget(plan, source, stats, recipe, progress=None) -> dict:
         if progress:
             progress(i, len(chosen_layers), "planning " + layer.rel)
         w = source.read(layer.name + ".weight").float()
-        options = measure(layer, w, stats.layer(layer.rel), candidates, _planned_bytes)
-        options[0].bytes = layer.n * layer.k * ITEMSIZE[layer.src_dtype]  # kept: its source dtype
-        choices.append(Choice(layer, hull(options)))
+        choices.append(Choice(layer, hull(measure(layer, w, stats.layer(layer.rel), candidates, _planned_bytes))))
         del w
     if recipe.max_error:
         used = solve_error(choices, recipe.max_error)

@@ -81,6 +81,8 @@ def _is_weight_layer(m) -> bool:
     Flux, most of a warm-cache first run)."""
     return isinstance(m, _WEIGHT_LAYERS) or (type(m).__name__ in _WEIGHT_LAYER_NAMES and
                                              isinstance(getattr(m, "weight", None), torch.Tensor))
+
+
 _PER_BLOCK_KEYS = ("block", "block_index", "transformer_index")  # per-block constants for patch lookups
 
 

@@ -13,6 +13,8 @@ import comfy.utils
 import node_helpers
 
 from ..calibrate import CalibrationOptions, calibrate
+from ..modelopt_engine import modelopt_calibrate
+from ..recipe import Recipe
 from ..stats import ActivationStats
 
 
@@ -44,9 +46,9 @@ def without_cuda_graphs(model):
 
 def _sampling_loop(model, clip, prompts: list[str], negative: str, steps: int, cfg: float, sampler_name: str,
                    scheduler: str, latent: torch.Tensor, seed: int, guidance: float | None, node_id: str | None,
-                   prompt: list):
+                   prompt: list | None = None):
     """A forward loop sampling each prompt (seed + i) through ComfyUI's sampler, with a progress bar;
-    ``prompt[0]`` holds the index of the prompt being sampled."""
+    ``prompt[0]``, when given, holds the index of the prompt being sampled."""
     if not prompts:
         raise ValueError("no calibration prompts: give at least one prompt (one per line)")
     if clip is None:
@@ -59,7 +61,8 @@ def _sampling_loop(model, clip, prompts: list[str], negative: str, steps: int, c
     def forward_loop(_module):
         done = 0
         for i, cond in enumerate(conds):
-            prompt[0] = i
+            if prompt is not None:
+                prompt[0] = i
             comfy.model_management.throw_exception_if_processing_interrupted()
             noise = comfy.sample.prepare_noise(latent, seed + i)
             comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, cond, negative_cond, latent,
@@ -95,8 +98,6 @@ def modelopt_by_sampling(model, clip, prompts: list[str], negative: str, steps: 
     model, its forward loop the same sampling runs as ours: ModelOpt quantizes a copy of the
     diffusion model, and while its loop runs the copy stands in for the original inside the
     model ComfyUI samples (put back afterwards, also on error or interruption)."""
-    from ..modelopt_engine import modelopt_calibrate
-    from ..recipe import Recipe
     model = without_cuda_graphs(model)
     # loaded (and LoRA-patched) in place first: ModelOpt copies the weights as they are, and
     # sampling then finds the model loaded and does not patch the copy again
@@ -104,7 +105,7 @@ def modelopt_by_sampling(model, clip, prompts: list[str], negative: str, steps: 
     base = model.model
     original = base.diffusion_model
     loop = _sampling_loop(model, clip, prompts, negative, steps, cfg, sampler_name, scheduler, latent, seed,
-                          guidance, node_id, [0])
+                          guidance, node_id)
 
     def forward_loop(work):
         base.diffusion_model = work
