@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import architectures  # noqa: E402
 
 architectures.setup_comfy()
+import comfy.model_management  # noqa: E402
 import comfy.sample  # noqa: E402
 
 import common  # noqa: E402
@@ -84,7 +85,7 @@ def _run_variant(label, q, runs, sample, ref, fp8_ref=None):
     """``runs`` whole sampling runs of patcher ``q``; one row."""
     wrapper = q.model_options.get("model_function_wrapper")
     runner = wrapper if isinstance(wrapper, CudaGraphs) else None
-    secs, out, peak, waited = [], None, None, None
+    secs, out, peaks, waited = [], None, [], None
     for i in range(runs):
         if i == 1 and runner is not None and runner.compiled is not None:
             # blocks still compiling in the background after the first run: the steady runs
@@ -101,10 +102,27 @@ def _run_variant(label, q, runs, sample, ref, fp8_ref=None):
             common.sync()
             secs.append(time.perf_counter() - t0)
         if common.CUDA:
-            peak = max(peak or 0.0, torch.cuda.max_memory_allocated() / 2**30)
+            peaks.append(torch.cuda.max_memory_allocated() / 2**30)
     row = {"variant": label, "first_s": round(secs[0], 3), "steady_s": round(min(secs[1:] or secs), 3),
-           "runs_s": [round(x, 3) for x in secs], "peak_vram_gib": None if peak is None else round(peak, 2),
+           "runs_s": [round(x, 3) for x in secs], "peak_vram_gib": round(max(peaks), 2) if peaks else None,
            "finite": bool(torch.isfinite(out).all())}
+    if peaks:
+        # the memory a user's steady runs need beyond the weights: the steady runs' peak (after
+        # compilation and captures) over the model's own bytes (ComfyUI's model_size); resident =
+        # what stays allocated between runs (weights, persistent graph pools, anything held)
+        steady_peak = max(peaks[1:] or peaks)
+        row["peak_runs_gib"] = [round(x, 3) for x in peaks]
+        row["resident_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)
+        row["model_gib"] = round(q.model_size() / 2**30, 3)
+        row["steady_peak_gib"] = round(steady_peak, 3)
+        row["steady_over_resident_gib"] = round(steady_peak - row["resident_gib"], 3)
+        row["steady_over_model_gib"] = round(steady_peak - row["model_gib"], 3)
+        # what the device has in use (any allocator backend: cudaMallocAsync, ComfyUI's default on
+        # CUDA 13 torch, keeps graph memory outside torch's counters) and what ComfyUI thinks is free
+        free, total = torch.cuda.mem_get_info()
+        row["device_used_gib"] = round((total - free) / 2**30, 3)
+        row["comfy_free_gib"] = round(comfy.model_management.get_free_memory() / 2**30, 3)
+        row["allocator"] = torch.cuda.get_allocator_backend()
     if ref is not None:
         row["rel_l2_vs_16bit"] = float((out - ref).norm() / ref.norm())
     if fp8_ref is not None:  # 0 where the runtime is bit-exact with stock ComfyUI
@@ -163,8 +181,14 @@ def main(argv=None):
         base = next((r for r in results["rows"] if r["variant"] == STOCK_16BIT), None)
         if base is not None:
             row["steady_speedup_vs_16bit"] = round(base["steady_s"] / row["steady_s"], 3)
+            if row is not base and base.get("steady_over_resident_gib"):
+                # the peak-VRAM target: steady peak <= model + 1.25x the 16-bit forward's activation peak
+                row["over_model_vs_16bit_activation"] = round(row["steady_over_model_gib"] /
+                                                              base["steady_over_resident_gib"], 3)
         print(f"  {row['variant']:58s} first {row['first_s']:7.2f} s  steady {row['steady_s']:6.2f} s  "
-              f"x{row.get('steady_speedup_vs_16bit', float('nan')):.2f}  peak {row['peak_vram_gib']} GiB  "
+              f"x{row.get('steady_speedup_vs_16bit', float('nan')):.2f}  peak {row['peak_vram_gib']} GiB "
+              f"(steady {row.get('steady_peak_gib')}, model {row.get('model_gib')}, "
+              f"x{row.get('over_model_vs_16bit_activation')} of 16-bit activations)  "
               f"rel L2 {row.get('rel_l2_vs_16bit', 0):.2e}  {row.get('graph', '')} {row.get('compiled', '')}",
               flush=True)
         common.write_json(os.path.join(a.out, f"sampling_{a.model}.json"), results)

@@ -1,5 +1,6 @@
-"""Ordering helper for work that must not land on a stream about to be captured in a CUDA graph
-(the calibration statistics' graphs and the ComfyUI adapter's model graphs both warm up so)."""
+"""CUDA-graph helpers shared by the calibration statistics' graphs and the ComfyUI adapter's model
+graphs: warm-ups ordered off the stream about to be captured, and the memory pool argument the
+process's allocator accepts."""
 from __future__ import annotations
 
 import torch
@@ -13,3 +14,41 @@ def on_side_stream(fn, device=None):
         result = fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     return result
+
+
+def allocator_backend() -> str:
+    """``native`` (PyTorch's caching allocator) or ``cudaMallocAsync`` - ComfyUI's default on
+    CUDA 13 builds of torch (its ``cuda_malloc.py`` sets ``PYTORCH_CUDA_ALLOC_CONF``)."""
+    try:
+        return torch.cuda.get_allocator_backend()
+    except Exception:  # pragma: no cover - no CUDA build
+        return "native"
+
+
+def shared_graph_pool():
+    """A memory pool several graphs can share (``torch.cuda.graph(..., pool=...)``), or None
+    where the allocator has none: cudaMallocAsync refuses shared pools ("does not yet support
+    createOrIncrefPool") - every capture failed so inside a real ComfyUI server, measured on an
+    H200 - and gives each graph the driver's graph memory instead, which the device counts as
+    used (``torch.cuda.mem_get_info``, what ComfyUI reads)."""
+    return None if allocator_backend() == "cudaMallocAsync" else torch.cuda.graph_pool_handle()
+
+
+def trim_graph_memory(device=None) -> bool:
+    """Hand the memory of destroyed graphs back to the device (``cudaDeviceGraphMemTrim``): under
+    cudaMallocAsync a graph's allocations are driver graph memory, which stays reserved for
+    future graphs after the graph is gone - ComfyUI, reading ``mem_get_info``, would see it used
+    for good.  Torch has no binding; the CUDA runtime torch loaded is found by its soname.
+    True when it ran."""
+    import ctypes
+    index = torch.device("cuda", torch.cuda.current_device()).index if device is None else torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        torch.cuda.synchronize(index)
+        return lib.cudaDeviceGraphMemTrim(ctypes.c_int(index)) == 0
+    return False

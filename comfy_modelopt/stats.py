@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cuda_streams import on_side_stream
+from .cuda_streams import on_side_stream, shared_graph_pool
 
 HIST_MANTISSA_BITS = 5                       # 32 bins per octave
 HIST_BINS = 1 << (8 + HIST_MANTISSA_BITS)    # bf16 exponent x top mantissa bits (incl. inf/nan)
@@ -288,7 +288,7 @@ class UpdateGraphs:
         on_side_stream(lambda: _partials(static, sanitize), x.device)  # warm-up outside the capture
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+            self.pool = shared_graph_pool()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             outs = _partials(static, sanitize)
         self.captures += 1

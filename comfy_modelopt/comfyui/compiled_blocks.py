@@ -18,6 +18,8 @@ import threading
 
 import torch
 
+from ..device_constants import ConstantsOnDevice
+
 
 def _rel_l2(a, b) -> float:
     a, b = a.float(), b.float()
@@ -145,6 +147,7 @@ class CompiledBlocks:
         position = _options_position(m)
         eager = m.forward
         blocks = self
+        compiled = _without_capture_mode(compiled)
 
         def forward(*args, **kwargs):
             if blocks._owner != threading.get_ident():
@@ -240,6 +243,18 @@ class CompiledBlocks:
         self.enabled, self.reason = False, reason
         logging.warning(f"[comfy-modelopt] compiled blocks turned off: {reason}")
         return False
+
+
+def _without_capture_mode(compiled):
+    """``compiled`` called with a capture's ``ConstantsOnDevice`` mode left for the call: Dynamo
+    guards on the torch-function mode stack, so a region compiled without it (in the background
+    thread) would be recompiled inside the capture.  The blocks build no CPU constants."""
+    def call(*args, **kwargs):
+        if isinstance(torch.overrides._get_current_function_mode(), ConstantsOnDevice):
+            with torch.overrides._pop_mode_temporarily():
+                return compiled(*args, **kwargs)
+        return compiled(*args, **kwargs)
+    return call
 
 
 def _carried_patches(topts: dict) -> str | None:

@@ -12,8 +12,10 @@ Inductor cache).
 
 The graphs stay while the model stays loaded: a second sampling run with the same shapes
 captures nothing.  Their memory is accounted the way ComfyUI counts memory in use (``GraphPool``:
-the pool's idle blocks are held by placeholders, so ComfyUI's free-memory estimate - reserved
-minus active - does not count memory only the graphs can use), and it goes back when ComfyUI
+under the caching allocator the pool's idle blocks are held by placeholders, so ComfyUI's
+free-memory estimate - reserved minus active - does not count memory only the graphs can use;
+under cudaMallocAsync, ComfyUI's default on CUDA 13 torch, the graphs hold driver memory the
+device reports as used), and it goes back when ComfyUI
 unloads the model, partly or wholly, to make room: the graphs are owned by the model's patcher
 and die with its residency.  A change of weights or weight patches (a LoRA) recaptures.
 """
@@ -28,7 +30,8 @@ import torch
 
 from comfy.patcher_extension import CallbacksMP, WrappersMP
 
-from ..cuda_streams import on_side_stream
+from ..cuda_streams import allocator_backend, on_side_stream, shared_graph_pool, trim_graph_memory
+from ..device_constants import ConstantsOnDevice, HostCopies
 from .compiled_blocks import CompiledBlocks, _carried_patches, _nonempty, rounding_noise
 from .lean import release_on_detach
 
@@ -40,21 +43,34 @@ _WRAPPERS_OUTSIDE_MODEL = frozenset({WrappersMP.OUTER_SAMPLE, WrappersMP.PREPARE
 _PATCHER_LIFECYCLE_CALLBACKS = frozenset(v for k, v in vars(CallbacksMP).items() if k.startswith("ON_"))
 
 
-def _pool_accounting_available() -> bool:
-    return torch.cuda.is_available() and hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
+def _pool_accounting() -> str | None:
+    """How graphs kept between runs stay counted as memory in use, or None (they go back after
+    every run): ``mempool`` - the caching allocator, a MemPool whose idle blocks are held
+    (``GraphPool``); ``device`` - cudaMallocAsync (ComfyUI's default on CUDA 13 torch), whose
+    graph memory the driver holds and ``mem_get_info`` reports as used."""
+    if not torch.cuda.is_available():
+        return None
+    if allocator_backend() == "cudaMallocAsync":
+        return "device"
+    return "mempool" if hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool") else None
 
 
 class GraphPool:
-    """The memory pool a model's graphs share.  ``accounted``: a MemPool whose idle blocks are
-    held by placeholder tensors (``occupy``) between captures, so they count as memory in use;
-    else a plain graph pool (given back after every run) on which ``occupy``/``vacate`` do nothing."""
+    """The memory pool a model's graphs share.  ``accounted`` under the caching allocator: a
+    MemPool whose idle blocks are held by placeholder tensors (``occupy``) between captures, so
+    they count as memory in use; else a plain graph pool (given back after every run) - or, under
+    cudaMallocAsync, no shared pool at all (``handle`` None: each graph holds driver memory the
+    device counts as used) - on which ``occupy``/``vacate`` do nothing."""
 
     def __init__(self, accounted: bool = True):
-        self.pool = torch.cuda.MemPool() if accounted else None
-        self.handle = self.pool.id if accounted else torch.cuda.graph_pool_handle()
+        self.accounting = _pool_accounting() if accounted else None
+        self.pool = torch.cuda.MemPool() if self.accounting == "mempool" else None
+        self.handle = self.pool.id if self.pool is not None else shared_graph_pool()
         self.fillers: list = []
 
     def _segments(self) -> list:
+        if self.handle is None:
+            return []
         return [seg for seg in torch.cuda.memory_snapshot()
                 if tuple(seg.get("segment_pool_id", ())) == tuple(self.handle)]
 
@@ -117,17 +133,25 @@ class CudaGraphs:
         self.compiling: dict = {}  # signature -> the thread compiling the blocks for it
         self.compile_seconds: list = []  # wall time of each compilation + check (background or not)
         self.compiled = CompiledBlocks(patcher.model.diffusion_model) if compile_blocks else None
+        if self.compiled is not None and self.compiled.enabled and allocator_backend() == "cudaMallocAsync":
+            # Under cudaMallocAsync (ComfyUI's default allocator on CUDA 13 torch) a capture over
+            # Inductor-compiled blocks aborted the process (cudaFreeAsync "invalid argument"; H200,
+            # torch 2.11, compiled in the background or not), while plain captures work
+            self.compiled._disable("compiled blocks need PyTorch's caching allocator: ComfyUI runs on "
+                                   "cudaMallocAsync; start it with --disable-cuda-malloc to use them")
         self.graphs: dict = {}
         self.pool = None
         # keep the graphs between sampling runs where their memory can be accounted (else they go
         # back after every run, and each run captures again)
-        self.persistent = _pool_accounting_available() if persistent is None else persistent
+        self.persistent = _pool_accounting() is not None if persistent is None else persistent
         self.warned: set = set()
         self.eager_calls = self.replays = self.captures = self.releases = 0
         self.capture_seconds: list = []  # wall time of each capture (with its warm-up / compilation)
         self.warmed: set = set()  # signatures whose lazy inits/compilation already ran
         self.failed: dict = {}  # signature -> why its capture failed (runs eagerly, not retried)
         self.validated: set = set()  # signatures whose compiled blocks matched eager
+        self.graph_memory_trimmed = None  # cudaMallocAsync: whether the last release trimmed
+        self.constants_rebuilt = 0  # CPU-built constants the last capture built on the GPU instead
 
     def release(self, *_args) -> None:
         """Drop every captured graph and the memory pool they share.
@@ -141,6 +165,8 @@ class CudaGraphs:
             self.graphs.clear()
             if self.pool is not None:
                 self.pool.vacate()
+                if self.pool.accounting == "device":  # the driver keeps graph memory until trimmed
+                    self.graph_memory_trimmed = trim_graph_memory(self.patcher.load_device)
             self.pool = None
             self.releases += 1
 
@@ -267,17 +293,18 @@ class CudaGraphs:
         static_c = _clone_tree(c, device)
         static_c["transformer_options"] = topts
         use_compiled = self.compiled is not None and self.compiled.enabled and sig in self.validated
-        run = lambda: apply_model(static_x, static_t, **static_c)  # noqa: E731
+        run = lambda: self._model_call(apply_model, static_x, static_t, static_c)  # noqa: E731
+        first = lambda: self._model_call(apply_model, static_x, static_t, static_c, check_host_copies=True)  # noqa: E731
         cache = getattr(self.patcher.model, "_modelopt_dequant_cache", None)
         if sig not in self.warmed and self.compiled is not None and self.compiled.enabled and self.background_compile:
-            on_side_stream(run)  # lazy inits, autotuning, the dequant cache: outside the capture
+            on_side_stream(first)  # lazy inits, autotuning, the dequant cache: outside the capture
             self.warmed.add(sig)
             self._compile_in_background(apply_model, static_x, static_t, static_c, sig)
         elif sig not in self.warmed:
             t_compile = time.perf_counter()
 
             def warm_up():  # outside the capture: lazy inits, autotuning, compilation, dequant cache
-                ref = run()
+                ref = first()
                 return self.compiled is not None and self.compiled.validate(
                     run, ref, lambda: apply_model(rounding_noise(static_x, self._compute_dtype()), static_t,
                                                   **static_c))
@@ -312,6 +339,21 @@ class CudaGraphs:
         static_c.pop("transformer_options")
         return {"graph": graph, "static": _tensors(static_x, static_t, static_c), "out": out, "weights": weights,
                 "compiled": use_compiled}
+
+    def _model_call(self, apply_model, x, t, c, check_host_copies: bool = False):
+        """The model evaluation a capture and its warm-ups run: constants the forward builds on the
+        CPU and moves to the GPU are built on the GPU (``device_constants``: Wan 2.1's timestep
+        embedding - without it every Wan capture failed; compiled regions leave that mode, see
+        ``compiled_blocks``).  ``check_host_copies`` (a signature's first warm-up): a host copy
+        left over fails the signature here, before any capture is tried."""
+        mode = ConstantsOnDevice()
+        with HostCopies() if check_host_copies else contextlib.nullcontext() as copies, mode:
+            out = apply_model(x, t, **c)
+        self.constants_rebuilt = mode.rebuilt
+        if copies is not None and copies.ops:
+            raise RuntimeError(f"the forward copies tensors from the CPU to the GPU ({', '.join(sorted(set(copies.ops)))}),"
+                               " which a CUDA graph cannot capture")
+        return out
 
     def _compile_in_background(self, apply_model, x, t, c, sig) -> None:
         """Compile the blocks for ``sig`` and check them against eager in a thread of its own, on

@@ -1,0 +1,117 @@
+"""Constants built on the device they are moved to, for CUDA-graph capture.
+
+A model forward that builds a constant on the CPU and moves it to the GPU - Wan 2.1's
+``sinusoidal_embedding_1d`` (ComfyUI's ``comfy/ldm/wan/model.py``) runs
+``torch.arange(half).to(position)`` on every call - cannot be captured: a host-to-device copy is
+refused inside a capture ("Cannot copy between CPU and CUDA tensors during CUDA graph capture"),
+and a captured copy from pinned memory would replay whatever the host buffer holds later.
+
+``ConstantsOnDevice`` (a torch function mode, so per thread) remembers every tensor that a
+factory builds on the CPU from Python numbers alone - ``torch.arange`` with integer bounds,
+``torch.zeros``/``ones``/``full`` - and when such a tensor, untouched since (no torch function
+has seen it: ComfyUI samples in inference mode, where tensors keep no version counter, so an
+in-place change or a view cannot be told apart from a harmless read), is moved to another
+device, builds it there instead.  The values are the same
+numbers (integers and fill values are exact on every device), so a graph captured so replays
+what eager computes, bit for bit, and its kernel is part of the graph.  Anything else - a CPU
+tensor with data from elsewhere, modified in place, or derived by another op - is copied as
+before (and a capture then fails as before, logged).
+"""
+from __future__ import annotations
+
+import numbers
+import weakref
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full}
+_MOVES = {torch.Tensor.to, torch.Tensor.cuda}
+
+
+def _python_numbers(v, integers: bool) -> bool:
+    if isinstance(v, (tuple, list, torch.Size)):
+        return all(_python_numbers(x, integers) for x in v)
+    if isinstance(v, bool):
+        return not integers
+    return isinstance(v, numbers.Integral) if integers else isinstance(v, numbers.Real)
+
+
+class ConstantsOnDevice(TorchFunctionMode):
+    """Inside: ``factory(numbers).to(device)`` builds on ``device`` (see the module docstring).
+    ``rebuilt`` counts the tensors built so."""
+
+    def __init__(self):
+        super().__init__()
+        self.recipes: dict = {}  # id(tensor) -> (weakref, factory, args, kwargs)
+        self.rebuilt = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.recipes:
+            if func in _MOVES and args and id(args[0]) in self.recipes:
+                moved = self._rebuild(func, args, kwargs)
+                if moved is not None:
+                    return moved
+            # any other use may modify or alias the constant: it is no longer known
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, torch.Tensor):
+                    self.recipes.pop(id(a), None)
+        out = func(*args, **kwargs)
+        if func in _FACTORIES and self._constant(func, args, kwargs, out):
+            self.recipes[id(out)] = (weakref.ref(out), func, args, kwargs)
+        return out
+
+    @staticmethod
+    def _constant(func, args, kwargs, out) -> bool:
+        if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or "out" in kwargs:
+            return False
+        if set(kwargs) - {"dtype", "device", "layout", "requires_grad", "pin_memory"}:
+            return False
+        if func is torch.full:  # size, fill value: the value may be any number
+            return len(args) == 2 and _python_numbers(args[0], True) and _python_numbers(args[1], False)
+        # arange with integer bounds only: float steps round differently on other devices
+        return _python_numbers(args, True)
+
+    def _rebuild(self, func, args, kwargs):
+        ref, factory, f_args, f_kwargs = self.recipes.pop(id(args[0]))
+        if ref() is not args[0]:  # another tensor now lives at that id
+            return None
+        if func is torch.Tensor.cuda:
+            device = args[1] if len(args) > 1 else kwargs.get("device")
+            device = torch.device("cuda", torch.cuda.current_device() if device is None else device) \
+                if not isinstance(device, (str, torch.device)) else torch.device(device)
+            dtype = None
+        else:
+            try:
+                device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+            except (TypeError, RuntimeError):  # e.g. copy=True: a copy was asked for
+                return None
+            if memory_format is not None and memory_format != torch.preserve_format:
+                return None
+        if device is None or device.type == "cpu":
+            return None
+        out = factory(*f_args, **{**f_kwargs, "device": device, "pin_memory": False})
+        if dtype is not None and dtype != out.dtype:
+            out = out.to(dtype)
+        self.rebuilt += 1
+        return out
+
+
+class HostCopies(TorchDispatchMode):
+    """Records the ops that take a CPU tensor (not a 0-dim one: those are read as numbers) and
+    return a tensor on another device - the host-to-device copies a CUDA-graph capture refuses.
+    Run over a warm-up forward, it tells beforehand that a capture would fail (a capture that
+    fails under cudaMallocAsync can take the process down when its allocations are freed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.device.type != "cpu" and \
+                any(isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dim() for a in args):
+            self.ops.append(str(func))
+        return out
