@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 from comfy_modelopt import Recipe, quantize_module  # noqa: E402
 from comfy_modelopt.calibrate import calibrate, linear_layers  # noqa: E402
+from comfy_modelopt.errors import ModelOptError  # noqa: E402
 from comfy_modelopt.formats import FORMATS  # noqa: E402
 from comfy_modelopt.modules import module_report  # noqa: E402
 from comfy_modelopt.prompts import DEFAULT_PROMPTS  # noqa: E402
@@ -76,6 +77,9 @@ ENGINE_VARIANTS = [
     ("int8_tensorwise", "ModelOpt engine: max", dict(), "max"),
     ("int8_tensorwise", "ModelOpt engine: smoothquant", dict(), "smoothquant"),
     ("nvfp4", "ModelOpt engine: max", dict(), "max"),
+    # CUDA only (ModelOpt's fp4 fake quantization): skipped with a line on a CPU
+    ("nvfp4", "ModelOpt engine: awq_lite", dict(), "awq_lite"),
+    ("nvfp4", "ModelOpt engine: svdquant (own loader, r32)", dict(lowrank=32), "svdquant"),
 ]
 
 
@@ -161,8 +165,13 @@ def run(cache: str, only: str | None = None) -> dict:
                 continue
             recipe = Recipe(**{"format": fmt, **fields})
             t0 = time.perf_counter()
-            with torch.no_grad():
-                engine = modelopt_calibrate(model, lambda m: [m(*tok.batch([p])) for p in CALIB], recipe, algorithm)
+            try:
+                with torch.no_grad():
+                    engine = modelopt_calibrate(model, lambda m: [m(*tok.batch([p])) for p in CALIB], recipe,
+                                                algorithm)
+            except ModelOptError as e:  # e.g. a CUDA-only algorithm on a CPU
+                print(f"{fmt:16s} {name:40s} skipped: {e}", flush=True)
+                continue
             q = quantize_module(model, recipe, stats, native=True, engine=engine)
             row = {"format": fmt, "variant": name, "recipe": fields, "calibrated": True,
                    **errors(embed(q, tok, HELD_OUT), ref), "seconds": round(time.perf_counter() - t0, 2)}

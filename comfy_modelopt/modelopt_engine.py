@@ -10,15 +10,23 @@ per Linear layer, what its calibration chose:
   optional static input scale);
 - ``weight_amax``: the weight range ModelOpt would quantize with (a clip factor for our encoder);
 - ``smooth``: SmoothQuant's / AWQ's per-channel scale, as ``s`` with the layer computing
-  ``(x / s) @ (W * s)^T`` (ModelOpt's ``pre_quant_scale`` is ``1 / s``).
+  ``(x / s) @ (W * s)^T`` (ModelOpt's ``pre_quant_scale`` is ``1 / s``);
+- ``lowrank``: SVDQuant's 16-bit branch ``(up [N, r], down [r, K])`` of the smoothed weight -
+  ModelOpt's ``svdquant_lora_b`` / ``svdquant_lora_a`` - whose residual ``W * s - up @ down`` is
+  the part quantized.
 
 ``quantize_module(..., engine=EngineResult)`` / ``quantize(..., engine=...)`` then write the same
 files as the own engine, encoded by comfy-kitchen: the smoothing scales are folded exactly into
 their producers where the file allows it (``folding``: one scale per fold group, the geometric
 mean of its layers' ModelOpt scales) and dropped - with a report note - where it does not.
+Own-loader files (``lowrank`` > 0) carry them per layer instead, and SVDQuant's branch goes into
+the own loader's low-rank layers (``modelopt_lowrank_*``): the same computation as ModelOpt's
+``SVDQuantLinear``, the branch on the smoothed, unquantized input.
 
 Algorithms: ``max`` (fp8, int8, nvfp4; runs on a CPU), ``smoothquant`` (int8; CPU),
-``awq_lite`` (nvfp4; ModelOpt's fp4 fake quantization needs CUDA - refused without it).
+``awq_lite`` and ``svdquant`` (nvfp4; ModelOpt's fp4 fake quantization needs CUDA - refused
+without it; svdquant's rank is the recipe's ``lowrank``, 32 when it is 0, and Quantize Model must
+write that rank).
 """
 from __future__ import annotations
 
@@ -31,7 +39,7 @@ from .calibrate import linear_layers
 from .errors import ModelOptError
 from .families import literal_glob
 
-ALGORITHMS = ("max", "smoothquant", "awq_lite")
+ALGORITHMS = ("max", "smoothquant", "awq_lite", "svdquant")
 _FORMATS = {  # our format -> (weight quantizer cfg, input quantizer cfg)
     "float8_e4m3fn": ({"num_bits": (4, 3), "axis": None}, {"num_bits": (4, 3), "axis": None}),
     "int8_tensorwise": ({"num_bits": 8, "axis": 0}, {"num_bits": 8, "axis": None}),
@@ -40,8 +48,10 @@ _FORMATS = {  # our format -> (weight quantizer cfg, input quantizer cfg)
 }
 ENGINE_FORMATS = tuple(_FORMATS)
 # ModelOpt 0.47's smoothquant smooths int8 quantizers only (with fp8 ones it smoothed nothing)
-_ALGORITHM_FORMATS = {"max": tuple(_FORMATS), "smoothquant": ("int8_tensorwise",), "awq_lite": ("nvfp4",)}
-_NEEDS_CUDA = {"awq_lite"}
+_ALGORITHM_FORMATS = {"max": tuple(_FORMATS), "smoothquant": ("int8_tensorwise",), "awq_lite": ("nvfp4",),
+                      "svdquant": ("nvfp4",)}
+_NEEDS_CUDA = {"awq_lite", "svdquant"}
+SVDQUANT_RANK = 32  # ModelOpt's default rank
 
 
 @dataclass
@@ -49,6 +59,7 @@ class EngineLayer:
     input_amax: float | None = None
     weight_amax: torch.Tensor | None = None    # scalar (per tensor) or [N] (per row), of W * smooth
     smooth: torch.Tensor | None = None         # s [K]: x / s, W * s
+    lowrank: tuple | None = None               # SVDQuant's (up [N, r], down [r, K]) of W * s
 
 
 @dataclass
@@ -57,6 +68,7 @@ class EngineResult:
     format: str
     layers: dict[str, EngineLayer] = field(default_factory=dict)
     version: str = ""
+    rank: int = 0  # SVDQuant's branch rank (0: no branch)
 
     def note(self) -> str:
         return f"calibration engine: NVIDIA ModelOpt {self.version} ({self.algorithm})"
@@ -112,9 +124,15 @@ def modelopt_calibrate(module: torch.nn.Module, forward_loop, recipe, algorithm:
     for n in names:
         quant_cfg.append({"quantizer_name": literal_glob(n) + ".weight_quantizer", "cfg": wcfg})
         quant_cfg.append({"quantizer_name": literal_glob(n) + ".input_quantizer", "cfg": icfg})
-    algo = {"method": "smoothquant", "alpha": recipe.smooth_alpha} if algorithm == "smoothquant" else algorithm
+    rank = (recipe.lowrank or SVDQUANT_RANK) if algorithm == "svdquant" else 0
+    algo = {"method": "smoothquant", "alpha": recipe.smooth_alpha} if algorithm == "smoothquant" else \
+        {"method": "svdquant", "lowrank": rank} if algorithm == "svdquant" else algorithm
     mtq.quantize(work, {"quant_cfg": quant_cfg, "algorithm": algo}, forward_loop)
-    result = EngineResult(algorithm, recipe.format, version=version)
+    return read_back(work, names, EngineResult(algorithm, recipe.format, version=version, rank=rank))
+
+
+def read_back(work: torch.nn.Module, names, result: EngineResult) -> EngineResult:
+    """Per Linear layer of ModelOpt-quantized ``work``: what its calibration chose."""
     for n in names:
         m = work.get_submodule(n)
         wq, iq = getattr(m, "weight_quantizer", None), getattr(m, "input_quantizer", None)
@@ -128,6 +146,9 @@ def modelopt_calibrate(module: torch.nn.Module, forward_loop, recipe, algorithm:
         pqs = getattr(iq, "pre_quant_scale", None) if iq is not None else None
         if pqs is not None:
             layer.smooth = (1.0 / pqs.detach().float().reshape(-1)).cpu()
+        # buffers of ModelOpt's SVDQuant quantizer (its properties assert when they are unset)
+        down, up = getattr(wq, "_svdquant_lora_a", None), getattr(wq, "_svdquant_lora_b", None)
+        if down is not None and up is not None:
+            layer.lowrank = (up.detach().float().cpu(), down.detach().float().cpu())
         result.layers[n] = layer
-    del work
     return result

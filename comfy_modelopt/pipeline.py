@@ -226,13 +226,17 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
                         "calibrate it too (the same forward loop) and pass both")
     if engine is not None and engine.format != recipe.format:
         raise PlanError(f"the ModelOpt calibration was made for {engine.format}, the recipe asks {recipe.format}")
+    if engine is not None and engine.rank and recipe.lowrank != engine.rank:
+        raise PlanError(f"ModelOpt's SVDQuant calibration has a rank-{engine.rank} 16-bit branch per layer: "
+                        f"quantize with lowrank {engine.rank} (a file for comfy-modelopt's loader), not "
+                        f"{recipe.lowrank}")
     plan, report = _plan_and_report(source, recipe, stats, family, refuse_unknown, progress)
     folds = Folds()
     plan.engine = engine
     given = {n: l.smooth for n, l in engine.layers.items() if l.smooth is not None} if engine is not None else {}
     if engine is not None:
         report.notes.append(engine.note())
-        if given:
+        if given and not recipe.lowrank:  # own-loader low-rank layers carry the scales themselves
             folds = plan_folds(plan, source, stats, recipe, progress, given=given)
     elif recipe.smoothing != "none" and not recipe.own_loader:  # own-loader files carry it per layer
         folds = plan_folds(plan, source, stats, recipe, progress)

@@ -22,7 +22,7 @@ from .recipe import Recipe
 from .report import LayerReport
 from .safetensors_io import entries_nbytes
 from .heldout import Split, rel, split_rows
-from .lowrank import lowrank_split
+from .lowrank import LowRank, lowrank_split
 from .scales import ClipChoice, choose_input_scale, choose_weight_clip, squared_error
 from .smoothing import choose_smoothing, output_error
 from .stats import histogram
@@ -85,7 +85,13 @@ def choose(w: torch.Tensor, x: torch.Tensor | None, layer: LayerPlan, plan: Plan
     notes, pre_scale = [f"{k}={v}" for k, v in opts.items() if given.get(k) != v], None  # shape-fitted
     if layer.format != recipe.format:
         notes.insert(0, f"planner: {layer.format} (predicted {layer.predicted:.4f})")
-    if layer.rank and recipe.smoothing != "none" and x is not None:
+    engine = plan.engine.layers.get(layer.rel) if plan.engine is not None else None
+    if layer.rank and engine is not None:
+        if engine.smooth is not None:  # ModelOpt's AWQ/SVDQuant scales, per layer in an own-loader file
+            smooth = engine.smooth.to(w.device)
+            pre_scale = 1.0 / smooth
+            notes.append(f"ModelOpt {plan.engine.algorithm} smoothing (smooth_scale)")
+    elif layer.rank and recipe.smoothing != "none" and x is not None:
         # own-loader files carry smoothing per layer (smooth_scale multiplies the input)
         found = choose_smoothing(w, layer_stats, fmt, recipe.smoothing, x=x, **opts)
         smooth = found.scales if found.scales is not None else torch.ones(layer.k, device=w.device)
@@ -98,12 +104,19 @@ def choose(w: torch.Tensor, x: torch.Tensor | None, layer: LayerPlan, plan: Plan
     split = split_rows(x, layer_stats)
     branch, smoothed = None, w
     if layer.rank:
-        parts = lowrank_split(w, layer.rank)
+        if engine is not None and engine.lowrank is not None:  # ModelOpt SVDQuant's branch
+            up, down = (t.to(w.device, torch.float32) for t in engine.lowrank)
+            if up.shape != (layer.n, layer.rank) or down.shape != (layer.rank, layer.k):
+                raise QuantizeError(f"{layer.name}: ModelOpt's SVDQuant branch is {tuple(up.shape)} x "
+                                f"{tuple(down.shape)}, the file plans rank {layer.rank} of {layer.n}x{layer.k}")
+            parts = LowRank(up, down, w - up @ down)
+            notes.append(f"ModelOpt SVDQuant low-rank r={layer.rank}")
+        else:
+            parts = lowrank_split(w, layer.rank)
+            notes.append(f"low-rank r={parts.l1.shape[1]}")
         # contiguous, as a reloaded file holds them: the same strides give bit-identical matmuls
         branch = (parts.l1.to(torch.bfloat16).contiguous(), parts.l2.to(torch.bfloat16).contiguous())
         w = parts.residual
-        notes.append(f"low-rank r={parts.l1.shape[1]}")
-    engine = plan.engine.layers.get(layer.rel) if plan.engine is not None else None
     if engine is not None:  # ModelOpt's choices: its input range, absmax weights (its max calibrator)
         input_scale = None
         if layer.static_input:

@@ -1,5 +1,6 @@
 """NVIDIA ModelOpt as the calibration engine (modelopt_engine.py), on the CPU: its max
-calibrator and INT8 SmoothQuant, exported into the files the own engine writes."""
+calibrator, INT8 SmoothQuant and SVDQuant's branch, exported into the files the own engine
+writes."""
 from __future__ import annotations
 
 import sys
@@ -82,8 +83,10 @@ def test_refusals_are_clear(monkeypatch):
         modelopt_calibrate(root, loop, Recipe("nvfp4"), "awq_lite")
     with pytest.raises(ModelOptError, match="does not export to nvfp4"):
         modelopt_calibrate(root, loop, Recipe("nvfp4"), "smoothquant")
-    with pytest.raises(ModelOptError, match="unknown ModelOpt algorithm"):
+    with pytest.raises(ModelOptError, match="needs CUDA"):
         modelopt_calibrate(root, loop, Recipe("nvfp4"), "svdquant")
+    with pytest.raises(ModelOptError, match="unknown ModelOpt algorithm"):
+        modelopt_calibrate(root, loop, Recipe("nvfp4"), "gptq")
     monkeypatch.setitem(sys.modules, "modelopt", None)
     with pytest.raises(ModelOptError, match=r"pip install 'comfy-modelopt\[modelopt\]'"):
         require_modelopt()
@@ -105,3 +108,69 @@ def test_linear_subclasses_with_their_own_forward_are_calibrated():
     assert set(engine.layers) == {"0", "2"}
     assert engine.layers["0"].input_amax == pytest.approx(float(max(x.abs().max() for x in data)), rel=1e-6)
     assert type(model[0]) is CastLinear and type(model[2]) is CastLinear  # the caller's module: not converted
+
+
+def test_svdquant_branch_is_the_best_rank_r_of_the_smoothed_weight(monkeypatch):
+    """ModelOpt's SVDQuant: AWQ-lite smoothing, then a 16-bit rank-r branch of the smoothed weight
+    whose residual is quantized.  It runs for nvfp4 on CUDA only; on a CPU its int8 variant runs
+    the same algorithm, which is enough to check what is read back per layer."""
+    from comfy_modelopt import modelopt_engine
+    monkeypatch.setitem(modelopt_engine._ALGORITHM_FORMATS, "svdquant", ("nvfp4", "int8_tensorwise"))
+    monkeypatch.setattr(modelopt_engine, "_NEEDS_CUDA", set())
+    root, loop, _stats, _sd = _setup()
+    with torch.no_grad():
+        engine = modelopt_calibrate(root, loop, Recipe("int8_tensorwise"), "svdquant")
+    assert engine.rank == modelopt_engine.SVDQUANT_RANK
+    checked = 0
+    for name, layer in engine.layers.items():
+        if layer.lowrank is None:
+            continue
+        w = root.get_submodule(name).weight.detach().double()
+        s = layer.smooth.double() if layer.smooth is not None else torch.ones(w.shape[1], dtype=torch.float64)
+        up, down = (t.double() for t in layer.lowrank)
+        r = engine.rank
+        assert up.shape == (w.shape[0], r) and down.shape == (r, w.shape[1])
+        ws = w * s
+        best = torch.linalg.svdvals(ws)[r:].norm()  # Eckart-Young: the optimal residual
+        assert float((ws - up @ down).norm()) == pytest.approx(float(best), rel=1e-3, abs=1e-6), name
+        checked += 1
+    assert checked >= 6
+
+
+def test_svdquant_export_into_the_own_loader_file():
+    """ModelOpt SVDQuant's choices (per-layer smoothing, branch) written as the own loader's
+    low-rank layers: the branch and smooth_scale as given, the residual W * s - up @ down
+    quantized (a forgotten subtraction would leave a weight error of ~1); the rank must match."""
+    from comfy_modelopt.fileformat import LOWRANK_DOWN, LOWRANK_UP, SMOOTH_SCALE
+    from comfy_modelopt.modelopt_engine import EngineLayer, EngineResult
+    root, loop, stats, sd = _setup()
+    with torch.no_grad():
+        names = modelopt_calibrate(root, loop, Recipe("int8_tensorwise"), "max").layers
+    g = torch.Generator().manual_seed(3)
+    rank, engine = 4, EngineResult("svdquant", "nvfp4", rank=4)
+    for name in names:
+        w = root.get_submodule(name).weight.detach()
+        s = torch.rand(w.shape[1], generator=g) + 0.5
+        up = torch.randn(w.shape[0], rank, generator=g) * float(w.abs().mean())
+        down = torch.randn(rank, w.shape[1], generator=g)
+        engine.layers[name] = EngineLayer(smooth=s, lowrank=(up, down))
+    sink = DictSink()
+    report = quantize_source(DictSource.from_state_dict(sd), sink, Recipe("nvfp4", lowrank=rank, sensitivity=False),
+                             stats, engine=engine)
+    assert report.quantized
+    for layer in report.quantized:
+        rel = [n for n in names if n.endswith(layer.name[len(PREFIX):])][0]
+        given = engine.layers[rel]
+        assert torch.equal(sink.tensors[layer.name + LOWRANK_UP], given.lowrank[0].to(torch.bfloat16))
+        assert torch.equal(sink.tensors[layer.name + LOWRANK_DOWN], given.lowrank[1].to(torch.bfloat16))
+        assert torch.allclose(sink.tensors[layer.name + SMOOTH_SCALE], 1.0 / given.smooth)
+        assert "ModelOpt SVDQuant low-rank r=4" in layer.notes and "smooth_scale" in layer.notes
+        # the weight error of branch + dequantized residual against W * s: nvfp4's rounding of a
+        # residual as large as the weight (~0.2 here), where a forgotten subtraction would leave
+        # the whole branch (||up @ down|| / ||W * s||, above 1 here) as error
+        ws = root.get_submodule(rel).weight.detach() * given.smooth
+        forgotten = float((given.lowrank[0] @ given.lowrank[1]).norm() / ws.norm())
+        assert layer.rel_err < min(0.25, forgotten / 4), (layer.name, layer.rel_err, forgotten)
+    with pytest.raises(PlanError, match="lowrank 4"):
+        quantize_source(DictSource.from_state_dict(sd), DictSink(), Recipe("nvfp4", sensitivity=False), stats,
+                        engine=engine)
