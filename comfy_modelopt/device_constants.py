@@ -103,7 +103,10 @@ class HostCopies(TorchDispatchMode):
     """Records the ops that take a CPU tensor (not a 0-dim one: those are read as numbers) and
     return a tensor on another device - the host-to-device copies a CUDA-graph capture refuses.
     Run over a warm-up forward, it tells beforehand that a capture would fail (a capture that
-    fails under cudaMallocAsync can take the process down when its allocations are freed)."""
+    fails under cudaMallocAsync can take the process down when its allocations are freed).
+    0-dim copies are not flagged: the first warm-up is also where lazy initialisations run once,
+    and only this rule was checked against real GPU captures (a copy inside the forward itself
+    still fails its capture, logged)."""
 
     def __init__(self):
         super().__init__()
