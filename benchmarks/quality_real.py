@@ -52,6 +52,7 @@ VARIANTS = [
     ("int8_tensorwise", "convrot (group fitted per layer)", dict(convrot=True), True),
     ("int8_tensorwise", "convrot + gptq", dict(convrot=True, gptq=True), True),
     ("mxfp8", "naive", dict(weight_scale="absmax"), False),
+    ("mxfp8", "ours + gptq", dict(gptq=True), True),
     ("nvfp4", "naive (absmax)", dict(weight_scale="absmax"), False),
     ("nvfp4", "ours: mse", dict(), True),
     ("nvfp4", "ours + static input", dict(static_nvfp4_input=True), True),

@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--smooth-alpha", type=float, default=0.5, help="SmoothQuant migration strength")
     q.add_argument("--gptq", action="store_true",
                    help="error-compensated rounding, kept per layer where it wins on held-out prompts "
-                        "(every format but mxfp8; needs --stats)")
+                        "(every format; needs --stats)")
     q.add_argument("--lowrank", type=int, default=0, metavar="R",
                    help="nvfp4/convrot_w4a4: rank-R 16-bit branch + quantized residual (file needs "
                         "comfy-modelopt's loader; stock ComfyUI refuses it)")

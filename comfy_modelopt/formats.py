@@ -543,6 +543,17 @@ class MxFp8Format(Format):
     def fake_act(self, x, input_scale=None, **opts):
         return self.fake_rows(x)
 
+    def gptq_rounding(self, w, alpha, **opts):
+        # block scales fixed as kitchen derives them from the unrounded weight (2^ceil(log2(amax /
+        # 448))); each block's largest element anchored on the grid above 224 (gptq.py)
+        if w.shape[1] % 32:
+            return None
+        n, k = w.shape
+        amax = w.abs().reshape(n, k // 32, 32).amax(dim=-1).float()
+        exp = torch.ceil(torch.log2((amax / F8_E4M3_MAX).clamp(min=2.0 ** -127))).clamp(-127, 127)
+        scale = torch.where(amax == 0, torch.zeros_like(amax), torch.exp2(exp))
+        return gptq.mx_column_quantizer(scale, 32, gptq.anchors(w, 32)), None
+
     def fake_rows(self, w, alpha=None, amax=None):
         n, k = w.shape
         pad_n, pad_k = -n % 32, -k % 32

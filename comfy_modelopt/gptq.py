@@ -12,7 +12,10 @@ per-row scale) are fixed from the unrounded weight, and each block's (row's) lar
 *anchored*: rounded to the grid's end (+-6, +-7) whatever error compensation did to it, that
 error compensated like any other.  The rounded block's maximum then is exactly the fixed scale's,
 so kitchen re-derives the same scale and keeps every value (tests/test_lowrank_gptq.py).
-mxfp8 stays plain (its power-of-two scale of a block can flip at the binade edge).
+mxfp8's block scale is a power of two, 2^ceil(log2(amax / 448)): it is the same after rounding
+as long as the block's largest magnitude stays in (224, 448] scales - a nearest-rounded
+maximum just above 224 could round down to 224 and halve it.  So its anchor is rounded *up* on
+the e4m3 grid (to at least 240, the first grid value above 224): ``mx_column_quantizer``.
 """
 from __future__ import annotations
 
@@ -98,5 +101,28 @@ def grid_column_quantizer(scale: torch.Tensor, block: int, anchor: torch.Tensor,
         q = round_fn((cols / safe).clamp(-qmax, qmax))
         a = anchor[:, index]
         q = torch.where(a, torch.where(cols < 0, -qmax, qmax), q)
+        return torch.where(s == 0, torch.zeros_like(q), q * s)
+    return quant
+
+
+def mx_column_quantizer(scale: torch.Tensor, block: int, anchor: torch.Tensor, fmax: float = 448.0,
+                        floor: float = 240.0):
+    """Columns rounded to e4m3 with one fixed power-of-two scale per row and block of ``block``
+    columns (``scale`` [N, K / block]); anchored elements rounded away from zero on the grid, to
+    at least ``floor`` (so the block's maximum keeps its scale's binade).  Zero scale: zeros."""
+    scale = scale.float()
+
+    def quant(cols, index):
+        b = index.start // block
+        s = scale[:, b:b + 1]
+        safe = torch.where(s == 0, torch.ones_like(s), s)
+        v = (cols / safe).clamp(-fmax, fmax)
+        q = v.to(torch.float8_e4m3fn).float()
+        mag = v.abs().clamp(min=floor)
+        up = mag.to(torch.float8_e4m3fn)
+        below = up.float() < mag  # nearest went down: the next grid value (bit pattern + 1)
+        up = torch.where(below, (up.view(torch.uint8) + 1).view(torch.float8_e4m3fn), up).float()
+        a = anchor[:, index]
+        q = torch.where(a, torch.where(cols < 0, -up, up), q)
         return torch.where(s == 0, torch.zeros_like(q), q * s)
     return quant

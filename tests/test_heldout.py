@@ -1,6 +1,7 @@
 """Searches choose on some calibration prompts and are checked on others (heldout.py)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from comfy_modelopt import Recipe, quantize
@@ -79,11 +80,12 @@ def test_input_clipping_that_only_fits_the_calibration_prompts_is_refused():
     assert layer.held_err >= 0
 
 
-def test_gptq_is_kept_only_where_held_out_prompts_agree():
+@pytest.mark.parametrize("fmt", ["int8_tensorwise", "mxfp8"])
+def test_gptq_is_kept_only_where_held_out_prompts_agree(fmt):
     model = _model()
     stats = _calibrate(model, [torch.randn(8, 64) for _ in range(8)])
-    _o, _m, plain = quantize(_sd(model), Recipe(format="int8_tensorwise"), stats, family="generic")
-    _o, _m, rounded = quantize(_sd(model), Recipe(format="int8_tensorwise", gptq=True), stats, family="generic")
+    _o, _m, plain = quantize(_sd(model), Recipe(format=fmt), stats, family="generic")
+    _o, _m, rounded = quantize(_sd(model), Recipe(format=fmt, gptq=True), stats, family="generic")
     for a, b in zip(plain.quantized, rounded.quantized):
         assert "gptq" in b.notes and "held-out" in b.notes
         # the written layer is never worse on held-out prompts than plain rounding (the

@@ -51,7 +51,7 @@ def test_lowrank_split_reaches_the_svd_optimum(shape, rank):
     assert torch.equal(lowrank_split(w, rank).l2, parts.l2)  # deterministic
 
 
-GPTQ_CASES = [("float8_e4m3fn", {}), ("float8_e5m2", {}), ("int8_tensorwise", {}), ("nvfp4", {}),
+GPTQ_CASES = [("float8_e4m3fn", {}), ("float8_e5m2", {}), ("int8_tensorwise", {}), ("nvfp4", {}), ("mxfp8", {}),
               ("int8_tensorwise", {"convrot": True, "convrot_groupsize": 64}),
               ("convrot_w4a4", {"convrot_groupsize": 64})]
 
@@ -59,7 +59,7 @@ GPTQ_CASES = [("float8_e4m3fn", {}), ("float8_e5m2", {}), ("int8_tensorwise", {}
 @pytest.mark.parametrize("name,opts", GPTQ_CASES, ids=[n + "".join(f"-{k}" for k in o) for n, o in GPTQ_CASES])
 def test_gptq_lowers_output_error_and_kitchen_reencodes_exactly(name, opts):
     """In the format's search space (rotated for ConvRot), as quantize.encode runs it; block and
-    row scales the encoder derives itself (nvfp4, convrot_w4a4) survive through the anchors."""
+    row scales the encoder derives itself (nvfp4, mxfp8, convrot_w4a4) survive through the anchors."""
     fmt = get_format(name)
     g = torch.Generator().manual_seed(0)
     n, k = 128, 256
@@ -81,6 +81,20 @@ def test_gptq_lowers_output_error_and_kitchen_reencodes_exactly(name, opts):
     assert err(deq) < 0.85 * err(plain), (err(deq), err(plain))
 
 
-def test_gptq_refused_where_the_encoder_would_undo_it():
-    # mxfp8's power-of-two block scale can flip at a binade edge after rounding
-    assert get_format("mxfp8").gptq_rounding(torch.randn(64, 256), None) is None
+def test_mxfp8_gptq_keeps_kitchens_block_scales_at_the_binade_edge():
+    """kitchen's mxfp8 block scale is 2^ceil(log2(amax / 448)): a block whose largest value sits
+    just above 224 scales (225) would get half the scale if that value rounded to the nearest
+    e4m3 (224); the anchor rounds up (240), so kitchen re-derives every scale and keeps every value."""
+    fmt = get_format("mxfp8")
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(64, 256, generator=g) * 0.1).clamp(-0.8, 0.8)
+    w.view(64, 8, 32)[..., 5] = 225.0 / 256  # scale 2^-8: the maximum is 225 scales
+    assert float(torch.tensor(225.0).to(torch.float8_e4m3fn).float()) == 224.0  # nearest goes down
+    x = outlier_inputs(512, 256, seed=4)
+    quantize_columns, scale = fmt.gptq_rounding(w, None)
+    q = gptq(w, hessian(x), quantize_columns)
+    assert torch.equal(q.view(64, 8, 32)[..., 5].abs(), torch.full((64, 8), 240.0 / 256))
+    _, qt = fmt.encode(q, scale=scale)
+    with kitchen_reference():
+        assert torch.equal(qt.dequantize().float(), q)
+    assert fmt.gptq_rounding(torch.randn(64, 48), None) is None  # K not a multiple of the block

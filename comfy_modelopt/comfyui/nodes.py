@@ -236,7 +236,7 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                                        "through their adaLN modulation; fp8: only "
                                        "into LayerNorm or 16-bit producers), else skipped and reported."),
                 io.Boolean.Input("gptq", default=False, advanced=True,
-                                 tooltip="Error-compensated rounding (every format but mxfp8), kept per layer where it "
+                                 tooltip="Error-compensated rounding (every format), kept per layer where it "
                                          "beats plain rounding on held-out prompts; needs calibration."),
                 io.Boolean.Input("convrot", default=False, advanced=True,
                                  tooltip="int8_tensorwise only: Hadamard-rotate weights and activations (outliers)."),
