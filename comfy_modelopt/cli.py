@@ -75,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--gptq", action="store_true",
                    help="error-compensated rounding, kept per layer where it wins on held-out prompts "
                         "(every format; needs --stats)")
+    q.add_argument("--gptq-act-order", action="store_true",
+                   help="with --gptq: round the columns by decreasing input energy (act-order)")
     q.add_argument("--lowrank", type=int, default=0, metavar="R",
                    help="nvfp4/convrot_w4a4: rank-R 16-bit branch + quantized residual (file needs "
                         "comfy-modelopt's loader; stock ComfyUI refuses it)")
@@ -125,7 +127,8 @@ def _recipe(a):
     from .recipe import Recipe
     return Recipe(format=a.format, weight_scale=a.weight_scale, input_scale=a.input_scale,
                   percentile=a.percentile, smoothing=a.smoothing, smooth_alpha=a.smooth_alpha,
-                  gptq=a.gptq, static_nvfp4_input=a.static_nvfp4_input, convrot=a.convrot,
+                  gptq=a.gptq, gptq_act_order=a.gptq_act_order, static_nvfp4_input=a.static_nvfp4_input,
+                  convrot=a.convrot,
                   convrot_groupsize=a.convrot_groupsize, linear_dtype=a.linear_dtype,
                   keep=tuple(a.keep), lowrank=a.lowrank, conv=a.conv, budget=a.budget, max_error=a.max_error,
                   candidates=tuple(c.strip() for c in a.candidates.split(",") if c.strip()))

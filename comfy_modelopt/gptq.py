@@ -33,17 +33,22 @@ def hessian(x: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
 
 
 def gptq(w: torch.Tensor, h: torch.Tensor, quantize_columns: Callable[[torch.Tensor, slice], torch.Tensor],
-         block: int = 128) -> torch.Tensor:
+         block: int = 128, act_order: bool = False) -> torch.Tensor:
     """Rounded weight (on the quantization grid) of w [N, K] given H [K, K].
 
-    ``quantize_columns(cols, index)`` rounds a [N, c] slice of columns (``index`` their position),
-    with scales that are already fixed."""
+    ``quantize_columns(cols, index)`` rounds a [N, c] slice of columns (``index`` their position
+    in ``w``), with scales that are already fixed.  ``act_order``: round the columns in order of
+    decreasing H diagonal (the inputs with the most energy first, while the most columns are
+    left to absorb their error); the scales stay those of the columns' own blocks."""
     w = w.double().clone()
     n, k = w.shape
     dead = torch.diagonal(h) == 0
     h = h.clone()
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
+    order = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else None
+    if order is not None:
+        w, h = w[:, order], h[order][:, order]
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     q = torch.zeros_like(w)
     for i1 in range(0, k, block):
@@ -53,12 +58,15 @@ def gptq(w: torch.Tensor, h: torch.Tensor, quantize_columns: Callable[[torch.Ten
         hinv1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = w1[:, i:i + 1]
-            qc = quantize_columns(col.float(), slice(i1 + i, i1 + i + 1)).double()
+            j = i1 + i if order is None else int(order[i1 + i])  # the column's place in w
+            qc = quantize_columns(col.float(), slice(j, j + 1)).double()
             q[:, i1 + i:i1 + i + 1] = qc
             e = (col - qc) / hinv1[i, i]
             w1[:, i:] -= e @ hinv1[i:i + 1, i:]
             err1[:, i:i + 1] = e
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    if order is not None:
+        q = q[:, torch.argsort(order)]
     return q.float()
 
 

@@ -198,7 +198,8 @@ def encode(choice: LayerChoice, layer: LayerPlan, plan: Plan) -> tuple[dict[str,
             quantize_columns, scale = rounding
             split = choice.split
             xs = fmt.search_space((split.fit if split else x).to(w.device), **opts)
-            q = fmt.search_space(gptq.gptq(ws, gptq.hessian(xs), quantize_columns), **opts)  # back
+            q = fmt.search_space(gptq.gptq(ws, gptq.hessian(xs), quantize_columns,
+                                           act_order=plan.recipe.gptq_act_order), **opts)  # back
             rounded = fmt.encode(q, scale=scale, **opts)
             if split is None:
                 choice.notes.append("gptq")

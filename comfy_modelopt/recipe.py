@@ -36,6 +36,7 @@ class Recipe:
     lowrank: int = 0                   # rank of the 16-bit low-rank branch (needs comfy-modelopt's loader)
     conv: str = "none"                 # none | fp8: Conv2d weights fp8 per out-channel (needs our loader)
     gptq: bool = False                 # error-compensated rounding (needs statistics)
+    gptq_act_order: bool = False       # GPTQ rounds the columns by decreasing input energy
     sensitivity: bool = True           # with statistics: per-layer output error of every format
     convrot: bool = False              # formats with a "convrot" option (int8): Hadamard rotation
     convrot_groupsize: int = DEFAULT_CONVROT_GROUPSIZE
@@ -64,6 +65,8 @@ class Recipe:
             raise ValueError(f"the low-rank branch is for 4-bit formats ({', '.join(LOWRANK_FORMATS)}), "
                              f"not {self.format}")
         _check("conv", self.conv, CONV_CHOICES)
+        if self.gptq_act_order and not self.gptq:
+            raise ValueError("gptq_act_order is an option of gptq: set gptq too")
         object.__setattr__(self, "keep", tuple(self.keep))
         object.__setattr__(self, "candidates", tuple(self.candidates))
         if not 0.0 <= self.budget <= 1.0:

@@ -56,8 +56,9 @@ GPTQ_CASES = [("float8_e4m3fn", {}), ("float8_e5m2", {}), ("int8_tensorwise", {}
               ("convrot_w4a4", {"convrot_groupsize": 64})]
 
 
+@pytest.mark.parametrize("act_order", [False, True], ids=["", "act-order"])
 @pytest.mark.parametrize("name,opts", GPTQ_CASES, ids=[n + "".join(f"-{k}" for k in o) for n, o in GPTQ_CASES])
-def test_gptq_lowers_output_error_and_kitchen_reencodes_exactly(name, opts):
+def test_gptq_lowers_output_error_and_kitchen_reencodes_exactly(name, opts, act_order):
     """In the format's search space (rotated for ConvRot), as quantize.encode runs it; block and
     row scales the encoder derives itself (nvfp4, mxfp8, convrot_w4a4) survive through the anchors."""
     fmt = get_format(name)
@@ -67,7 +68,7 @@ def test_gptq_lowers_output_error_and_kitchen_reencodes_exactly(name, opts):
     x = outlier_inputs(512, k, seed=3) @ (torch.eye(k) + 0.3 * torch.randn(k, k, generator=g) / 16)  # correlated
     ws, xs = fmt.search_space(w, **opts), fmt.search_space(x, **opts)
     quantize_columns, scale = fmt.gptq_rounding(ws, None, **opts)
-    qs = gptq(ws, hessian(xs), quantize_columns)
+    qs = gptq(ws, hessian(xs), quantize_columns, act_order=act_order)
     q = fmt.search_space(qs, **opts)
     _, qt = fmt.encode(q, scale=scale, **opts)
     _, rtn = fmt.encode(w, **opts)
@@ -98,3 +99,19 @@ def test_mxfp8_gptq_keeps_kitchens_block_scales_at_the_binade_edge():
     with kitchen_reference():
         assert torch.equal(qt.dequantize().float(), q)
     assert fmt.gptq_rounding(torch.randn(64, 48), None) is None  # K not a multiple of the block
+
+
+def test_act_order_puts_every_column_back_in_place():
+    """With uncorrelated inputs (diagonal H) GPTQ spreads no error, so any column order gives
+    plain rounding: act-order (columns by decreasing H diagonal) must return the same weight -
+    a column rounded with another column's block scale, or left permuted, would not."""
+    fmt = get_format("nvfp4")
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(32, 64, generator=g)
+    h = torch.diag(torch.rand(64, generator=g, dtype=torch.float64) * 10 + 0.1)
+    quantize_columns, _ = fmt.gptq_rounding(w, None)
+    natural = gptq(w, h, quantize_columns)
+    assert torch.equal(gptq(w, h, quantize_columns, act_order=True), natural)
+    x = torch.randn(256, 64, generator=g) * torch.linspace(0.1, 4, 64)  # correlated through w's rounding only
+    hx = hessian(x @ (torch.eye(64) + 0.2 * torch.randn(64, 64, generator=g)))
+    assert not torch.equal(gptq(w, hx, quantize_columns, act_order=True), gptq(w, hx, quantize_columns))

@@ -9,7 +9,8 @@ from comfy_modelopt.recipe import (CONV_CHOICES, FORMAT_CHOICES, INPUT_SCALE_MET
                                    SMOOTHING_METHODS, WEIGHT_SCALE_METHODS, Recipe)
 
 NON_DEFAULT = Recipe(format="convrot_w4a4", weight_scale="absmax", input_scale="percentile", percentile=99.9,
-                     smoothing="awq", smooth_alpha=0.7, lowrank=16, gptq=True, sensitivity=False,
+                     smoothing="awq", smooth_alpha=0.7, lowrank=16, gptq=True, gptq_act_order=True,
+                     sensitivity=False,
                      convrot_groupsize=64, linear_dtype="int8", keep=("*.img_mlp.*", "final_layer.*"))
 
 
@@ -50,6 +51,8 @@ def test_cli_builds_a_planned_recipe():
 
 
 def test_unknown_fields_and_values_refused():
+    with pytest.raises(ValueError, match="gptq_act_order is an option of gptq"):
+        Recipe(gptq_act_order=True)
     with pytest.raises(ValueError, match="unknown recipe fields: colour"):
         Recipe.from_json('{"colour": "red"}')
     with pytest.raises(ValueError, match="smoothing must be one of"):
@@ -74,6 +77,7 @@ def test_cli_builds_the_recipe_it_was_given():
     a = cli._parser().parse_args(["quantize", "s.safetensors", "-o", "o.safetensors", "--format", "convrot_w4a4",
                                   "--weight-scale", "absmax", "--input-scale", "percentile", "--percentile", "99.9",
                                   "--smoothing", "awq", "--smooth-alpha", "0.7", "--lowrank", "16", "--gptq",
+                                  "--gptq-act-order",
                                   "--convrot-groupsize", "64", "--linear-dtype", "int8", "--keep", "*.img_mlp.*",
                                   "--keep", "final_layer.*"])
     assert cli._recipe(a) == dataclasses.replace(NON_DEFAULT, sensitivity=True)

@@ -266,6 +266,9 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                 io.Combo.Input("runtime", options=list(RUNTIMES), default=DEFAULT_RUNTIME, tooltip=RUNTIME_TOOLTIP),
                 io.Float.Input("dequant_cache_gib", default=0.0, min=0.0, max=1024.0, step=0.5, advanced=True,
                                optional=True, tooltip=DEQUANT_CACHE_TOOLTIP),
+                io.Boolean.Input("gptq_act_order", default=False, advanced=True, optional=True,
+                                 tooltip="With gptq: round each layer's columns by decreasing input energy "
+                                         "(act-order) instead of in order."),
             ],
             outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report")],
             hidden=[io.Hidden.unique_id],
@@ -274,10 +277,11 @@ class ModelOptQuantizeUNet(io.ComfyNode):
     @classmethod
     def execute(cls, model, format, weight_scale, input_scale, smoothing, gptq, convrot, static_nvfp4_input,
                 keep, runtime="lean", lowrank=0, conv="none", calibration=None,
-                dequant_cache_gib=0.0, budget=0.0, max_error=0.0) -> io.NodeOutput:
+                dequant_cache_gib=0.0, budget=0.0, max_error=0.0, gptq_act_order=False) -> io.NodeOutput:
         try:
             recipe = Recipe(format=format, weight_scale=weight_scale, input_scale=input_scale, smoothing=smoothing,
-                            gptq=gptq, convrot=convrot, static_nvfp4_input=static_nvfp4_input,
+                            gptq=gptq, gptq_act_order=gptq_act_order, convrot=convrot,
+                            static_nvfp4_input=static_nvfp4_input,
                             keep=_pattern_lines(keep), lowrank=lowrank, conv=conv, budget=budget,
                             max_error=max_error)
         except ValueError as e:
