@@ -198,18 +198,26 @@ def encode(choice: LayerChoice, layer: LayerPlan, plan: Plan) -> tuple[dict[str,
             quantize_columns, scale = rounding
             split = choice.split
             xs = fmt.search_space((split.fit if split else x).to(w.device), **opts)
-            q = fmt.search_space(gptq.gptq(ws, gptq.hessian(xs), quantize_columns,
-                                           act_order=plan.recipe.gptq_act_order), **opts)  # back
-            rounded = fmt.encode(q, scale=scale, **opts)
+            h = gptq.hessian(xs, damp=0.0)
+
+            def rounded_with(damp):
+                q = gptq.gptq(ws, gptq.damped(h, damp), quantize_columns, act_order=plan.recipe.gptq_act_order)
+                return fmt.encode(fmt.search_space(q, **opts), scale=scale, **opts)  # rotated back
             if split is None:
                 choice.notes.append("gptq")
-                return rounded
-            # GPTQ minimises the error on the rows it saw: keep it only where new prompts agree
+                return rounded_with(gptq.DAMPINGS[0])
+            # GPTQ minimises the error on the rows it saw: its damping is chosen, and it is kept,
+            # only where new prompts agree
+            tried = [(rounded_with(d), d) for d in gptq.DAMPINGS]
+            errs = [_weight_out_err(qt, w, split.held) for (_tensors, qt), _d in tried]
+            best = min(range(len(tried)), key=errs.__getitem__)
             plain = fmt.encode(w, choice.clip.alpha, **opts)
-            errs = [_weight_out_err(qt, w, split.held) for _tensors, qt in (rounded, plain)]
-            choice.notes.append(f"gptq (held-out {errs[1]:.4f}->{errs[0]:.4f})" if errs[0] < errs[1]
-                                else f"gptq worse on held-out prompts ({errs[0]:.4f} vs {errs[1]:.4f}): plain rounding")
-            return rounded if errs[0] < errs[1] else plain
+            base = _weight_out_err(plain[1], w, split.held)
+            if errs[best] < base:
+                choice.notes.append(f"gptq damp {tried[best][1]:g} (held-out {base:.4f}->{errs[best]:.4f})")
+                return tried[best][0]
+            choice.notes.append(f"gptq worse on held-out prompts ({errs[best]:.4f} vs {base:.4f}): plain rounding")
+            return plain
         choice.notes.append(f"gptq n/a for {fmt.name}{'+convrot' if opts.get('convrot') else ''}")
     return fmt.encode(w, choice.clip.alpha, **opts)
 
