@@ -41,8 +41,8 @@ def trim_graph_memory(device=None) -> bool:
     for good.  Torch has no binding; the CUDA runtime torch loaded is found by its soname.
     True when it ran."""
     import ctypes
-    index = torch.device("cuda", torch.cuda.current_device()).index if device is None else torch.device(device).index
-    if index is None:
+    index = None if device is None else torch.device(device).index
+    if index is None:  # "cuda" or none given: the current device
         index = torch.cuda.current_device()
     for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
         try:
