@@ -78,10 +78,11 @@ class ConstantsOnDevice(TorchFunctionMode):
         ref, factory, f_args, f_kwargs = self.recipes.pop(id(args[0]))
         if ref() is not args[0]:  # another tensor now lives at that id
             return None
-        if func is torch.Tensor.cuda:
+        if func is torch.Tensor.cuda:  # .cuda(), .cuda(index) or .cuda(device)
             device = args[1] if len(args) > 1 else kwargs.get("device")
-            device = torch.device("cuda", torch.cuda.current_device() if device is None else device) \
-                if not isinstance(device, (str, torch.device)) else torch.device(device)
+            if device is None:
+                device = torch.cuda.current_device()
+            device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
             dtype = None
         else:
             try:

@@ -535,6 +535,11 @@ class NvFp4Format(Format):
 
 
 # ==================================================================== mxfp8
+def _mxfp8_block_scales(block_amax: torch.Tensor) -> torch.Tensor:
+    """The E8M0 scale of each 32-value block as kitchen derives it: 2^ceil(log2(amax / 448))."""
+    return torch.exp2(torch.ceil(torch.log2((block_amax / F8_E4M3_MAX).clamp(min=2.0 ** -127))).clamp(-127, 127))
+
+
 @dataclass(frozen=True)
 class MxFp8Format(Format):
     def _stored_params(self, tensors, conf):
@@ -550,9 +555,9 @@ class MxFp8Format(Format):
             return None
         n, k = w.shape
         amax = w.abs().reshape(n, k // 32, 32).amax(dim=-1).float()
-        exp = torch.ceil(torch.log2((amax / F8_E4M3_MAX).clamp(min=2.0 ** -127))).clamp(-127, 127)
-        scale = torch.where(amax == 0, torch.zeros_like(amax), torch.exp2(exp))
-        return gptq.mx_column_quantizer(scale, 32, gptq.anchors(w, 32)), None
+        scale = torch.where(amax == 0, torch.zeros_like(amax), _mxfp8_block_scales(amax))
+        return gptq.grid_column_quantizer(scale, 32, gptq.anchors(w, 32), F8_E4M3_MAX, gptq.round_e4m3,
+                                          gptq.e4m3_up), None
 
     def fake_rows(self, w, alpha=None, amax=None):
         n, k = w.shape
@@ -560,8 +565,7 @@ class MxFp8Format(Format):
         x = torch.nn.functional.pad(w, (0, pad_k, 0, pad_n)) if pad_n or pad_k else w
         blocks = x.reshape(x.shape[0], -1, 32)
         amax = blocks.abs().amax(dim=-1).float()
-        exp = torch.ceil(torch.log2((amax / F8_E4M3_MAX).clamp(min=2.0 ** -127))).clamp(-127, 127)
-        scale = torch.where(amax == 0, torch.ones_like(amax), torch.exp2(exp)).unsqueeze(-1)
+        scale = torch.where(amax == 0, torch.ones_like(amax), _mxfp8_block_scales(amax)).unsqueeze(-1)
         q = (blocks / scale).clamp(-F8_E4M3_MAX, F8_E4M3_MAX).to(torch.float8_e4m3fn).float()
         deq = torch.where(amax.unsqueeze(-1) == 0, torch.zeros_like(q), q * scale)
         return deq.reshape(x.shape)[:n, :k]

@@ -15,7 +15,7 @@ so kitchen re-derives the same scale and keeps every value (tests/test_lowrank_g
 mxfp8's block scale is a power of two, 2^ceil(log2(amax / 448)): it is the same after rounding
 as long as the block's largest magnitude stays in (224, 448] scales - a nearest-rounded
 maximum just above 224 could round down to 224 and halve it.  So its anchor is rounded *up* on
-the e4m3 grid (to at least 240, the first grid value above 224): ``mx_column_quantizer``.
+the e4m3 grid (to at least 240, the first grid value above 224): ``e4m3_up``.
 """
 from __future__ import annotations
 
@@ -31,8 +31,13 @@ DAMPINGS = (0.01, 0.1, 1.0)
 
 def hessian(x: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     """H = X^T X / m + damp * mean(diag) * I, in float64."""
+    return damped(gram(x), damp)
+
+
+def gram(x: torch.Tensor) -> torch.Tensor:
+    """X^T X / m in float64 (undamped)."""
     x = x.double()
-    return damped(x.T @ x / max(x.shape[0], 1), damp)
+    return x.T @ x / max(x.shape[0], 1)
 
 
 def damped(h: torch.Tensor, damp: float) -> torch.Tensor:
@@ -105,41 +110,35 @@ def anchors(w: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def grid_column_quantizer(scale: torch.Tensor, block: int, anchor: torch.Tensor, qmax: float,
-                          round_fn: Callable[[torch.Tensor], torch.Tensor]):
+                          round_fn: Callable[[torch.Tensor], torch.Tensor],
+                          anchor_to: Callable[[torch.Tensor], torch.Tensor] | None = None):
     """Columns rounded on a grid ``round_fn`` (values in [-qmax, qmax]) with one fixed scale per
     row and block of ``block`` columns (``scale`` [N, K / block]); anchored elements go to
-    +-qmax.  A zero scale (an all-zero block) rounds to zero."""
+    +-qmax, or to +-``anchor_to(|v|)`` of their scaled magnitude.  A zero scale (an all-zero
+    block) rounds to zero."""
     scale = scale.float()
 
     def quant(cols, index):
         b = index.start // block
         s = scale[:, b:b + 1]
         safe = torch.where(s == 0, torch.ones_like(s), s)
-        q = round_fn((cols / safe).clamp(-qmax, qmax))
+        v = (cols / safe).clamp(-qmax, qmax)
+        q = round_fn(v)
         a = anchor[:, index]
-        q = torch.where(a, torch.where(cols < 0, -qmax, qmax), q)
+        to = qmax if anchor_to is None else anchor_to(v.abs())
+        q = torch.where(a, torch.where(cols < 0, -to, to), q)
         return torch.where(s == 0, torch.zeros_like(q), q * s)
     return quant
 
 
-def mx_column_quantizer(scale: torch.Tensor, block: int, anchor: torch.Tensor, fmax: float = 448.0,
-                        floor: float = 240.0):
-    """Columns rounded to e4m3 with one fixed power-of-two scale per row and block of ``block``
-    columns (``scale`` [N, K / block]); anchored elements rounded away from zero on the grid, to
-    at least ``floor`` (so the block's maximum keeps its scale's binade).  Zero scale: zeros."""
-    scale = scale.float()
+def e4m3_up(mag: torch.Tensor, floor: float = 240.0) -> torch.Tensor:
+    """``max(mag, floor)`` rounded up (away from zero) on the e4m3 grid: an mxfp8 anchor at 240 or
+    above keeps its block's maximum in (224, 448] scales, the binade kitchen derives the scale from."""
+    mag = mag.clamp(min=floor)
+    up = mag.to(torch.float8_e4m3fn)
+    below = up.float() < mag  # nearest went down: the next grid value (bit pattern + 1)
+    return torch.where(below, (up.view(torch.uint8) + 1).view(torch.float8_e4m3fn), up).float()
 
-    def quant(cols, index):
-        b = index.start // block
-        s = scale[:, b:b + 1]
-        safe = torch.where(s == 0, torch.ones_like(s), s)
-        v = (cols / safe).clamp(-fmax, fmax)
-        q = v.to(torch.float8_e4m3fn).float()
-        mag = v.abs().clamp(min=floor)
-        up = mag.to(torch.float8_e4m3fn)
-        below = up.float() < mag  # nearest went down: the next grid value (bit pattern + 1)
-        up = torch.where(below, (up.view(torch.uint8) + 1).view(torch.float8_e4m3fn), up).float()
-        a = anchor[:, index]
-        q = torch.where(a, torch.where(cols < 0, -up, up), q)
-        return torch.where(s == 0, torch.zeros_like(q), q * s)
-    return quant
+
+def round_e4m3(v: torch.Tensor) -> torch.Tensor:
+    return v.to(torch.float8_e4m3fn).float()

@@ -198,7 +198,7 @@ def encode(choice: LayerChoice, layer: LayerPlan, plan: Plan) -> tuple[dict[str,
             quantize_columns, scale = rounding
             split = choice.split
             xs = fmt.search_space((split.fit if split else x).to(w.device), **opts)
-            h = gptq.hessian(xs, damp=0.0)
+            h = gptq.gram(xs)
 
             def rounded_with(damp):
                 q = gptq.gptq(ws, gptq.damped(h, damp), quantize_columns, act_order=plan.recipe.gptq_act_order)
