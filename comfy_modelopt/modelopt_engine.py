@@ -8,7 +8,8 @@ per Linear layer, what its calibration chose:
 
 - ``input_amax``: the static activation range (fp8 W8A8 ``input_scale`` = amax / 448; nvfp4's
   optional static input scale);
-- ``weight_amax``: the weight range ModelOpt would quantize with (a clip factor for our encoder);
+- ``weight_amax``: the weight range ModelOpt quantized with - recorded; its weight calibrators
+  take the absmax, which is what the export's weight scales use (kitchen's absmax encoding);
 - ``smooth``: SmoothQuant's / AWQ's per-channel scale, as ``s`` with the layer computing
   ``(x / s) @ (W * s)^T`` (ModelOpt's ``pre_quant_scale`` is ``1 / s``);
 - ``lowrank``: SVDQuant's 16-bit branch ``(up [N, r], down [r, K])`` of the smoothed weight -

@@ -1,6 +1,7 @@
 """ConstantsOnDevice: CPU-built constants moved to a device are built there instead (the mode
 that lets CUDA graphs capture Wan 2.1's forward).  On a CPU machine the meta device stands in
 for the GPU: what matters is whether a host-to-device copy happens, and the result's values."""
+import pytest
 import torch
 
 from comfy_modelopt.device_constants import ConstantsOnDevice, HostCopies
@@ -67,3 +68,34 @@ def test_compiled_regions_run_outside_the_mode():
         region()
     region()
     assert seen == [None, None]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph capture needs a GPU (the GPU machine runs "
+                    "it; the meta-device tests above stand in for it on a CPU)")
+def test_a_cuda_graph_captures_constants_moved_every_way():
+    """On the GPU: ``.to(tensor)``, ``.to(device, dtype)``, ``.cuda()``, ``.cuda(index)`` and
+    ``.cuda(device=...)`` of CPU-built constants inside a real capture, which replays what eager
+    computes, bit for bit."""
+    pos = torch.arange(5, device="cuda", dtype=torch.float32) * 0.37
+
+    def forward():
+        return (wan_timestep_embedding(16, pos), torch.arange(8).cuda() * 2, torch.ones(3).cuda(0) + pos[:3],
+                torch.full((2,), 0.25).cuda(device=pos.device) * pos[:2],
+                torch.zeros(4).to("cuda", torch.float16) + 1, torch.arange(1, 9, 2).to(pos) * pos[:4])
+
+    with torch.inference_mode():
+        eager = forward()
+        graph = torch.cuda.CUDAGraph()
+        with ConstantsOnDevice() as mode:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                forward()  # warm-up, as before any capture
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph):
+                captured = forward()
+        graph.replay()
+        torch.cuda.synchronize()
+    assert mode.rebuilt == 12  # six constants, warm-up and capture
+    for got, want in zip(captured, eager):
+        assert got.device.type == "cuda" and got.dtype == want.dtype and torch.equal(got, want)

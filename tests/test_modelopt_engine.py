@@ -174,3 +174,66 @@ def test_svdquant_export_into_the_own_loader_file():
     with pytest.raises(PlanError, match="lowrank 4"):
         quantize_source(DictSource.from_state_dict(sd), DictSink(), Recipe("nvfp4", sensitivity=False), stats,
                         engine=engine)
+
+
+def _outlier_mlp(device):
+    """Two Linear layers whose inputs have a few large channels (as diffusion activations do)."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+    with torch.no_grad():
+        for lin in (model[0], model[2]):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / lin.in_features ** 0.5)
+            lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) * 0.1)
+    gain = torch.ones(256)
+    gain[torch.randperm(256, generator=g)[:6]] = 20.0
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # a GPU computes in 16 bits, as ComfyUI does
+    data = [(torch.randn(32, 256, generator=g) * gain).to(device, dtype) for _ in range(8)]
+    return model.to(device, dtype).eval(), data
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="ModelOpt's fp8 / nvfp4 fake quantization needs CUDA: "
+                    "these run on the GPU machine (the export is tested on the CPU with its int8 path above)")
+@pytest.mark.parametrize("fmt,algorithm", [("float8_e4m3fn", "max"), ("nvfp4", "max"), ("nvfp4", "awq_lite"),
+                                           ("nvfp4", "svdquant")])
+def test_cuda_export_computes_what_modelopt_simulates(fmt, algorithm, monkeypatch):
+    """On CUDA, ModelOpt's fp8 / nvfp4 calibration exported into our files: the module built from
+    the file (ComfyUI's computation, activations quantized as a GPU that runs the format does) has
+    the output error of ModelOpt's own fake-quantized model (H200: equal to 3 digits; a lost
+    smoothing scale, a branch not subtracted or a wrong input scale costs a multiple of it).
+    AWQ-lite's scales have no exact fold in a stock file here (no producer: the model's input
+    and a GELU): dropped with a note, the file is the plain (absmax) one, not a corrupted one."""
+    from comfy_modelopt import modelopt_engine
+    from comfy_modelopt.modules import module_report, quantize_module
+    model, data = _outlier_mlp("cuda")
+    loop = lambda m: [m(x) for x in data]  # noqa: E731
+    with torch.no_grad():
+        stats = calibrate(model, loop)
+    simulated = []
+    read_back = modelopt_engine.read_back
+    monkeypatch.setattr(modelopt_engine, "read_back",
+                        lambda work, names, result: (simulated.append(work), read_back(work, names, result))[1])
+    recipe = Recipe(fmt, sensitivity=False, lowrank=32 if algorithm == "svdquant" else 0)
+    with torch.no_grad():
+        engine = modelopt_calibrate(model, loop, recipe, algorithm)
+    assert set(engine.layers) == {"0", "2"}
+    if algorithm == "max":
+        for name, layer in engine.layers.items():
+            assert layer.input_amax == pytest.approx(stats.layer(name).amax_value(), rel=1e-5)
+    else:
+        assert all(layer.smooth is not None for layer in engine.layers.values())
+    if algorithm == "svdquant":
+        assert engine.layers["0"].lowrank[0].shape == (512, 32) and engine.layers["0"].lowrank[1].shape == (32, 256)
+    q = quantize_module(model, recipe, stats, native=True, engine=engine)
+    x = torch.cat(data)
+    with torch.no_grad():
+        ref = model(x).float()
+        err = lambda out: float((out.float() - ref).norm() / ref.norm())  # noqa: E731
+        ours, theirs = err(q(x)), err(simulated[0](x))
+        print(f"{fmt} {algorithm}: exported {ours:.4f}, ModelOpt's simulation {theirs:.4f}")
+        if algorithm == "awq_lite":
+            assert all("ModelOpt smoothing dropped" in l.notes for l in module_report(q).quantized)
+            plain = quantize_module(model, Recipe(fmt, weight_scale="absmax", input_scale="max", sensitivity=False),
+                                    stats, native=True)
+            assert ours == pytest.approx(err(plain(x)), rel=1e-4)
+        else:
+            assert ours <= 1.05 * theirs + 1e-4, (ours, theirs)
