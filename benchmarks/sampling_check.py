@@ -75,6 +75,7 @@ QUALITY_RECIPES = {
     "fp8 W8A8 (calibrated, mse)": dict(format="float8_e4m3fn"),
     "int8 + ConvRot": dict(format="int8_tensorwise", convrot=True),
     "nvfp4 (mse)": dict(format="nvfp4"),
+    "nvfp4 + AWQ (exact folds)": dict(format="nvfp4", smoothing="awq"),
     "planner 0.35 (nvfp4 / fp8 / int8 + ConvRot)": dict(format="int8_tensorwise", convrot=True, budget=0.35),
 }
 QUALITY_SIGMAS = (1.0, 0.85, 0.7, 0.55, 0.4, 0.25, 0.12, 0.04)
@@ -155,7 +156,12 @@ def main(argv=None):
     ap.add_argument("--quality", action="store_true",
                     help="also sample files of QUALITY_RECIPES (calibrated on 8 noise levels) in stock ComfyUI: "
                          "final-latent difference vs 16-bit next to the other-dtype yardstick")
+    ap.add_argument("--quality-recipes", nargs="*", default=None,
+                    help=f"with --quality: only these of {list(QUALITY_RECIPES)}")
     a = ap.parse_args(argv)
+    unknown = set(a.quality_recipes or ()) - set(QUALITY_RECIPES)
+    if unknown:
+        ap.error(f"unknown --quality-recipes {sorted(unknown)}; choose from {list(QUALITY_RECIPES)}")
     spec = (REDUCED if a.reduced else SPECS)[a.model]
     wanted = a.runtimes or [STOCK_16BIT, OTHER_16BIT, STOCK_FP8] + [r for r in RUNTIMES if r != "stock"] + [EAGER_NOISE]
     os.makedirs(a.out, exist_ok=True)
@@ -213,7 +219,8 @@ def main(argv=None):
             stats = calibrate(base.model.diffusion_model, lambda m: [
                 base.model.apply_model(x, torch.full_like(sigma, s_), **kw) for s_ in QUALITY_SIGMAS])
         common.free(base)
-        for label, fields in QUALITY_RECIPES.items():
+        for label in a.quality_recipes or QUALITY_RECIPES:  # in the order asked for
+            fields = QUALITY_RECIPES[label]
             t0 = time.perf_counter()
             try:
                 q_sd_, meta_, rep = common.quantize_sd(sd, Recipe(**fields, sensitivity=False), stats)
@@ -226,17 +233,21 @@ def main(argv=None):
             row["quantize_s"] = round(time.perf_counter() - t0, 1)
             row["bytes_vs_16bit"] = round(rep.total_bytes() / rep.total_bytes_16bit(), 4)
             row["notes"] = [n for n in rep.notes if n.startswith("planner")]
+            if fields.get("smoothing"):
+                row["smoothing_folded_layers"] = sum(" folded into " in (l.notes or "") for l in rep.quantized)
+                row["smoothing_no_gain_layers"] = sum(": no gain" in (l.notes or "") for l in rep.quantized)
             record(row)
             common.free(q)
             del q_sd_
         base = common.load_stock(sd)
+    later = [v for v in [STOCK_FP8] + [r for r in RUNTIMES if r != "stock"] + [EAGER_NOISE] if v in wanted]
+    if not later:
+        return results
     q_sd, meta = common.calibrated_fp8(base, sd, x, sigma, kw)
     common.free(base)
     del sd
     fp8_ref = None
-    for variant in [STOCK_FP8] + [r for r in RUNTIMES if r != "stock"] + [EAGER_NOISE]:
-        if variant not in wanted:
-            continue
+    for variant in later:
         q = common.load_stock(q_sd, meta)
         if variant == EAGER_NOISE:
             make_lean(q)
