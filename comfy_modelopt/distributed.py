@@ -36,6 +36,7 @@ import torch
 from .stats import ActivationStats, LayerStats
 
 SEND_WINDOW = 8  # encoded layers an owner may have in flight to rank 0
+RANK0_HEAD = 0.05  # rank 0's share of the file I/O, as a fraction of a rank's even share of the work
 
 
 # ====================================================================== merge rules (no processes)
@@ -148,13 +149,39 @@ class Shard:
         with the least work so far (rank 0 also reads and writes the file: it starts a little
         loaded).  Deterministic, so every rank computes the same assignment."""
         load = [0.0] * self.world
-        load[0] = 0.05 * sum(costs) / self.world
+        load[0] = RANK0_HEAD * sum(costs) / self.world
         owners = [0] * len(costs)
         for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
             r = min(range(self.world), key=lambda r: (load[r], r))
             owners[i] = r
             load[r] += costs[i]
         return owners
+
+    def collect_order(self, costs: list[float], owners: list[int]) -> list[int]:
+        """The order in which rank 0 handles the work items (indices): its own in their order,
+        each other rank's when it should be ready - every owner encodes its share back to back,
+        in order, at ``costs`` (as in ``assign``).  Rank 0 so keeps encoding while the others
+        work instead of waiting for each of their items in file order, which on two H200s left
+        both ranks waiting on each other (GPTQ: 1.42x on 2 GPUs; this schedule, simulated with
+        the measured layer times +-25%, 5-10% from an even split where file order was 10-20%).
+        The writer takes tensors in any order; each owner's items keep their order (a pair's
+        messages are matched in order)."""
+        clock = [0.0] * self.world
+        clock[0] = RANK0_HEAD * sum(costs) / self.world
+        ready = []
+        for i, (cost, r) in enumerate(zip(costs, owners)):
+            if r != 0:
+                clock[r] += cost
+                ready.append((clock[r], i))
+        ready.sort()
+        order, t, j = [], clock[0], 0
+        for i in (i for i, r in enumerate(owners) if r == 0):
+            while j < len(ready) and ready[j][0] <= t:
+                order.append(ready[j][1])
+                j += 1
+            order.append(i)
+            t += costs[i]
+        return order + [i for _, i in ready[j:]]
 
     # ---------------------------------------------------------------- point to point
     def send_layer(self, tensors: dict, report_json: str, dst: int = 0) -> None:

@@ -316,12 +316,18 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
         sink.write(key, _passthrough(source, key, folds, dtype, nonfinite))
     by_name = {l.name: i for i, l in enumerate(plan.layers)}
     total = len(plan.layers) + len(plan.convs)  # convolutions count toward the bar too
+    items = plan.layers + plan.convs
     if shard is not None:
         # measured on an H200 (GPTQ, Flux widths): a layer's time grows like k (n + k) - GPTQ's
         # column loop, launch-bound, runs k steps over n rows - not like its k^3 Cholesky
         quantized = plan.quantized
-        owner = dict(zip((l.name for l in quantized), shard.assign([l.k * (l.n + l.k) for l in quantized])))
-    for done, layer in enumerate(plan.layers + plan.convs):
+        costs = [l.k * (l.n + l.k) for l in quantized]
+        owners = shard.assign(costs)
+        owner = dict(zip((l.name for l in quantized), owners))
+        if writes:  # rank 0: the copies, then the quantized layers as they should be ready
+            items = [l for l in items if isinstance(l, ConvPlan) or not l.quantized] + \
+                [quantized[i] for i in shard.collect_order(costs, owners)]
+    for done, layer in enumerate(items):
         if check_interrupt:
             check_interrupt()
         if progress:

@@ -21,8 +21,13 @@ WORLD = 2
 
 
 def _model():
+    # widths that vary, so rank 0 collects the other rank's layers out of file order
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    widths = (64, 128, 64, 256, 64, 32, 192, 64)
+    layers = []
+    for k, n in zip(widths, widths[1:] + widths[:1]):
+        layers += [torch.nn.Linear(k, n), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers[:-1])
 
 
 def _prompts():
@@ -155,3 +160,21 @@ def test_layers_are_assigned_to_balance_the_work():
     assert max(loads) <= 0.55 * sum(costs) and loads[0] <= loads[1]  # rank 0 also writes the file
     assert owners == Shard(1, 2, torch.device("cpu")).assign(costs)  # every rank agrees
     assert Shard(0, 1, torch.device("cpu")).assign(costs) == [0] * len(costs)
+
+
+def test_rank0_collects_each_layer_when_it_should_be_ready():
+    """Rank 0 encodes its own layers and takes another rank's as they should be done, not in file
+    order (where it waited for each): a permutation, every rank's layers in their own order,
+    and on a file whose costly layers come late rank 0 starts on its own work at once."""
+    costs = [1.0, 1.0, 8.0, 1.0, 1.0, 8.0, 8.0, 1.0, 8.0, 1.0]
+    for world in (2, 3):
+        shard = Shard(0, world, torch.device("cpu"))
+        owners = shard.assign(costs)
+        order = shard.collect_order(costs, owners)
+        assert sorted(order) == list(range(len(costs)))
+        for r in range(world):
+            assert [i for i in order if owners[i] == r] == [i for i in range(len(costs)) if owners[i] == r]
+        assert owners[order[0]] == 0 and order != sorted(order)
+    # its own items never wait behind one that is due later
+    assert Shard(0, 2, torch.device("cpu")).collect_order([1.0, 1.0], [1, 0]) == [1, 0]
+    assert Shard(0, 1, torch.device("cpu")).collect_order([3.0, 1.0], [0, 0]) == [0, 1]
