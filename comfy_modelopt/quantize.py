@@ -200,15 +200,16 @@ def encode(choice: LayerChoice, layer: LayerPlan, plan: Plan) -> tuple[dict[str,
             xs = fmt.search_space((split.fit if split else x).to(w.device), **opts)
             h = gptq.gram(xs)
 
-            def rounded_with(damp):
-                q = gptq.gptq(ws, gptq.damped(h, damp), quantize_columns, act_order=plan.recipe.gptq_act_order)
+            def encoded(q):
                 return fmt.encode(fmt.search_space(q, **opts), scale=scale, **opts)  # rotated back
+            # GPTQ minimises the error on the rows it saw: where new prompts are held out, its
+            # damping is chosen on them, and it is kept only where they agree
+            dampings = gptq.DAMPINGS if split is not None else gptq.DAMPINGS[:1]
+            qs = gptq.gptq_dampings(ws, h, dampings, quantize_columns, act_order=plan.recipe.gptq_act_order)
             if split is None:
                 choice.notes.append("gptq")
-                return rounded_with(gptq.DAMPINGS[0])
-            # GPTQ minimises the error on the rows it saw: its damping is chosen, and it is kept,
-            # only where new prompts agree
-            tried = [(rounded_with(d), d) for d in gptq.DAMPINGS]
+                return encoded(qs[0])
+            tried = [(encoded(q), d) for q, d in zip(qs, dampings)]
             errs = [_weight_out_err(qt, w, split.held) for (_tensors, qt), _d in tried]
             best = min(range(len(tried)), key=errs.__getitem__)
             plain = fmt.encode(w, choice.clip.alpha, **opts)
