@@ -178,3 +178,23 @@ def test_rank0_collects_each_layer_when_it_should_be_ready():
     # its own items never wait behind one that is due later
     assert Shard(0, 2, torch.device("cpu")).collect_order([1.0, 1.0], [1, 0]) == [1, 0]
     assert Shard(0, 1, torch.device("cpu")).collect_order([3.0, 1.0], [0, 0]) == [0, 1]
+
+
+def _quantize_worker(rank, world, tmp, src, stats_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous3", rank=rank, world_size=world)
+    try:
+        quantize_file(src, os.path.join(tmp, f"sharded{world}.safetensors"),
+                      Recipe(format="int8_tensorwise", gptq=True), ActivationStats.load(stats_path),
+                      family="generic", shard=Shard.current())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_three_ranks_write_the_one_process_file(run, tmp_path):
+    """Rank 0 collects from two owners, interleaved as their layers should be ready: the same file."""
+    tmp, src = run
+    stats = os.path.join(tmp, "merged0.safetensors")
+    mp.start_processes(_quantize_worker, args=(3, str(tmp_path), src, stats), nprocs=3, start_method="spawn")
+    quantize_file(src, tmp_path / "one.safetensors", Recipe(format="int8_tensorwise", gptq=True),
+                  ActivationStats.load(stats), family="generic")
+    assert (tmp_path / "sharded3.safetensors").read_bytes() == (tmp_path / "one.safetensors").read_bytes()
