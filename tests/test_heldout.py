@@ -91,3 +91,27 @@ def test_gptq_is_kept_only_where_held_out_prompts_agree(fmt):
         # the written layer is never worse on held-out prompts than plain rounding (the
         # activation error is the same dynamic per-row int8 in both)
         assert b.held_err <= a.held_err * (1 + 1e-3), (b.name, b.notes)
+
+
+def test_gptq_chosen_on_held_out_prompts_is_rounded_again_from_every_row(monkeypatch):
+    """The damping is chosen (and GPTQ kept) on held-out prompts; the written weight is then
+    GPTQ with that damping from the Hessian of every sampled row - the fit rows' alone estimate
+    it worse."""
+    from comfy_modelopt import gptq as gptq_mod
+    model = _model()
+    stats = _calibrate(model, [torch.randn(8, 64) * (1 + i % 3) for i in range(8)])
+    seen = []
+    real = gptq_mod.gptq
+    monkeypatch.setattr(gptq_mod, "gptq", lambda w, h, *a, **k: (seen.append(h), real(w, h, *a, **k))[1])
+    out, _m, report = quantize(_sd(model), Recipe(format="int8_tensorwise", gptq=True), stats, family="generic")
+    layers = {l.name: l for l in report.quantized}
+    for name in ("0", "2"):
+        notes = layers[name].notes
+        if "then rounded from all" not in notes:
+            continue
+        x = stats.layer(name).sample().float()
+        damp = float(notes.split("gptq damp ")[1].split(" ")[0])
+        want = gptq_mod.damped(gptq_mod.gram(x), damp)
+        assert any(h.shape == want.shape and torch.allclose(h, want) for h in seen), name
+        assert f"all {x.shape[0]} rows" in notes
+    assert any("then rounded from all" in l.notes for l in report.quantized)
