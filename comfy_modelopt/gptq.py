@@ -83,7 +83,7 @@ def batch_room(device: torch.device) -> int:
 
 def _gptq_batch(w: torch.Tensor, hs: list[torch.Tensor], quantize_columns, block: int,
                 act_order: bool) -> list[torch.Tensor]:
-    n, k = w.shape
+    k = w.shape[1]
     ws, hs_ = [], []
     for h in hs:
         wd = w.double().clone()
