@@ -69,6 +69,8 @@ def conds(family: str, inputs: str, txt: int, dtype):
 
 
 STOCK_16BIT, OTHER_16BIT, STOCK_FP8 = "16-bit, stock ComfyUI", "other 16-bit dtype, stock", "fp8 file, stock ComfyUI"
+# the variants that sample the calibrated fp8 file: stock ComfyUI, each of our runtimes, eager's own noise
+FP8_VARIANTS = [STOCK_FP8] + [r for r in RUNTIMES if r != "stock"] + [EAGER_NOISE]
 # --quality: files made with these recipes from one calibration (8 noise levels, statistics with
 # sampled rows), sampled in stock ComfyUI: the final-latent difference a user sees per format
 QUALITY_RECIPES = {
@@ -163,7 +165,8 @@ def main(argv=None):
     if unknown:
         ap.error(f"unknown --quality-recipes {sorted(unknown)}; choose from {list(QUALITY_RECIPES)}")
     spec = (REDUCED if a.reduced else SPECS)[a.model]
-    wanted = a.runtimes or [STOCK_16BIT, OTHER_16BIT, STOCK_FP8] + [r for r in RUNTIMES if r != "stock"] + [EAGER_NOISE]
+    wanted = a.runtimes or [STOCK_16BIT, OTHER_16BIT] + FP8_VARIANTS
+    later = [v for v in FP8_VARIANTS if v in wanted]
     os.makedirs(a.out, exist_ok=True)
     _, sd = architectures.build(spec["family"], spec["size"], seed=0, dtype=spec["dtype"], weights_device=common.DEVICE)
     fam = spec["family"]
@@ -239,8 +242,8 @@ def main(argv=None):
             record(row)
             common.free(q)
             del q_sd_
-        base = common.load_stock(sd)
-    later = [v for v in [STOCK_FP8] + [r for r in RUNTIMES if r != "stock"] + [EAGER_NOISE] if v in wanted]
+        if later:  # the fp8 calibration below runs the 16-bit model
+            base = common.load_stock(sd)
     if not later:
         return results
     q_sd, meta = common.calibrated_fp8(base, sd, x, sigma, kw)
