@@ -163,7 +163,8 @@ class Shard:
         in order, at ``costs`` (as in ``assign``).  Rank 0 so keeps encoding while the others
         work instead of waiting for each of their items in file order, which on two H200s left
         both ranks waiting on each other (GPTQ: 1.42x on 2 GPUs; this schedule, simulated with
-        the measured layer times +-25%, 2-7% above an even split where file order was 10-20%).
+        the measured layer times +-25% - benchmarks/shard_schedule.py - 2-7% above an even split
+        where file order was 11-17% on 2 ranks, 24-30% on 4).
         The writer takes tensors in any order; each owner's items keep their order (a pair's
         messages are matched in order)."""
         clock = [0.0] * self.world

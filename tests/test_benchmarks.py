@@ -25,3 +25,10 @@ def test_quantize_cost_reduced(tmp_path):
     doc = json.load(open(tmp_path / "quantize_cost.json"))
     assert [r["format"] for r in doc["rows"]] == ["float8_e4m3fn", "nvfp4"]
     assert all(r["peak_rss_gib"] > 0 for r in doc["rows"])
+
+
+def test_shard_schedule(tmp_path):
+    run("shard_schedule.py", "--seeds", "1", "--out", str(tmp_path))
+    rows = json.load(open(tmp_path / "shard_schedule.json"))["rows"]
+    assert [r["ranks"] for r in rows] == [2, 4]
+    assert all(r["even_split_s"] <= r["collect_order_s"] and r["even_split_s"] <= r["file_order_s"] for r in rows)
