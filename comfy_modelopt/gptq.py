@@ -61,7 +61,8 @@ def gptq_dampings(w: torch.Tensor, h: torch.Tensor, dampings, quantize_columns, 
                   act_order: bool = False) -> list[torch.Tensor]:
     """``gptq`` of ``w`` for each damping of the undamped ``h`` (``damped``), as many at once as
     memory allows: one column loop over a batch of Hessians.  The loop is a few small kernels per
-    column - launch-bound on a GPU - so three dampings cost about one there.  The same numbers
+    column - launch-bound on a GPU - so on the H200 three dampings cost 1.3x one (2.2-3.6x less
+    than three calls, benchmarks/gptq_cost.py).  The same numbers
     as one call per damping (the column steps are elementwise; a block's update is a batched
     product of the same terms)."""
     out, dampings = [], list(dampings)
@@ -97,12 +98,16 @@ def _gptq_batch(w: torch.Tensor, hs: list[torch.Tensor], quantize_columns, block
     if orders is not None and any(not torch.equal(o, orders[0]) for o in orders[1:]):
         return [_gptq_batch(w, [h], quantize_columns, block, act_order)[0] for h in hs]  # one order per batch
     order = orders[0] if orders else None
-    wb, hb = torch.stack(ws), torch.stack(hs_)  # [D, N, K], [D, K, K]
-    del ws, hs_
+    wb = torch.stack(ws)  # [D, N, K]
+    del ws
     if order is not None:
-        wb, hb = wb[:, :, order], hb[:, order][:, :, order]
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hb)), upper=True)
-    del hb
+        wb = wb[:, :, order]
+        hs_ = [h[order][:, order] for h in hs_]
+    # one factorisation per Hessian: batched Cholesky of large matrices is far slower on a GPU
+    # than one call each (measured on the H200: benchmarks/gptq_cost.py)
+    hinv = torch.stack([_upper_inverse_factor(h) for h in hs_])  # [D, K, K]
+    del hs_
+    places = order.tolist() if order is not None else None  # on the host once: no sync per column
     q = torch.zeros_like(wb)
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
@@ -111,7 +116,7 @@ def _gptq_batch(w: torch.Tensor, hs: list[torch.Tensor], quantize_columns, block
         hinv1 = hinv[:, i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = w1[:, :, i]  # [D, N]: the batch's copies of one column, rounded as [N, D] columns
-            j = i1 + i if order is None else int(order[i1 + i])  # the column's place in w
+            j = i1 + i if places is None else places[i1 + i]  # the column's place in w
             qc = quantize_columns(col.T.float(), slice(j, j + 1)).double().T
             q[:, :, i1 + i] = qc
             e = (col - qc) / hinv1[:, i, i, None]
@@ -121,6 +126,11 @@ def _gptq_batch(w: torch.Tensor, hs: list[torch.Tensor], quantize_columns, block
     if order is not None:
         q = q[:, :, torch.argsort(order)]
     return list(q.float())
+
+
+def _upper_inverse_factor(h: torch.Tensor) -> torch.Tensor:
+    """The upper Cholesky factor of H^-1 (GPTQ's per-column weights)."""
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
 
 
 def fp8_column_quantizer(scale: float, dtype: torch.dtype):

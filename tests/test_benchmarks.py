@@ -32,3 +32,9 @@ def test_shard_schedule(tmp_path):
     rows = json.load(open(tmp_path / "shard_schedule.json"))["rows"]
     assert [r["ranks"] for r in rows] == [2, 4]
     assert all(r["even_split_s"] <= r["collect_order_s"] and r["even_split_s"] <= r["file_order_s"] for r in rows)
+
+
+def test_gptq_cost_reduced(tmp_path):
+    run("gptq_cost.py", "--reduced", "--device", "cpu", "--out", str(tmp_path))
+    rows = json.load(open(tmp_path / "gptq_cost.json"))["rows"]
+    assert len(rows) == 4 and all(r["equal"] for r in rows)  # batched dampings round as single calls
