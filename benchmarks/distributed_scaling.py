@@ -53,6 +53,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--calibrate-only", action="store_true", help="no GPTQ quantization (its row reads 0)")
     a = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -74,12 +75,23 @@ def main():
         for s in sigmas:
             base.model.apply_model(x, torch.full((1,), float(s), device=common.DEVICE), c_crossattn=ctx, y=y,
                                    guidance=torch.full((1,), 3.5, device=common.DEVICE))
+        torch.cuda.synchronize()
+        prompt_ends.append(time.perf_counter())
+    prompt_ends = []
 
     with torch.inference_mode():
         run(dm, 10_000)  # warm-up (kernels, allocator), not a calibration prompt
         t0 = barrier_time(shard)
+        prompt_ends.clear()
         stats = calibrate_sharded(dm, list(range(a.prompts)), run, CalibrationOptions(), shard=shard)
         t1 = barrier_time(shard)
+        # where calibration's time goes on this rank: its first prompt (the statistics' first
+        # calls: CUDA-graph captures), the later ones, and the merge after its last prompt
+        ends = [t0] + prompt_ends
+        per_prompt = [b - a_ for a_, b in zip(ends, ends[1:])]
+        calib_parts = {"first_prompt_s": round(per_prompt[0], 3),
+                       "later_prompt_mean_s": round(sum(per_prompt[1:]) / max(len(per_prompt) - 1, 1), 3),
+                       "merge_s": round(t1 - ends[-1], 3)}
         recipe = Recipe(format="float8_e4m3fn", gptq=True, sensitivity=False)
         sink = DictSink("cpu") if rank == 0 else NullSink()
         marks = []
@@ -87,21 +99,23 @@ def main():
         def progress(done, total, name):  # per rank: when each layer's turn ended (its busy time)
             marks.append((name, time.perf_counter()))
         t2 = barrier_time(shard)
-        report = quantize_source(DictSource.from_state_dict(sd), sink, recipe, stats, progress=progress,
-                                 family="flux", shard=shard)
+        report = None if a.calibrate_only else quantize_source(
+            DictSource.from_state_dict(sd), sink, recipe, stats, progress=progress, family="flux", shard=shard)
         t3 = barrier_time(shard)
     steps = sorted(((b[1] - a[1], a[0]) for a, b in zip(marks, marks[1:])), reverse=True)
     with open(os.path.join(a.out, f"timing_{world}gpu_rank{rank}.json"), "w") as f:
-        json.dump({"total_s": round(t3 - t2, 2), "first_layer_after_s": round(marks[0][1] - t2, 2) if marks else None,
+        json.dump({"calibration": calib_parts, "total_s": round(t3 - t2, 2), "first_layer_after_s": round(marks[0][1] - t2, 2) if marks else None,
                    "slowest_steps": [[round(d, 3), n] for d, n in steps[:12]]}, f, indent=1)
     if rank == 0:
         row = {"gpus": world, "prompts": a.prompts, "steps": a.steps, "calibrate_s": round(t1 - t0, 2),
-               "quantize_gptq_s": round(t3 - t2, 2), "layers": len(report.quantized), "env": common.env_info()}
+               "quantize_gptq_s": round(t3 - t2, 2), "layers": len(report.quantized) if report else 0, **calib_parts,
+               "env": common.env_info()}
         stats.save(os.path.join(a.out, f"stats_{world}gpu.safetensors"), overwrite=True)
         if world > 1 and os.path.exists(os.path.join(a.out, "scaling_1gpu.json")):
             one = json.load(open(os.path.join(a.out, "scaling_1gpu.json")))
             row["calibrate_speedup"] = round(one["calibrate_s"] / row["calibrate_s"], 2)
-            row["quantize_speedup"] = round(one["quantize_gptq_s"] / row["quantize_gptq_s"], 2)
+            if report:
+                row["quantize_speedup"] = round(one["quantize_gptq_s"] / row["quantize_gptq_s"], 2)
             s1 = ActivationStats.load(os.path.join(a.out, "stats_1gpu.safetensors"))
             row["exact_stats_equal"] = all(
                 torch.equal(s1.layers[n].channel_absmax, stats.layers[n].channel_absmax.cpu())

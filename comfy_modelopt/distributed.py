@@ -22,7 +22,8 @@ Quantization, layer-sharded: every rank plans the same file; each quantized laye
 costliest layers first, to the least-loaded rank; a layer's cost grows like k (n + k)), which
 sends the encoded tensors - whose dtypes and shapes the plan already fixed - and the layer's
 report to rank 0 without waiting (a few layers in flight), and rank 0, the only rank that reads
-unquantized tensors and writes the file, collects them in file order (the streamed atomic writer).
+unquantized tensors and writes the file (the streamed atomic writer), encodes its own layers and
+takes each other rank's when its cost model says it is ready (``Shard.collect_order``).
 """
 from __future__ import annotations
 
@@ -228,7 +229,11 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def all_reduce_stats(stats: ActivationStats, shard: Shard | None = None) -> ActivationStats:
     """Every rank's statistics merged (``merge_stats``), on every rank; ``stats`` as it is when
-    not in a distributed job.  Collective: every rank calls it with statistics of the same model."""
+    not in a distributed job.  Collective: every rank calls it with statistics of the same model.
+
+    The layers travel packed as bytes, many per collective (up to ``MERGE_CHUNK_BYTES`` a rank):
+    one all-gather per layer and field (Flux: 386 collectives, each waited on) took ~0.5 s on
+    two H200s, 9% of a 16-prompt calibration there (packed: 0.36 s, calibration 1.80x -> 1.85x)."""
     import torch.distributed as dist
     shard = shard or Shard.current()
     if shard is None or shard.world == 1:
@@ -242,18 +247,87 @@ def all_reduce_stats(stats: ActivationStats, shard: Shard | None = None) -> Acti
     dist.all_gather(gathered, calls, group=group)
     for p, c in zip(parts, gathered):
         p.forward_calls = int(c.item())
-    for name, s in stats.layers.items():
-        mine = _pack_layer(s, dev)
-        sizes = [torch.empty_like(mine["meta"]) for _ in range(shard.world)]
-        dist.all_gather(sizes, mine["meta"], group=group)
-        stacks = {}
-        for key in ("absmax", "abssum", "hist", "reservoir", "groups"):
-            t = mine[key]
-            stacks[key] = [torch.empty_like(t) for _ in range(shard.world)]
-            dist.all_gather(stacks[key], t, group=group)
-        for r in range(shard.world):
-            parts[r].layers[name] = _unpack_layer(s, sizes[r], {k: v[r] for k, v in stacks.items()})
+    for chunk in _chunks(list(stats.layers.items())):
+        mine = torch.cat([_pack_layer(s, dev) for _name, s in chunk])
+        bufs = [torch.empty_like(mine) for _ in range(shard.world)]
+        dist.all_gather(bufs, mine, group=group)
+        for r, buf in enumerate(bufs):
+            buf, off = buf.cpu(), 0
+            for name, s in chunk:
+                parts[r].layers[name], off = _unpack_layer(s, buf, off)
+        del mine, bufs
     return merge_stats(parts)
+
+
+MERGE_CHUNK_BYTES = 256 << 20  # packed statistics a rank sends per all-gather
+
+
+def _chunks(layers: list) -> list[list]:
+    out, cur, size = [], [], 0
+    for item in layers:
+        n = _packed_bytes(item[1])
+        if cur and size + n > MERGE_CHUNK_BYTES:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(item)
+        size += n
+    return out + [cur] if cur else out
+
+
+def _fields(s: LayerStats) -> list[tuple[str, torch.dtype, tuple]]:
+    """One layer's packed fields, widest element first (every offset stays aligned)."""
+    from .stats import HIST_BINS
+    return [("meta", torch.int64, (5,)), ("abssum", torch.float64, (s.k,)), ("hist", torch.int64, (HIST_BINS,)),
+            ("groups", torch.int64, (s.capacity,)), ("absmax", torch.float32, (s.k,)),
+            ("reservoir", torch.bfloat16, (s.capacity, s.k))]
+
+
+def _field_bytes(dtype: torch.dtype, shape: tuple) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _packed_bytes(s: LayerStats) -> int:
+    n = sum(_field_bytes(d, sh) for _f, d, sh in _fields(s))
+    return -(-n // 8) * 8  # the next layer starts 8-aligned
+
+
+def _pack_layer(s: LayerStats, dev) -> torch.Tensor:
+    """One layer's statistics as a fixed number of bytes (reservoir padded to capacity; the
+    reservoir is kept in bf16, as sampled: exact)."""
+    has = s.hist is not None
+    m = s.reservoir.shape[0] if (has and s.reservoir is not None) else 0
+    t = {f: torch.zeros(sh, dtype=d, device=dev) for f, d, sh in _fields(s)}
+    t["meta"] = torch.tensor([int(has), s.calls, s.rows, s.nonfinite, m], dtype=torch.int64, device=dev)
+    t["groups"].fill_(-1)
+    if has:
+        t["absmax"].copy_(s.channel_absmax)
+        t["abssum"].copy_(s.channel_abssum)
+        t["hist"].copy_(s.hist)
+    if m:
+        t["reservoir"][:m].copy_(s.reservoir)
+        if s.groups is not None and len(s.groups) == m:
+            t["groups"][:m] = torch.tensor(s.groups, dtype=torch.int64, device=dev)
+    raw = torch.cat([_as_bytes(t[f]) for f, _d, _sh in _fields(s)])
+    pad = _packed_bytes(s) - raw.numel()
+    return torch.cat([raw, torch.zeros(pad, dtype=torch.uint8, device=dev)]) if pad else raw
+
+
+def _unpack_layer(like: LayerStats, buf: torch.Tensor, off: int) -> tuple[LayerStats, int]:
+    """The LayerStats packed at byte ``off`` of ``buf`` (a CPU uint8 tensor), and the next offset."""
+    t, start = {}, off
+    for f, d, sh in _fields(like):
+        n = _field_bytes(d, sh)
+        t[f] = buf[off:off + n].view(d).reshape(sh)
+        off += n
+    has, calls, rows, nonfinite, m = (int(v) for v in t["meta"].tolist())
+    s = LayerStats(like.k, like.capacity, calls, rows, nonfinite, seed=like.seed, sanitize=like.sanitize)
+    if has:
+        s.channel_absmax, s.channel_abssum, s.hist = t["absmax"], t["abssum"], t["hist"]
+        s.amax = s.channel_absmax.max()
+        if m:
+            s.reservoir = t["reservoir"][:m]
+            s.groups = t["groups"][:m].tolist()
+    return s, start + _packed_bytes(like)
 
 
 def _check_same(fingerprint: bytes, shard: Shard) -> None:
@@ -265,34 +339,3 @@ def _check_same(fingerprint: bytes, shard: Shard) -> None:
     dist.all_gather(hs, h, group=shard.group)
     if any(not torch.equal(x, h) for x in hs):
         raise ValueError("ranks calibrated different models: their statistics cannot be merged")
-
-
-def _pack_layer(s: LayerStats, dev) -> dict:
-    """Fixed-size tensors of one layer's statistics (reservoir padded to capacity) for all_gather."""
-    k, cap = s.k, s.capacity
-    has = s.hist is not None
-    m = s.reservoir.shape[0] if (has and s.reservoir is not None) else 0
-    from .stats import HIST_BINS
-    res = torch.zeros(cap, k, dtype=torch.float32, device=dev)
-    groups = torch.full((cap,), -1, dtype=torch.int64, device=dev)
-    if m:
-        res[:m] = s.reservoir.to(dev).float()  # exact; gloo has no 16-bit collectives
-        if s.groups is not None and len(s.groups) == m:
-            groups[:m] = torch.tensor(s.groups, dtype=torch.int64, device=dev)
-    return {"meta": torch.tensor([int(has), s.calls, s.rows, s.nonfinite, m], dtype=torch.int64, device=dev),
-            "absmax": (s.channel_absmax.float().to(dev) if has else torch.zeros(k, device=dev)),
-            "abssum": (s.channel_abssum.double().to(dev) if has else torch.zeros(k, dtype=torch.float64, device=dev)),
-            "hist": (s.hist.long().to(dev) if has else torch.zeros(HIST_BINS, dtype=torch.int64, device=dev)),
-            "reservoir": res, "groups": groups}
-
-
-def _unpack_layer(like: LayerStats, meta: torch.Tensor, t: dict) -> LayerStats:
-    has, calls, rows, nonfinite, m = (int(v) for v in meta.cpu().tolist())
-    s = LayerStats(like.k, like.capacity, calls, rows, nonfinite, seed=like.seed, sanitize=like.sanitize)
-    if has:
-        s.channel_absmax, s.channel_abssum, s.hist = t["absmax"].cpu(), t["abssum"].cpu(), t["hist"].cpu()
-        s.amax = s.channel_absmax.max()
-        if m:
-            s.reservoir = t["reservoir"][:m].cpu().to(torch.bfloat16)
-            s.groups = t["groups"][:m].cpu().tolist()
-    return s

@@ -54,6 +54,16 @@ def _worker(rank, tmp, src, results):
         mine = shard_prompts(list(range(len(prompts))), rank, WORLD)
         stats = _calibrate(_model(), [prompts[i] for i in mine], mine, options)
         merged = all_reduce_stats(stats)
+        import comfy_modelopt.distributed as distributed
+        distributed.MERGE_CHUNK_BYTES, whole = 1, distributed.MERGE_CHUNK_BYTES  # one layer per collective
+        try:
+            apart = all_reduce_stats(stats)
+        finally:
+            distributed.MERGE_CHUNK_BYTES = whole
+        for name, s in apart.layers.items():
+            m = merged.layers[name]
+            assert torch.equal(s.reservoir, m.reservoir) and torch.equal(s.hist, m.hist) and s.groups == m.groups
+            assert torch.equal(s.channel_abssum, m.channel_abssum) and (s.calls, s.rows) == (m.calls, m.rows)
         merged.save(os.path.join(tmp, f"merged{rank}.safetensors"))
         with torch.no_grad():  # the one-call helper gives the same statistics
             again = calibrate_sharded(_model(), prompts, lambda m, x: m(x), options)
