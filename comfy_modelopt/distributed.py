@@ -248,7 +248,10 @@ def all_reduce_stats(stats: ActivationStats, shard: Shard | None = None) -> Acti
     for p, c in zip(parts, gathered):
         p.forward_calls = int(c.item())
     for chunk in _chunks(list(stats.layers.items())):
-        mine = torch.cat([_pack_layer(s, dev) for _name, s in chunk])
+        mine, off = torch.zeros(sum(_packed_bytes(s) for _n, s in chunk), dtype=torch.uint8, device=dev), 0
+        for _name, s in chunk:
+            _pack_layer(s, mine, off)
+            off += _packed_bytes(s)
         bufs = [torch.empty_like(mine) for _ in range(shard.world)]
         dist.all_gather(bufs, mine, group=group)
         for r, buf in enumerate(bufs):
@@ -291,34 +294,37 @@ def _packed_bytes(s: LayerStats) -> int:
     return -(-n // 8) * 8  # the next layer starts 8-aligned
 
 
-def _pack_layer(s: LayerStats, dev) -> torch.Tensor:
-    """One layer's statistics as a fixed number of bytes (reservoir padded to capacity; the
-    reservoir is kept in bf16, as sampled: exact)."""
-    has = s.hist is not None
-    m = s.reservoir.shape[0] if (has and s.reservoir is not None) else 0
-    t = {f: torch.zeros(sh, dtype=d, device=dev) for f, d, sh in _fields(s)}
-    t["meta"] = torch.tensor([int(has), s.calls, s.rows, s.nonfinite, m], dtype=torch.int64, device=dev)
-    t["groups"].fill_(-1)
-    if has:
-        t["absmax"].copy_(s.channel_absmax)
-        t["abssum"].copy_(s.channel_abssum)
-        t["hist"].copy_(s.hist)
-    if m:
-        t["reservoir"][:m].copy_(s.reservoir)
-        if s.groups is not None and len(s.groups) == m:
-            t["groups"][:m] = torch.tensor(s.groups, dtype=torch.int64, device=dev)
-    raw = torch.cat([_as_bytes(t[f]) for f, _d, _sh in _fields(s)])
-    pad = _packed_bytes(s) - raw.numel()
-    return torch.cat([raw, torch.zeros(pad, dtype=torch.uint8, device=dev)]) if pad else raw
-
-
-def _unpack_layer(like: LayerStats, buf: torch.Tensor, off: int) -> tuple[LayerStats, int]:
-    """The LayerStats packed at byte ``off`` of ``buf`` (a CPU uint8 tensor), and the next offset."""
-    t, start = {}, off
+def _views(like: LayerStats, buf: torch.Tensor, off: int) -> dict:
+    """The fields of the layer packed at byte ``off`` of ``buf`` (uint8), as typed views."""
+    t = {}
     for f, d, sh in _fields(like):
         n = _field_bytes(d, sh)
         t[f] = buf[off:off + n].view(d).reshape(sh)
         off += n
+    return t
+
+
+def _pack_layer(s: LayerStats, buf: torch.Tensor, off: int) -> None:
+    """Write one layer's statistics at byte ``off`` of ``buf`` (zeroed; a fixed size: the reservoir
+    padded to capacity, in bf16 as sampled - exact)."""
+    has = s.hist is not None
+    m = s.reservoir.shape[0] if (has and s.reservoir is not None) else 0
+    t = _views(s, buf, off)
+    t["meta"].copy_(torch.tensor([int(has), s.calls, s.rows, s.nonfinite, m], dtype=torch.int64))
+    t["groups"].fill_(-1)
+    if has:
+        t["abssum"].copy_(s.channel_abssum)
+        t["hist"].copy_(s.hist)
+        t["absmax"].copy_(s.channel_absmax)
+    if m:
+        t["reservoir"][:m].copy_(s.reservoir)
+        if s.groups is not None and len(s.groups) == m:
+            t["groups"][:m].copy_(torch.tensor(s.groups, dtype=torch.int64))
+
+
+def _unpack_layer(like: LayerStats, buf: torch.Tensor, off: int) -> tuple[LayerStats, int]:
+    """The LayerStats packed at byte ``off`` of ``buf`` (a CPU uint8 tensor), and the next offset."""
+    t = _views(like, buf, off)
     has, calls, rows, nonfinite, m = (int(v) for v in t["meta"].tolist())
     s = LayerStats(like.k, like.capacity, calls, rows, nonfinite, seed=like.seed, sanitize=like.sanitize)
     if has:
@@ -327,7 +333,7 @@ def _unpack_layer(like: LayerStats, buf: torch.Tensor, off: int) -> tuple[LayerS
         if m:
             s.reservoir = t["reservoir"][:m]
             s.groups = t["groups"][:m].tolist()
-    return s, start + _packed_bytes(like)
+    return s, off + _packed_bytes(like)
 
 
 def _check_same(fingerprint: bytes, shard: Shard) -> None:

@@ -64,13 +64,29 @@ def _sampling_loop(model, clip, prompts: list[str], negative: str, steps: int, c
             if prompt is not None:
                 prompt[0] = i
             comfy.model_management.throw_exception_if_processing_interrupted()
-            noise = comfy.sample.prepare_noise(latent, seed + i)
-            comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, cond, negative_cond, latent,
-                                seed=seed + i, disable_pbar=True,
-                                callback=lambda step, x0, x, n, d=done: pbar.update_absolute(d + step + 1, total))
+            sample_prompt(model, cond, negative_cond, latent, seed + i, steps, cfg, sampler_name, scheduler,
+                          callback=lambda step, x0, x, n, d=done: pbar.update_absolute(d + step + 1, total))
             done += steps
             pbar.update_absolute(done, total)
     return forward_loop
+
+
+def sample_prompt(model, cond, negative_cond, latent: torch.Tensor, seed: int, steps: int, cfg: float,
+                  sampler_name: str, scheduler: str, callback=None):
+    """One calibration prompt: its noise from ``seed``, sampled by ComfyUI's sampler (as KSampler)."""
+    noise = comfy.sample.prepare_noise(latent, seed)
+    return comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, cond, negative_cond, latent,
+                               seed=seed, disable_pbar=True, callback=callback)
+
+
+def sampling_info(model, prompts: int, steps: int, cfg: float, sampler_name: str, scheduler: str,
+                  latent: torch.Tensor, seed: int, guidance: float | None) -> dict:
+    """What the statistics were sampled with (stored with them; the quantized file's report shows it)."""
+    sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), scheduler, steps)
+    return {"prompts": prompts, "steps": steps, "cfg": cfg, "sampler": sampler_name,
+            "scheduler": scheduler, "latent_shape": list(latent.shape), "seed": seed,
+            "sigmas": [round(float(s), 5) for s in sigmas], "model": type(model.model).__name__,
+            "guidance": guidance}
 
 
 def calibrate_by_sampling(model, clip, prompts: list[str], negative: str, steps: int, cfg: float,
@@ -82,11 +98,7 @@ def calibrate_by_sampling(model, clip, prompts: list[str], negative: str, steps:
     prompt = [0]
     forward_loop = _sampling_loop(model, clip, prompts, negative, steps, cfg, sampler_name, scheduler, latent,
                                   seed, guidance, node_id, prompt)
-    sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), scheduler, steps)
-    info = {"prompts": len(prompts), "steps": steps, "cfg": cfg, "sampler": sampler_name,
-            "scheduler": scheduler, "latent_shape": list(latent.shape), "seed": seed,
-            "sigmas": [round(float(s), 5) for s in sigmas], "model": type(model.model).__name__,
-            "guidance": guidance}
+    info = sampling_info(model, len(prompts), steps, cfg, sampler_name, scheduler, latent, seed, guidance)
     # a prompt is one calibration group: searches are checked on prompts they were not fitted on
     return calibrate(model.model.diffusion_model, forward_loop, options, info=info, group=lambda: prompt[0])
 

@@ -1,0 +1,211 @@
+"""Calibrate a ComfyUI model on several GPUs: ComfyUI's own loaders and sampler in every rank of
+a ``torchrun`` job, each rank sampling its share of the prompts, the statistics merged exactly
+(``distributed.calibrate_sharded``) and written by rank 0 - the file Calibrate Model saves, for
+Load Calibration -> Quantize Model, or the CLI's ``--stats``.  ComfyUI itself stays one process;
+this runs beside it on the same model files.
+
+    torchrun --standalone --nproc-per-node 2 -m comfy_modelopt.comfyui.launch \\
+        --comfyui /path/to/ComfyUI --unet flux1-dev.safetensors \\
+        --clip clip_l.safetensors --clip t5xxl_fp16.safetensors --clip-type flux \\
+        --num-prompts 16 --steps 20 --cfg 1 --guidance 3.5 -o flux-dev-stats
+
+Sampling is Calibrate Model's: prompt i (one per line of ``--prompts``, or the built-in set)
+sampled with seed + i from an empty latent, every step through ComfyUI's sampler; prompt i is
+calibration group i on every rank, so held-out searches split by prompt as in one process.
+Without torchrun it runs in one process.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m comfy_modelopt.comfyui.launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH"),
+                   help="the ComfyUI tree (default: $COMFYUI_PATH)")
+    m = p.add_mutually_exclusive_group(required=True)
+    m.add_argument("--unet", help="diffusion model: a path, or a name in ComfyUI's diffusion_models folder")
+    m.add_argument("--checkpoint", help="a full checkpoint (model + text encoder): path or name in checkpoints")
+    p.add_argument("--clip", action="append", default=[],
+                   help="text encoder file (path or name in text_encoders); repeat for several (with --unet)")
+    p.add_argument("--clip-type", default="stable_diffusion",
+                   help="ComfyUI's CLIPType for --clip, e.g. stable_diffusion, sd3, flux, wan, qwen_image")
+    p.add_argument("--weight-dtype", default="default", choices=["default", "bf16", "fp16", "fp32"],
+                   help="dtype of the diffusion model's weights while sampling")
+    p.add_argument("--prompts", help="text file, one prompt per line (default: the built-in varied set)")
+    p.add_argument("--negative", default=None, help="negative prompt (default: the built-in one)")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--cfg", type=float, default=4.0, help="1.0 for guidance-distilled models (Flux-dev)")
+    p.add_argument("--sampler", default="euler")
+    p.add_argument("--scheduler", default="simple")
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--height", type=int, default=1024)
+    p.add_argument("--frames", type=int, default=0,
+                   help="video models (Wan 2.1, HunyuanVideo): frames of the empty video latent")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--guidance", type=float, default=3.5, help="embedded guidance (Flux); 0: none")
+    p.add_argument("--samples-mib-per-layer", type=float, default=2.0,
+                   help="input rows kept per layer for the activation-aware searches (bf16)")
+    p.add_argument("-o", "--output", required=True,
+                   help="statistics file; a bare name goes to ComfyUI's models/modelopt_calibration")
+    p.add_argument("--overwrite", action="store_true")
+    return p
+
+
+def _setup_comfy(path: str | None) -> None:
+    """ComfyUI importable, on this rank's GPU (or the CPU where there is none)."""
+    import torch
+    if not path or not os.path.isdir(os.path.join(path, "comfy")):
+        raise SystemExit(f"error: no ComfyUI tree at {path!r}: pass --comfyui or set COMFYUI_PATH")
+    if torch.cuda.is_available():  # before ComfyUI picks its device (the current one)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    from comfy.cli_args import args
+    if not torch.cuda.is_available():
+        args.cpu = True
+    import comfy.model_management  # noqa: F401  (initialises ComfyUI's device state)
+
+
+def _find(folder: str, name: str) -> str:
+    import folder_paths
+    if os.path.isfile(name):
+        return name
+    found = folder_paths.get_full_path(folder, name)
+    if found is None:
+        raise SystemExit(f"error: {name!r} is neither a file nor a name in ComfyUI's {folder} folder")
+    return found
+
+
+def _output_path(name: str) -> str:
+    if os.path.dirname(name):
+        path = name
+    else:
+        import folder_paths
+
+        from .nodes import CALIBRATION_FOLDER  # the folder Load Calibration lists
+        path = os.path.join(folder_paths.models_dir, CALIBRATION_FOLDER, name)
+    return path if path.endswith(".safetensors") else path + ".safetensors"
+
+
+def _load(a):
+    import torch
+
+    import comfy.sd
+    import folder_paths
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    options = {"dtype": dtypes[a.weight_dtype]} if a.weight_dtype in dtypes else {}
+    embeddings = folder_paths.get_folder_paths("embeddings")
+    if a.checkpoint:
+        model, clip, _vae, _ = comfy.sd.load_checkpoint_guess_config(
+            _find("checkpoints", a.checkpoint), output_vae=False, output_clip=True, embedding_directory=embeddings,
+            model_options=options)
+        if clip is None:
+            raise SystemExit(f"error: {a.checkpoint} holds no text encoder: use --unet with --clip")
+        return model, clip
+    if not a.clip:
+        raise SystemExit("error: --unet needs its text encoder(s): --clip FILE (repeat for several)")
+    try:
+        clip_type = comfy.sd.CLIPType[a.clip_type.upper()]
+    except KeyError:
+        raise SystemExit(f"error: unknown --clip-type {a.clip_type!r}; one of "
+                         f"{', '.join(t.name.lower() for t in comfy.sd.CLIPType)}") from None
+    model = comfy.sd.load_diffusion_model(_find("diffusion_models", a.unet), model_options=options)
+    clip = comfy.sd.load_clip([_find("text_encoders", c) for c in a.clip], embedding_directory=embeddings,
+                              clip_type=clip_type)
+    return model, clip
+
+
+def _latent(model, a):
+    import torch
+
+    import comfy.model_management
+    import comfy.sample
+    from .sampling import empty_latent
+    if a.frames <= 0:
+        return empty_latent(model, a.width, a.height)
+    latent = torch.zeros([1, 16, (a.frames - 1) // 4 + 1, a.height // 8, a.width // 8],
+                         device=comfy.model_management.intermediate_device())
+    return comfy.sample.fix_empty_latent_channels(model, latent)
+
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    # rank 0 tells (ComfyUI's device lines, progress); the others only warn
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+                        format="%(message)s", force=True)
+    _setup_comfy(a.comfyui)
+    import torch
+    import torch.distributed as dist
+
+    from ..calibrate import CalibrationOptions
+    from ..distributed import Shard, calibrate_sharded, shard_prompts
+    from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS
+    from .sampling import encode, sample_prompt, sampling_info, without_cuda_graphs
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    shard = Shard.current()
+    rank, world = (shard.rank, shard.world) if shard else (0, 1)
+    out = _output_path(a.output)
+    if os.path.exists(out) and not a.overwrite:  # every rank checks: none samples for nothing
+        raise SystemExit(f"error: {out} exists (pass --overwrite to replace it)")
+    if a.prompts:
+        with open(a.prompts, encoding="utf-8") as f:
+            lines = [p.strip() for p in f if p.strip()]
+    else:
+        lines = list(DEFAULT_PROMPTS)
+    prompts = lines[:a.num_prompts]
+    if not prompts:
+        raise SystemExit("error: no calibration prompts")
+    negative = DEFAULT_NEGATIVE if a.negative is None else a.negative
+    guidance = a.guidance if a.guidance > 0 else None
+
+    model, clip = _load(a)
+    model = without_cuda_graphs(model)
+    latent = _latent(model, a)
+    mine = shard_prompts(list(range(len(prompts))), rank, world)
+    with torch.inference_mode():
+        # encoded before any statistics: the text encoder and the diffusion model may take turns in VRAM
+        negative_cond = encode(clip, negative, None)
+        conds = {i: encode(clip, prompts[i], guidance) for i in mine}
+        if shard is not None:  # every rank loaded: the times below are sampling and merging alone
+            dist.barrier()
+        t0, done, sampled = time.perf_counter(), [0], [0.0]
+
+        def run(_module, i):
+            sample_prompt(model, conds[i], negative_cond, latent, a.seed + i, a.steps, a.cfg, a.sampler,
+                          a.scheduler)
+            done[0] += 1
+            sampled[0] = spent = time.perf_counter() - t0
+            if rank == 0:
+                logging.info(f"[comfy-modelopt] rank 0/{world}: prompt {done[0]}/{len(mine)} sampled "
+                             f"({spent:.1f} s, ~{spent / done[0] * (len(mine) - done[0]):.0f} s left)")
+        info = sampling_info(model, len(prompts), a.steps, a.cfg, a.sampler, a.scheduler, latent, a.seed, guidance)
+        info["ranks"] = world
+        options = CalibrationOptions(reservoir_bytes=int(a.samples_mib_per_layer * 2**20), seed=a.seed)
+        stats = calibrate_sharded(model.model.diffusion_model, list(range(len(prompts))), run, options, info=info,
+                                  shard=shard)
+        merged = time.perf_counter() - t0
+    if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        stats.save(out, overwrite=a.overwrite)
+        s = stats.summary()
+        logging.info(f"[comfy-modelopt] calibrated {s['layers_with_data']}/{s['layers']} Linear layers over "
+                     f"{s['forward_calls']} model calls ({len(prompts)} prompts x {a.steps} steps, {world} "
+                     f"rank(s): sampling {sampled[0]:.1f} s, then {merged - sampled[0]:.1f} s waiting for the "
+                     f"other ranks and merging): {out}")
+    if shard is not None:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
