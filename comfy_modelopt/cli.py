@@ -47,25 +47,15 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="comfy-modelopt", description=__doc__)
-    p.add_argument("--version", action="version", version=f"comfy-modelopt {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    q = sub.add_parser("quantize", help="quantize a diffusion-model checkpoint into ComfyUI's native format",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    q.add_argument("src", help="source .safetensors (diffusion model, or full checkpoint)")
-    q.add_argument("-o", "--output", required=True, help="output .safetensors (written atomically)")
+def add_recipe_arguments(q: argparse.ArgumentParser) -> None:
+    """The recipe's options (format, scales, smoothing, GPTQ, low-rank, mixed precision, kept
+    layers), shared by ``quantize`` and the ComfyUI launcher; ``recipe_of`` reads them back.
+    "--stats" in their help: the activation statistics, from a file or a calibration."""
     q.add_argument("--format", default=DEFAULT_FORMAT, choices=FORMAT_CHOICES,
                    help="fp8: Ada/Hopper+ (W8A8 with --stats, weight-only without); int8_tensorwise: Turing+; "
                         "nvfp4/mxfp8: native on Blackwell, stored smaller everywhere; convrot_w4a4: int4 MMA")
-    q.add_argument("--family", default="auto", choices=FAMILY_CHOICES,
-                   help="model family: auto detects it and refuses files of none it knows (LoRA, text "
-                        "encoder, VAE); generic applies generic rules to an unknown architecture")
     q.add_argument("--weight-scale", default="mse", choices=WEIGHT_SCALE_METHODS,
                    help="absmax, or the MSE-optimal clipping search")
-    q.add_argument("--stats", help="activation statistics (.safetensors from calibration): "
-                                   "static input scales (fp8 W8A8) and activation-aware searches")
     q.add_argument("--input-scale", default="mse", choices=INPUT_SCALE_METHODS,
                    help="with --stats: how static activation scales are chosen")
     q.add_argument("--percentile", type=float, default=99.99, help="with --input-scale percentile: which one")
@@ -104,6 +94,23 @@ def _parser() -> argparse.ArgumentParser:
                         "--convrot and --gptq apply to each)")
     q.add_argument("--keep", action="append", default=[], metavar="PATTERN",
                    help="glob of layer names (no .weight suffix) to keep 16-bit; repeatable")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="comfy-modelopt", description=__doc__)
+    p.add_argument("--version", action="version", version=f"comfy-modelopt {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    q = sub.add_parser("quantize", help="quantize a diffusion-model checkpoint into ComfyUI's native format",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q.add_argument("src", help="source .safetensors (diffusion model, or full checkpoint)")
+    q.add_argument("-o", "--output", required=True, help="output .safetensors (written atomically)")
+    q.add_argument("--family", default="auto", choices=FAMILY_CHOICES,
+                   help="model family: auto detects it and refuses files of none it knows (LoRA, text "
+                        "encoder, VAE); generic applies generic rules to an unknown architecture")
+    q.add_argument("--stats", help="activation statistics (.safetensors from calibration): "
+                                   "static input scales (fp8 W8A8) and activation-aware searches")
+    add_recipe_arguments(q)
     q.add_argument("--device", default="cpu",
                    help="where the quantization math runs: cpu, cuda, cuda:N, or auto (a CUDA GPU if there is "
                         "one); weights travel there one layer at a time")
@@ -123,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _recipe(a):
+def recipe_of(a):
     from .recipe import Recipe
     return Recipe(format=a.format, weight_scale=a.weight_scale, input_scale=a.input_scale,
                   percentile=a.percentile, smoothing=a.smoothing, smooth_alpha=a.smooth_alpha,
@@ -187,7 +194,7 @@ def _quantize(a, device, shard) -> int:
     if not a.output.endswith(".safetensors"):
         raise OutputError(f"{a.output}: the output is a safetensors file; give it the .safetensors extension "
                           f"(ComfyUI lists diffusion models by it)")
-    recipe = _recipe(a)
+    recipe = recipe_of(a)
     if a.report and lead:  # the report is a user's file like the model: checked before any work
         check_not_input(a.report, a.src, "report")
         if os.path.abspath(a.report) == os.path.abspath(a.output):

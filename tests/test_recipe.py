@@ -41,13 +41,13 @@ def test_every_field_survives(recipe):  # a new field that to_dict forgets fails
 
 def test_cli_builds_an_error_budget_recipe():
     a = cli._parser().parse_args(["quantize", "s.safetensors", "-o", "o.safetensors", "--max-error", "0.5"])
-    assert cli._recipe(a) == Recipe(max_error=0.5)
+    assert cli.recipe_of(a) == Recipe(max_error=0.5)
 
 
 def test_cli_builds_a_planned_recipe():
     a = cli._parser().parse_args(["quantize", "s.safetensors", "-o", "o.safetensors", "--format", "int8_tensorwise",
                                   "--convrot", "--gptq", "--budget", "0.35", "--candidates", "nvfp4, int8_tensorwise"])
-    assert cli._recipe(a) == PLANNED
+    assert cli.recipe_of(a) == PLANNED
 
 
 def test_unknown_fields_and_values_refused():
@@ -80,4 +80,4 @@ def test_cli_builds_the_recipe_it_was_given():
                                   "--gptq-act-order",
                                   "--convrot-groupsize", "64", "--linear-dtype", "int8", "--keep", "*.img_mlp.*",
                                   "--keep", "final_layer.*"])
-    assert cli._recipe(a) == dataclasses.replace(NON_DEFAULT, sensitivity=True)
+    assert cli.recipe_of(a) == dataclasses.replace(NON_DEFAULT, sensitivity=True)

@@ -13,6 +13,12 @@ Sampling is Calibrate Model's: prompt i (one per line of ``--prompts``, or the b
 sampled with seed + i from an empty latent, every step through ComfyUI's sampler; prompt i is
 calibration group i on every rank, so held-out searches split by prompt as in one process.
 Without torchrun it runs in one process.
+
+``--model-out`` also quantizes the model from those statistics (the CLI's recipe options:
+``--format``, ``--gptq``, ...; the layers encoded across the ranks, rank 0 writing) into the file
+Quantize Model -> Save Quantized Model would write.  ``--engine modelopt`` calibrates with NVIDIA
+ModelOpt as well (Calibrate Model's ``engine = modelopt``: the same sampling runs, its choices
+written into that file); ModelOpt calibrates in one process, so it runs without torchrun.
 """
 from __future__ import annotations
 
@@ -54,7 +60,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="input rows kept per layer for the activation-aware searches (bf16)")
     p.add_argument("-o", "--output", required=True,
                    help="statistics file; a bare name goes to ComfyUI's models/modelopt_calibration")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace the output file(s) if they exist")
+    q = p.add_argument_group("quantize (optional): the model from these statistics")
+    q.add_argument("--model-out", help="also write the quantized diffusion model here; a bare name goes to "
+                                       "ComfyUI's models/diffusion_models (Load Diffusion Model lists it)")
+    q.add_argument("--engine", default="own", choices=["own", "modelopt"],
+                   help="modelopt: NVIDIA ModelOpt's calibration too (pip install 'comfy-modelopt[modelopt]'; "
+                        "one process), its choices written into --model-out")
+    q.add_argument("--modelopt-algorithm", default="max", help="with --engine modelopt: max, smoothquant, "
+                   "awq_lite, svdquant (Calibrate Model's modelopt_algorithm)")
+    from ..cli import add_recipe_arguments
+    add_recipe_arguments(q)
     return p
 
 
@@ -83,15 +99,17 @@ def _find(folder: str, name: str) -> str:
     return found
 
 
-def _output_path(name: str) -> str:
-    if os.path.dirname(name):
-        path = name
-    else:
-        import folder_paths
-
-        from .nodes import CALIBRATION_FOLDER  # the folder Load Calibration lists
-        path = os.path.join(folder_paths.models_dir, CALIBRATION_FOLDER, name)
+def _output_path(name: str, folder: str) -> str:
+    """``name``, or for a bare name that file in ComfyUI's ``folder`` (models/<folder>)."""
+    path = name if os.path.dirname(name) else os.path.join(_folder(folder), name)
     return path if path.endswith(".safetensors") else path + ".safetensors"
+
+
+def _folder(name: str) -> str:
+    import folder_paths
+    if name in folder_paths.folder_names_and_paths:
+        return folder_paths.get_folder_paths(name)[0]
+    return os.path.join(folder_paths.models_dir, name)
 
 
 def _load(a):
@@ -153,9 +171,13 @@ def main(argv=None) -> int:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     shard = Shard.current()
     rank, world = (shard.rank, shard.world) if shard else (0, 1)
-    out = _output_path(a.output)
-    if os.path.exists(out) and not a.overwrite:  # every rank checks: none samples for nothing
-        raise SystemExit(f"error: {out} exists (pass --overwrite to replace it)")
+    from .nodes import CALIBRATION_FOLDER  # the folder Load Calibration lists
+    out = _output_path(a.output, CALIBRATION_FOLDER)
+    model_out = _output_path(a.model_out, "diffusion_models") if a.model_out else None
+    for path in filter(None, (out, model_out)):  # every rank checks: none samples for nothing
+        if os.path.exists(path) and not a.overwrite:
+            raise SystemExit(f"error: {path} exists (pass --overwrite to replace it)")
+    recipe = _request(a, world) if model_out else None
     if a.prompts:
         with open(a.prompts, encoding="utf-8") as f:
             lines = [p.strip() for p in f if p.strip()]
@@ -168,6 +190,8 @@ def main(argv=None) -> int:
     guidance = a.guidance if a.guidance > 0 else None
 
     model, clip = _load(a)
+    if a.engine == "modelopt":
+        _check_modelopt(a, recipe, model)
     model = without_cuda_graphs(model)
     latent = _latent(model, a)
     mine = shard_prompts(list(range(len(prompts))), rank, world)
@@ -201,10 +225,62 @@ def main(argv=None) -> int:
                      f"{s['forward_calls']} model calls ({len(prompts)} prompts x {a.steps} steps, {world} "
                      f"rank(s): sampling {sampled[0]:.1f} s, then {merged - sampled[0]:.1f} s waiting for the "
                      f"other ranks and merging): {out}")
+    if model_out:
+        engine = None
+        if a.engine == "modelopt":
+            from .sampling import modelopt_by_sampling
+            with torch.inference_mode():
+                engine = modelopt_by_sampling(model, clip, prompts, negative, a.steps, a.cfg, a.sampler, a.scheduler,
+                                              latent, a.seed, guidance, recipe.format, a.modelopt_algorithm)
+            logging.info(f"[comfy-modelopt] {engine.note()}: {len(engine.layers)} Linear layers")
+        _quantize(model, recipe, stats, engine, model_out, a.overwrite, shard, rank,
+                  os.path.basename(a.unet or a.checkpoint))
     if shard is not None:
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def _request(a, world: int):
+    """The recipe --model-out asks for (refused before any sampling when it cannot be done)."""
+    from ..cli import recipe_of
+    try:
+        recipe = recipe_of(a)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if a.engine == "modelopt" and world > 1:
+        raise SystemExit("error: --engine modelopt calibrates in one process (ModelOpt's calibrators do not "
+                         "merge across ranks here): run it without torchrun")
+    return recipe
+
+
+def _check_modelopt(a, recipe, model) -> None:
+    from ..errors import ModelOptError
+    from ..modelopt_engine import check_request
+    if recipe is None:
+        raise SystemExit("error: --engine modelopt writes ModelOpt's choices into the quantized model: give "
+                         "--model-out (a statistics file cannot hold them)")
+    try:
+        check_request(recipe.format, a.modelopt_algorithm, model.load_device)
+    except ModelOptError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def _quantize(model, recipe, stats, engine, path: str, overwrite: bool, shard, rank: int, source: str) -> None:
+    """Quantize Model + Save Quantized Model: the loaded model's weights, layer by layer, into
+    ``path`` (atomically; rank 0 writes, every rank encodes its share of the layers)."""
+    from ..cli import _Progress
+    from ..pipeline import FileSink, NullSink, quantize_source
+    from .model import PatcherSource, compute_device
+    if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    sink = FileSink(path, overwrite) if rank == 0 else NullSink()
+    report = quantize_source(PatcherSource(model, compute_device()), sink, recipe, stats,
+                             {"name": source}, _Progress("quantizing", quiet=rank != 0),
+                             engine=engine, shard=shard)
+    if rank == 0:
+        logging.info(report.summary())
+        logging.info(f"[comfy-modelopt] wrote {path} ({os.path.getsize(path) / 2**20:.1f} MiB)")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """The several-GPU calibration launcher (comfy_modelopt.comfyui.launch) against a real ComfyUI tree:
 under torchrun with two gloo ranks on the CPU (the path NCCL takes between GPUs), ComfyUI's own
 loaders and sampler in each rank; the merged file equals the one-rank run on every exact
-statistic and matches what Calibrate Model collects in-process."""
+statistic and matches what Calibrate Model collects in-process; the quantized model it writes
+(--model-out) is the same file from one or two ranks and loads in stock ComfyUI; --engine
+modelopt writes ModelOpt's calibration into it."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 import architectures as models  # noqa: E402
+import test_nodes  # noqa: E402
 
 if not models.COMFYUI_PATH:
     pytest.skip("COMFYUI_PATH is not set: ComfyUI launcher tests SKIPPED (point it at a ComfyUI v0.29+ tree)",
@@ -22,10 +26,11 @@ if not models.COMFYUI_PATH:
 models.setup_comfy()
 import comfy.sd  # noqa: E402
 
+from comfy_modelopt import Recipe, quantize_file  # noqa: E402
 from comfy_modelopt.prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS  # noqa: E402
-from comfy_modelopt.safetensors_io import write_file  # noqa: E402
+from comfy_modelopt.safetensors_io import SafetensorsFile, write_file  # noqa: E402
 from comfy_modelopt.stats import ActivationStats  # noqa: E402
-from test_nodes import load_pack  # noqa: E402
+from comfy.quant_ops import QuantizedTensor  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS, STEPS = 4, 2
@@ -50,7 +55,9 @@ def files(tmp_path_factory):
     runs = {}
     for ranks in (1, 2):
         out = str(tmp / f"stats{ranks}.safetensors")
-        p = launch(tmp, ranks, out)
+        # a recipe read from exact statistics only (absmax weights, max input ranges): the same file
+        p = launch(tmp, ranks, out, "--model-out", str(tmp / f"model{ranks}.safetensors"), "--format",
+                   "float8_e4m3fn", "--weight-scale", "absmax", "--input-scale", "max")
         assert p.returncode == 0, p.stderr[-3000:]
         runs[ranks] = ActivationStats.load(out)
     return tmp, runs
@@ -74,7 +81,7 @@ def test_two_ranks_equal_one_on_every_exact_statistic(files):
 def test_launcher_samples_as_calibrate_model_does(files):
     """The node in this process on the same files and settings: the same calls, rows and ranges."""
     tmp, runs = files
-    nodes = load_pack()
+    nodes = test_nodes.load_pack()
     model = comfy.sd.load_diffusion_model(str(tmp / "sd15.safetensors"))
     clip = comfy.sd.load_clip([str(tmp / "clip_l.safetensors")], clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION)
     with torch.inference_mode():
@@ -99,3 +106,48 @@ def test_existing_output_is_refused_before_sampling(files):
     p = launch(tmp, 1, out)
     assert p.returncode != 0 and "exists (pass --overwrite" in p.stderr and out in p.stderr
     assert os.path.getmtime(out) == before
+
+
+def test_quantized_model_from_two_ranks_is_the_cli_file_and_stock(files):
+    """--model-out under two ranks (layers encoded across them from the loaded ComfyUI model) holds
+    the tensors the one-process CLI writes from the source file with the same statistics; stock
+    ComfyUI loads it."""
+    tmp, _ = files
+    two, cli = str(tmp / "model2.safetensors"), str(tmp / "cli.safetensors")
+    quantize_file(str(tmp / "sd15.safetensors"), cli, Recipe("float8_e4m3fn", weight_scale="absmax",
+                                                            input_scale="max"), str(tmp / "stats2.safetensors"))
+    with SafetensorsFile(cli) as f, SafetensorsFile(two) as g:
+        assert sorted(f.keys()) == sorted(g.keys())
+        layers = json.loads(g.metadata["_quantization_metadata"])["layers"]
+        assert json.loads(f.metadata["_quantization_metadata"])["layers"] == layers
+        for k in f.keys():
+            layer, _, suffix = k.rpartition(".")
+            if layer in layers and suffix != "bias":  # the quantized tensors: byte for byte
+                assert f.read(k).reshape(-1).view(torch.uint8).equal(g.read(k).reshape(-1).view(torch.uint8)), k
+            else:  # 16-bit tensors in the family's dtype from a loaded MODEL (SD1.x: fp16), the file's in the CLI
+                assert torch.allclose(f.read(k).float(), g.read(k).float(), rtol=1e-2, atol=1e-4), k
+        assert '"ranks": 2' in g.metadata["comfy_modelopt.calibration"]
+        assert '"name": "sd15.safetensors"' in g.metadata["comfy_modelopt.source"]
+    model = comfy.sd.load_diffusion_model(two)  # stock Load Diffusion Model
+    assert sum(isinstance(getattr(m, "weight", None), QuantizedTensor)
+               for m in model.model.diffusion_model.modules()) == len(layers)
+
+
+def test_modelopt_engine_writes_its_calibration_into_the_model(files):
+    pytest.importorskip("modelopt.torch.quantization",
+                        reason="NVIDIA ModelOpt is not installed here: pip install 'comfy-modelopt[modelopt]'")
+    tmp, _ = files
+    out = str(tmp / "model-mo.safetensors")
+    p = launch(tmp, 1, str(tmp / "stats-mo.safetensors"), "--model-out", out, "--format", "int8_tensorwise",
+               "--engine", "modelopt", "--modelopt-algorithm", "smoothquant")
+    assert p.returncode == 0, p.stderr[-3000:]
+    with SafetensorsFile(out) as f:
+        report = f.metadata["comfy_modelopt.report"]
+    assert "calibration engine: NVIDIA ModelOpt" in report and "(smoothquant)" in report
+    assert "folded" in report  # SD1.x: SmoothQuant's scales folded into the LayerNorms
+    model = comfy.sd.load_diffusion_model(out)
+    assert any(isinstance(getattr(m, "weight", None), QuantizedTensor) for m in model.model.diffusion_model.modules())
+    # ModelOpt's calibrators do not merge across ranks: refused before loading anything
+    p = launch(tmp, 2, str(tmp / "stats-mo2.safetensors"), "--model-out", str(tmp / "m2.safetensors"),
+               "--format", "int8_tensorwise", "--engine", "modelopt")
+    assert p.returncode != 0 and "run it without torchrun" in p.stderr
