@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from dataclasses import dataclass, field
 
 import torch
@@ -60,18 +59,13 @@ def merge_layer_stats(parts: list[LayerStats], seed: int = 0) -> LayerStats:
 
 
 def _merge_reservoirs(parts: list[LayerStats], capacity: int, seed: int) -> tuple[torch.Tensor, list]:
-    rng = random.Random(seed)
-    remaining = [p.rows for p in parts]
-    total = sum(remaining)
-    take = [0] * len(parts)
-    for _ in range(min(capacity, total)):  # sequential draws without replacement: hypergeometric counts
-        r = rng.randrange(sum(remaining))
-        i = 0
-        while r >= remaining[i]:
-            r -= remaining[i]
-            i += 1
-        remaining[i] -= 1
-        take[i] += 1
+    g = torch.Generator().manual_seed(seed)
+    sizes = [p.rows for p in parts]
+    # capacity positions drawn without replacement from all rows seen (the union, partitioned by
+    # part): how many fall in each part is multivariate hypergeometric
+    chosen = _distinct_uniform(sum(sizes), min(capacity, sum(sizes)), g)
+    bounds = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
+    take = torch.bincount(torch.bucketize(chosen, bounds, right=True), minlength=len(parts)).tolist()
     rows, groups = [], []
     for p, n in zip(parts, take):
         if n == 0:
@@ -79,11 +73,24 @@ def _merge_reservoirs(parts: list[LayerStats], capacity: int, seed: int) -> tupl
         have = p.reservoir.shape[0]
         if n > have:  # a reservoir holds min(rows, capacity) >= any draw from its rows
             raise ValueError(f"reservoir of {have} rows cannot give {n}")
-        idx = sorted(rng.sample(range(have), n))
+        idx = torch.randperm(have, generator=g)[:n].sort().values
         rows.append(p.reservoir.cpu()[idx])
         pg = p.groups if p.groups is not None and len(p.groups) == have else [-1] * have
-        groups.extend(pg[i] for i in idx)
+        groups.extend(pg[i] for i in idx.tolist())
     return torch.cat(rows), groups
+
+
+def _distinct_uniform(total: int, m: int, g: torch.Generator) -> torch.Tensor:
+    """``m`` distinct integers of [0, total), every m-subset equally likely.  Where ``total`` is
+    much larger than ``m`` (rows seen vs rows kept), without a permutation of all of them: the
+    distinct values of 2m + 16 uniform draws are a uniform subset of their size (exchangeable),
+    and a random m of them a uniform m-subset (fewer than m distinct: drawn again)."""
+    if total <= 4 * m:
+        return torch.randperm(total, generator=g)[:m]
+    while True:
+        distinct = torch.unique(torch.randint(total, (2 * m + 16,), generator=g))
+        if distinct.numel() >= m:
+            return distinct[torch.randperm(distinct.numel(), generator=g)[:m]]
 
 
 def merge_stats(parts: list[ActivationStats]) -> ActivationStats:

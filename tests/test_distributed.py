@@ -3,7 +3,6 @@ real processes, the same code path NCCL takes between GPUs."""
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -117,9 +116,13 @@ def test_sharded_quantization_writes_the_one_process_file(run, tmp_path):
         assert f.metadata == g.metadata
 
 
-def test_reservoir_merge_is_uniform_over_the_union():
-    """Two shares of 30 and 10 rows (reservoirs: their full rows), merged into 8: every row of
-    the union is picked with probability 8/40 (Monte Carlo over seeds)."""
+@pytest.mark.parametrize("first,second", [(30, 10), (6, 4)])
+def test_reservoir_merge_is_uniform_over_the_union(first, second):
+    """Two shares (reservoirs: their full rows) merged into 8: every row of the union is picked
+    with probability 8 / rows (Monte Carlo over seeds) - where the union is much larger than the
+    sample (drawn without a permutation of all rows) and where it is not."""
+    total = first + second
+
     def share(lo, hi):
         s = LayerStats(1, 64, calls=1, rows=hi - lo)
         s.channel_absmax, s.channel_abssum = torch.ones(1), torch.ones(1, dtype=torch.float64)
@@ -127,19 +130,21 @@ def test_reservoir_merge_is_uniform_over_the_union():
         s.reservoir = torch.arange(lo, hi, dtype=torch.bfloat16).reshape(-1, 1)
         s.groups = list(range(lo, hi))
         return s
-    counts = [0] * 40
+    counts = [0] * total
     trials = 4000
     for seed in range(trials):
-        a, b = share(0, 30), share(30, 40)
+        a, b = share(0, first), share(first, total)
         a.capacity = b.capacity = 8
         m = merge_layer_stats([a, b], seed=seed)
-        assert m.reservoir.shape == (8, 1) and m.rows == 40
+        assert m.reservoir.shape == (8, 1) and m.rows == total and len(set(m.groups)) == 8
+        assert m.reservoir.reshape(-1).tolist() == [float(g) for g in m.groups]  # rows keep their groups
         for g in m.groups:
             counts[g] += 1
-    expected = trials * 8 / 40
-    assert all(abs(c - expected) < 5 * (expected ** 0.5) for c in counts), counts
-    assert abs(sum(counts[:30]) / (trials * 8) - 0.75) < 0.01
-    random.seed(0)
+    p = 8 / total
+    expected = trials * p
+    sd = (trials * p * (1 - p)) ** 0.5
+    assert all(abs(c - expected) < 5 * sd for c in counts), counts
+    assert abs(sum(counts[:first]) / (trials * 8) - first / total) < 0.01
 
 
 def test_cli_under_torchrun_writes_the_one_process_file(run, tmp_path):
