@@ -25,9 +25,12 @@ the own loader's low-rank layers (``modelopt_lowrank_*``): the same computation 
 ``SVDQuantLinear``, the branch on the smoothed, unquantized input.
 
 Algorithms: ``max`` (fp8, int8, nvfp4; runs on a CPU), ``smoothquant`` (int8; CPU),
-``awq_lite`` and ``svdquant`` (nvfp4; ModelOpt's fp4 fake quantization needs CUDA - refused
-without it; svdquant's rank is the recipe's ``lowrank``, 32 when it is 0, and Quantize Model must
-write that rank).
+``awq_lite``, ``awq_full`` and ``svdquant`` (nvfp4; ModelOpt's fp4 fake quantization needs CUDA -
+refused without it; svdquant's rank is the recipe's ``lowrank``, 32 when it is 0, and Quantize
+Model must write that rank).  ``awq_full`` is AWQ-lite's smoothing plus ModelOpt's clip search
+(``awq_clip``), which for nvfp4 shrinks the per-tensor amax: written as the weight's clip factor
+(``clip_ratio``) where the layer is smoothed as ModelOpt smoothed it (or not at all); where a
+stock file cannot carry its smoothing, the ratio - chosen for the smoothed weight - goes too.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ from .calibrate import linear_layers
 from .errors import ModelOptError
 from .families import literal_glob
 
-ALGORITHMS = ("max", "smoothquant", "awq_lite", "svdquant")
+ALGORITHMS = ("max", "smoothquant", "awq_lite", "awq_full", "svdquant")
 _FORMATS = {  # our format -> (weight quantizer cfg, input quantizer cfg)
     "float8_e4m3fn": ({"num_bits": (4, 3), "axis": None}, {"num_bits": (4, 3), "axis": None}),
     "int8_tensorwise": ({"num_bits": 8, "axis": 0}, {"num_bits": 8, "axis": None}),
@@ -50,8 +53,9 @@ _FORMATS = {  # our format -> (weight quantizer cfg, input quantizer cfg)
 ENGINE_FORMATS = tuple(_FORMATS)
 # ModelOpt 0.47's smoothquant smooths int8 quantizers only (with fp8 ones it smoothed nothing)
 _ALGORITHM_FORMATS = {"max": tuple(_FORMATS), "smoothquant": ("int8_tensorwise",), "awq_lite": ("nvfp4",),
-                      "svdquant": ("nvfp4",)}
-_NEEDS_CUDA = {"awq_lite", "svdquant"}
+                      "awq_full": ("nvfp4",), "svdquant": ("nvfp4",)}
+_NEEDS_CUDA = {"awq_lite", "awq_full", "svdquant"}
+AWQ_CLIP_STEP = 0.05  # ModelOpt's awq_clip tries amax x 0.5, 0.55, ..., 1.0
 SVDQUANT_RANK = 32  # ModelOpt's default rank
 
 
@@ -61,6 +65,7 @@ class EngineLayer:
     weight_amax: torch.Tensor | None = None    # scalar (per tensor) or [N] (per row), of W * smooth
     smooth: torch.Tensor | None = None         # s [K]: x / s, W * s
     lowrank: tuple | None = None               # SVDQuant's (up [N, r], down [r, K]) of W * s
+    weight_clip: float | None = None           # awq_clip: its per-tensor amax / the absmax of the weight it quantized
 
 
 @dataclass
@@ -144,6 +149,8 @@ def read_back(work: torch.nn.Module, names, result: EngineResult) -> EngineResul
             layer.input_amax = float(iq.amax.float().max())
         if getattr(wq, "amax", None) is not None:
             layer.weight_amax = wq.amax.detach().float().reshape(-1).cpu()
+            if result.algorithm == "awq_full" and layer.weight_amax.numel() == 1:
+                layer.weight_clip = _clip_ratio(float(layer.weight_amax), float(m.weight.detach().abs().max()))
         pqs = getattr(iq, "pre_quant_scale", None) if iq is not None else None
         if pqs is not None:
             layer.smooth = (1.0 / pqs.detach().float().reshape(-1)).cpu()
@@ -153,3 +160,14 @@ def read_back(work: torch.nn.Module, names, result: EngineResult) -> EngineResul
             layer.lowrank = (up.detach().float().cpu(), down.detach().float().cpu())
         result.layers[n] = layer
     return result
+
+
+def _clip_ratio(amax: float, absmax: float) -> float | None:
+    """awq_clip's shrink of the per-tensor amax (None: it kept the absmax); snapped to its search
+    grid, the amax having been rounded to 16 bits."""
+    if absmax <= 0.0:
+        return None
+    r = amax / absmax
+    snapped = round(round(r / AWQ_CLIP_STEP) * AWQ_CLIP_STEP, 2)
+    r = snapped if abs(r - snapped) < 0.01 else r
+    return r if r < 0.999 else None

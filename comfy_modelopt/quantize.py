@@ -122,8 +122,15 @@ def choose(w: torch.Tensor, x: torch.Tensor | None, layer: LayerPlan, plan: Plan
         if layer.static_input:
             input_scale = (engine.input_amax / fmt.input_fmax() if smooth is None and engine.input_amax
                            else _input_scale(layer_stats, fmt, Recipe(fmt.name, input_scale="max"), smooth))
-        return LayerChoice(w, x, smoothed, ClipChoice(None, 1.0, "weight"), input_scale, pre_scale, branch, split,
-                           notes)
+        clip = ClipChoice(None, 1.0, "weight")
+        if plan.engine.algorithm == "awq_full" and not layer.rank:
+            ratio = engine.weight_clip
+            if ratio is not None and (smooth is not None or engine.smooth is None):
+                clip = ClipChoice(torch.tensor(ratio), ratio, "weight")
+                notes.append(f"ModelOpt awq_clip ratio {ratio:.2f}")
+            elif ratio is not None:
+                notes.append(f"ModelOpt awq_clip ratio {ratio:.2f} dropped with its smoothing")
+        return LayerChoice(w, x, smoothed, clip, input_scale, pre_scale, branch, split, notes)
     input_scale = None
     if layer.static_input:
         input_scale = _input_scale(layer_stats, fmt, recipe, smooth) if split is None else \

@@ -176,6 +176,55 @@ def test_svdquant_export_into_the_own_loader_file():
                         engine=engine)
 
 
+def _clip_case(sd, stats, names, smooths, family="auto"):
+    """The files of awq_lite and awq_full choices (the same smoothing; awq_full with a 0.7 clip)."""
+    from comfy_modelopt.modelopt_engine import EngineLayer, EngineResult
+    out = {}
+    for algorithm in ("awq_lite", "awq_full"):
+        engine = EngineResult(algorithm, "nvfp4")
+        for name in names:
+            engine.layers[name] = EngineLayer(smooth=smooths[name], input_amax=1.0,
+                                              weight_clip=0.7 if algorithm == "awq_full" else None)
+        sink = DictSink()
+        report = quantize_source(DictSource.from_state_dict(sd), sink, Recipe("nvfp4", sensitivity=False), stats,
+                                 engine=engine, family=family)
+        out[algorithm] = (sink.tensors, {l.name: l.notes for l in report.quantized})
+    (lite, _), (full, notes) = out["awq_lite"], out["awq_full"]
+    return {name: (float(full[name + ".weight_scale_2"] / lite[name + ".weight_scale_2"]), note)
+            for name, note in notes.items()}
+
+
+def test_awq_full_clip_ratio_written_where_its_smoothing_is():
+    """ModelOpt's awq_full: AWQ-lite's smoothing plus awq_clip's shrunk per-tensor amax (nvfp4).
+    The shrink becomes the weight's clip factor - the file's global scale x 0.7 against the same
+    calibration without it - where the layer is smoothed as ModelOpt asked (folded into its
+    producer) or not smoothed at all; where the smoothing has no exact fold (a plain MLP), the
+    ratio - chosen for the smoothed weight - is dropped with it, with a note."""
+    from comfy_modelopt.modelopt_engine import _clip_ratio
+    assert _clip_ratio(0.7 * 3.0 * (1 + 2 ** -9), 3.0) == 0.7 and _clip_ratio(3.0, 3.0) is None  # grid, 16-bit amax
+    root, _loop, stats, sd = _setup()
+    g = torch.Generator().manual_seed(5)
+    names = [n for n, m in root.named_modules() if isinstance(m, torch.nn.Linear)]
+    smooths = {n: None if n.endswith("attn2.to_out.0") else
+               torch.rand(root.get_submodule(n).weight.shape[1], generator=g) + 0.5 for n in names}
+    found = _clip_case(sd, stats, names, smooths)
+    assert len(found) >= 7
+    for name, (ratio, note) in found.items():
+        assert "awq_clip ratio 0.70" in note and "dropped" not in note, (name, note)
+        assert ratio == pytest.approx(0.7, rel=1e-6), (name, ratio)
+        assert ("ModelOpt smoothing folded" in note) == (not name.endswith("attn2.to_out.0")), (name, note)
+    model, data = _outlier_mlp("cpu")
+    with torch.no_grad():
+        stats = calibrate(model, lambda m: [m(x) for x in data])
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    found = _clip_case(sd, stats, ["0", "2"], {"0": torch.rand(256, generator=g) + 0.5,
+                                               "2": torch.rand(512, generator=g) + 0.5}, family="generic")
+    assert len(found) == 2
+    for name, (ratio, note) in found.items():
+        assert "ModelOpt smoothing dropped" in note and "awq_clip ratio 0.70 dropped" in note, (name, note)
+        assert ratio == pytest.approx(1.0), (name, ratio)
+
+
 def _outlier_mlp(device):
     """Two Linear layers whose inputs have a few large channels (as diffusion activations do)."""
     g = torch.Generator().manual_seed(0)
@@ -194,7 +243,7 @@ def _outlier_mlp(device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="ModelOpt's fp8 / nvfp4 fake quantization needs CUDA: "
                     "these run on the GPU machine (the export is tested on the CPU with its int8 path above)")
 @pytest.mark.parametrize("fmt,algorithm", [("float8_e4m3fn", "max"), ("nvfp4", "max"), ("nvfp4", "awq_lite"),
-                                           ("nvfp4", "svdquant")])
+                                           ("nvfp4", "awq_full"), ("nvfp4", "svdquant")])
 def test_cuda_export_computes_what_modelopt_simulates(fmt, algorithm, monkeypatch):
     """On CUDA, ModelOpt's fp8 / nvfp4 calibration exported into our files: the module built from
     the file (ComfyUI's computation, activations quantized as a GPU that runs the format does) has
@@ -221,6 +270,10 @@ def test_cuda_export_computes_what_modelopt_simulates(fmt, algorithm, monkeypatc
             assert layer.input_amax == pytest.approx(stats.layer(name).amax_value(), rel=1e-5)
     else:
         assert all(layer.smooth is not None for layer in engine.layers.values())
+    if algorithm == "awq_full":  # awq_clip's per-tensor shrink, read back on its grid (or None: kept)
+        clips = [layer.weight_clip for layer in engine.layers.values()]
+        print(f"awq_full clip ratios {clips}")
+        assert all(c is None or 0.5 <= c < 1.0 for c in clips)
     if algorithm == "svdquant":
         assert engine.layers["0"].lowrank[0].shape == (512, 32) and engine.layers["0"].lowrank[1].shape == (32, 256)
     q = quantize_module(model, recipe, stats, native=True, engine=engine)
@@ -230,7 +283,7 @@ def test_cuda_export_computes_what_modelopt_simulates(fmt, algorithm, monkeypatc
         err = lambda out: float((out.float() - ref).norm() / ref.norm())  # noqa: E731
         ours, theirs = err(q(x)), err(simulated[0](x))
         print(f"{fmt} {algorithm}: exported {ours:.4f}, ModelOpt's simulation {theirs:.4f}")
-        if algorithm == "awq_lite":
+        if algorithm in ("awq_lite", "awq_full"):  # awq_full's clip ratio goes with its smoothing
             assert all("ModelOpt smoothing dropped" in l.notes for l in module_report(q).quantized)
             plain = quantize_module(model, Recipe(fmt, weight_scale="absmax", input_scale="max", sensitivity=False),
                                     stats, native=True)

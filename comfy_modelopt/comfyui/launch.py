@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="modelopt: NVIDIA ModelOpt's calibration too (pip install 'comfy-modelopt[modelopt]'; "
                         "one process), its choices written into --model-out")
     q.add_argument("--modelopt-algorithm", default="max", help="with --engine modelopt: max, smoothquant, "
-                   "awq_lite, svdquant (Calibrate Model's modelopt_algorithm)")
+                   "awq_lite, awq_full, svdquant (Calibrate Model's modelopt_algorithm)")
     from ..cli import add_recipe_arguments
     add_recipe_arguments(q)
     return p

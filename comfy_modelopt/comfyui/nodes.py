@@ -113,7 +113,8 @@ class ModelOptCalibrationHelper(io.ComfyNode):
                                        "twice (ours, then ModelOpt's on a copy of the model: twice its VRAM)."),
                 io.Combo.Input("modelopt_algorithm", options=list(MODELOPT_ALGORITHMS), default="max", advanced=True,
                                optional=True, tooltip="max: ModelOpt's amax calibrators (fp8, int8, nvfp4); "
-                                                      "smoothquant: int8; awq_lite: nvfp4, needs CUDA; svdquant: nvfp4 "
+                                                      "smoothquant: int8; awq_lite: nvfp4, needs CUDA; awq_full: "
+                                                      "awq_lite plus ModelOpt's weight clip search; svdquant: nvfp4 "
                                                       "with a rank-32 16-bit branch per layer, needs CUDA - "
                                                       "then Quantize Model with lowrank 32 (a file for this "
                                                       "pack's loader)."),
