@@ -177,10 +177,16 @@ def main(argv=None) -> int:
     for path in filter(None, (out, model_out)):  # every rank checks: none samples for nothing
         if os.path.exists(path) and not a.overwrite:
             raise SystemExit(f"error: {path} exists (pass --overwrite to replace it)")
+    if a.engine == "modelopt" and not model_out:
+        raise SystemExit("error: --engine modelopt writes ModelOpt's choices into the quantized model: give "
+                         "--model-out (a statistics file cannot hold them)")
     recipe = _request(a, world) if model_out else None
     if a.prompts:
-        with open(a.prompts, encoding="utf-8") as f:
-            lines = [p.strip() for p in f if p.strip()]
+        try:
+            with open(a.prompts, encoding="utf-8") as f:
+                lines = [p.strip() for p in f if p.strip()]
+        except OSError as e:
+            raise SystemExit(f"error: cannot read the prompts file {a.prompts} ({e.strerror})") from None
     else:
         lines = list(DEFAULT_PROMPTS)
     prompts = lines[:a.num_prompts]
@@ -257,9 +263,6 @@ def _request(a, world: int):
 def _check_modelopt(a, recipe, model) -> None:
     from ..errors import ModelOptError
     from ..modelopt_engine import check_request
-    if recipe is None:
-        raise SystemExit("error: --engine modelopt writes ModelOpt's choices into the quantized model: give "
-                         "--model-out (a statistics file cannot hold them)")
     try:
         check_request(recipe.format, a.modelopt_algorithm, model.load_device)
     except ModelOptError as e:

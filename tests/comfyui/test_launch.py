@@ -28,7 +28,7 @@ import comfy.sd  # noqa: E402
 
 from comfy_modelopt import Recipe, quantize_file  # noqa: E402
 from comfy_modelopt.prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS  # noqa: E402
-from comfy_modelopt.safetensors_io import SafetensorsFile, write_file  # noqa: E402
+from comfy_modelopt.safetensors_io import SafetensorsFile  # noqa: E402
 from comfy_modelopt.stats import ActivationStats  # noqa: E402
 from comfy.quant_ops import QuantizedTensor  # noqa: E402
 
@@ -49,9 +49,7 @@ def launch(tmp, ranks: int, out: str, *extra) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("launch")
-    write_file(str(tmp / "clip_l.safetensors"), models.clip_l_state_dict())
-    _, sd = models.build("sd15", "small", seed=1)
-    write_file(str(tmp / "sd15.safetensors"), sd)
+    test_nodes.write_sd15_files(tmp)
     runs = {}
     for ranks in (1, 2):
         out = str(tmp / f"stats{ranks}.safetensors")

@@ -55,12 +55,17 @@ def save(path, sd):
     return write_file(str(path), sd, overwrite=True)
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    d = tmp_path_factory.mktemp("nodes")
+def write_sd15_files(d) -> None:
+    """A small SD1.x diffusion model and its CLIP-L text encoder as files in folder ``d``."""
     save(str(d / "clip_l.safetensors"), models.clip_l_state_dict())
     _, sd = models.build("sd15", "small", seed=1)
     save(str(d / "sd15.safetensors"), sd)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    d = tmp_path_factory.mktemp("nodes")
+    write_sd15_files(d)
     folder_paths.add_model_folder_path("diffusion_models", str(d / "diffusion_models"), is_default=True)
     os.makedirs(d / "diffusion_models", exist_ok=True)
     nodes = load_pack()
