@@ -85,6 +85,8 @@ class Format:
     #                                 e5m2 x e5m2 kernel - torch refuses it on Ada/Hopper)
     quantize_input: bool = True     # ComfyUI quantizes the activation before the GEMM (its
     #                                 QUANT_ALGOS "quantize_input"); False: kitchen's kernel does
+    block_clip: bool = False        # the encoder derives 16-block scales from each block's max:
+    #                                 clamping a block clips it (scales.choose_block_clip)
 
     # ---------------------------------------------------------------- rules
     def shape_problem(self, n: int, k: int, **opts) -> str | None:
@@ -501,14 +503,16 @@ class NvFp4Format(Format):
     def _explicit(self, scale):
         return {"scale": scale.reshape(()).float()}
 
-    def gptq_rounding(self, w, alpha, **opts):
+    def gptq_rounding(self, w, alpha, block_bound=None, **opts):
         # block scales fixed as kitchen derives them from the unrounded weight (E4M3 of
-        # block amax / 6 / global, at most 448); each block's largest element anchored at +-6
+        # block amax / 6 / global, at most 448) - or from the blocks clamped to ``block_bound``
+        # (scales.choose_block_clip); each block's largest element anchored at +-6, its clamp
         if w.shape[1] % 16:
             return None
         g = self.global_scale(w, alpha)
         n, k = w.shape
-        total = _nvfp4_block_scales(w.abs().reshape(n, k // 16, 16).amax(dim=-1), g) * g
+        amax = w.abs().reshape(n, k // 16, 16).amax(dim=-1) if block_bound is None else block_bound.float()
+        total = _nvfp4_block_scales(amax, g) * g
         return gptq.grid_column_quantizer(total, 16, gptq.anchors(w, 16), F4_E2M1_MAX, _round_e2m1), g
 
     def fake_act(self, x, input_scale=None, **opts):
@@ -589,7 +593,8 @@ MXFP8 = MxFp8Format("mxfp8", "TensorCoreMXFP8Layout", (10, 0), False, False, "",
                     native_gate="supports_mxfp8_compute")
 # NVFP4: E2M1 values, E4M3 scale per 16, fp32 global scale; dynamic or static activations
 NVFP4 = NvFp4Format("nvfp4", "TensorCoreNVFP4Layout", (10, 0), True, False, "tensor", 32, 1, lowrank=True,
-                    values_per_element=2, input_search="sample", native_gate="supports_nvfp4_compute")
+                    values_per_element=2, input_search="sample", native_gate="supports_nvfp4_compute",
+                    block_clip=True)
 # Hadamard-rotated signed int4 weights and activations (int4 MMA)
 CONVROT_W4A4 = ConvRotW4A4Format("convrot_w4a4", "TensorCoreConvRotW4A4Layout", (7, 5), False, False, "row", 64, 1,
                                  options=("convrot_groupsize", "linear_dtype"), lowrank=True, values_per_element=2,

@@ -138,3 +138,38 @@ def test_dampings_batched_are_one_call_each(name, opts, act_order, monkeypatch):
         monkeypatch.setattr(gptq_mod, "batch_room", lambda device, r=room: r)
         batched = gptq_mod.gptq_dampings(ws, h, gptq_mod.DAMPINGS, quantize_columns, act_order=act_order)
         assert len(batched) == len(singles) and all(torch.equal(a, b) for a, b in zip(batched, singles)), room
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_nvfp4_block_clip_encodes_as_searched_and_through_gptq(act_order):
+    """nvfp4's per-block clip (scales.choose_block_clip): never worse than the unclipped blocks on
+    its energy-weighted objective; kitchen, given the clamped weight, derives exactly the clipped
+    block scales the search assumed; GPTQ with those scales (blocks anchored at their bound) is
+    re-encoded by kitchen value for value, and beats plain rounding of the clipped blocks."""
+    from comfy_modelopt.scales import choose_block_clip, clamp_blocks
+    fmt = get_format("nvfp4")
+    g = torch.Generator().manual_seed(1)
+    n, k = 96, 256
+    w = torch.randn(n, k, generator=g) / 16
+    w[:, ::37] *= 6.0  # a few large weights: blocks worth clipping
+    x = outlier_inputs(512, k, seed=4)
+    bound = choose_block_clip(fmt, w, x)
+    assert bound is not None and bool((bound < w.abs().reshape(n, k // 16, 16).amax(-1)).any())
+    h = (x ** 2).mean(0)
+    werr = lambda wq: float((((wq - w) ** 2) * h).sum())  # noqa: E731
+    amax = w.abs().max()
+    searched = fmt.fake_rows(clamp_blocks(w, bound), amax=amax)
+    assert werr(searched) < werr(fmt.fake_rows(w))
+    clipped, qt = fmt.encode(clamp_blocks(w, bound))
+    with kitchen_reference():
+        assert torch.equal(qt.dequantize().float(), searched)  # kitchen's scales are the searched ones
+    quantize_columns, scale = fmt.gptq_rounding(w, None, block_bound=bound)
+    q = gptq(w, hessian(x), quantize_columns, act_order=act_order)
+    rounded, qt = fmt.encode(q, scale=scale)
+    with kitchen_reference():
+        deq = qt.dequantize().float()
+    assert torch.equal(deq, q)
+    # GPTQ rounded on the clipped blocks' scales (unclipped ones would differ where bound < max)
+    assert torch.equal(rounded["_scale"].view(torch.uint8), clipped["_scale"].view(torch.uint8))
+    err = lambda wq: float((x @ (wq - w).T).norm() / (x @ w.T).norm())  # noqa: E731
+    assert err(deq) < 0.9 * err(searched), (err(deq), err(searched))
