@@ -62,9 +62,8 @@ def gptq_dampings(w: torch.Tensor, h: torch.Tensor, dampings, quantize_columns, 
     """``gptq`` of ``w`` for each damping of the undamped ``h`` (``damped``), as many at once as
     memory allows: one column loop over a batch of Hessians.  The loop is a few small kernels per
     column - launch-bound on a GPU - so on the H200 three dampings cost 1.3x one (2.2-3.6x less
-    than three calls, benchmarks/gptq_cost.py).  The same numbers
-    as one call per damping (the column steps are elementwise; a block's update is a batched
-    product of the same terms)."""
+    than three calls, benchmarks/gptq_cost.py).  The same numbers as one call per damping (the
+    column steps are elementwise; a block's update is a batched product of the same terms)."""
     out, dampings = [], list(dampings)
     per = 4 * h.shape[0] ** 2 * 8  # a float64 inverse Hessian and the Cholesky temporaries
     size = max(1, min(len(dampings), batch_room(h.device) // per))

@@ -28,9 +28,10 @@ Algorithms: ``max`` (fp8, int8, nvfp4; runs on a CPU), ``smoothquant`` (int8; CP
 ``awq_lite``, ``awq_full`` and ``svdquant`` (nvfp4; ModelOpt's fp4 fake quantization needs CUDA -
 refused without it; svdquant's rank is the recipe's ``lowrank``, 32 when it is 0, and Quantize
 Model must write that rank).  ``awq_full`` is AWQ-lite's smoothing plus ModelOpt's clip search
-(``awq_clip``), which for nvfp4 shrinks the per-tensor amax: written as the weight's clip factor
-(``clip_ratio``) where the layer is smoothed as ModelOpt smoothed it (or not at all); where a
-stock file cannot carry its smoothing, the ratio - chosen for the smoothed weight - goes too.
+(``awq_clip``), which for nvfp4 shrinks the per-tensor amax: read back as ``EngineLayer.weight_clip``
+and written as the weight's clip factor where the layer is smoothed as ModelOpt smoothed it (or not
+at all); where a stock file cannot carry its smoothing, the ratio - chosen for the smoothed
+weight - goes too.
 """
 from __future__ import annotations
 

@@ -186,8 +186,9 @@ def choose_block_clip(fmt: Format, w: torch.Tensor, xs: torch.Tensor | None) -> 
     block to its bound sets its scale to bound / 6: the E2M1 grid's coarse top (4 -> 6) then
     falls on fewer values.  The block holding the tensor's max is never clipped, so the global
     scale - and every other block's scale grid - stays.  Measured on the real-weights model
-    (benchmarks/quality_real.py): round-to-nearest nvfp4 0.2578 -> 0.2307 (0.89x), where a
-    per-tensor clip gains nothing (0.2576).  None where no block gains."""
+    (benchmarks/quality_real.py, chosen per layer over the per-tensor clip by quantize._block_clip):
+    round-to-nearest nvfp4 0.2578 -> 0.2294 (0.89x), where a per-tensor clip gains nothing
+    (0.2576).  None where no block gains."""
     n, k = w.shape
     h = (xs.float() ** 2).mean(dim=0) if xs is not None and xs.shape[0] else torch.ones(k, device=w.device)
     hb = h.to(w.device).reshape(k // 16, 16)
