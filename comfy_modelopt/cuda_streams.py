@@ -1,6 +1,7 @@
 """CUDA-graph helpers shared by the calibration statistics' graphs and the ComfyUI adapter's model
-graphs: warm-ups ordered off the stream about to be captured, and the memory pool argument the
-process's allocator accepts."""
+graphs: warm-ups ordered off the stream about to be captured, the memory pool argument the
+process's allocator accepts, and what cudaMallocAsync needs (graph memory trimmed on release, a
+failed capture's memory never freed)."""
 from __future__ import annotations
 
 import torch
@@ -52,3 +53,12 @@ def trim_graph_memory(device=None) -> bool:
         torch.cuda.synchronize(index)
         return lib.cudaDeviceGraphMemTrim(ctypes.c_int(index)) == 0
     return False
+
+
+def keep_forever(obj) -> None:
+    """Never free ``obj`` nor what it references, not even when the interpreter exits (one more
+    reference that nobody holds).  Under cudaMallocAsync, freeing memory a failed CUDA-graph
+    capture had allocated aborts the process (cudaFreeAsync "invalid argument"): the exception of
+    a failed capture is kept so, its traceback's frames holding those tensors."""
+    import ctypes
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))

@@ -12,6 +12,8 @@ logged.
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import inspect
 import logging
 import threading
@@ -255,6 +257,53 @@ def _without_capture_mode(compiled):
                 return compiled(*args, **kwargs)
         return compiled(*args, **kwargs)
     return call
+
+
+_RAW_POINTERS = threading.local()
+
+
+def install_raw_pointer_launches() -> bool:
+    """Let Inductor's Triton kernels be captured under cudaMallocAsync (``raw_pointer_launches``).
+
+    Both launchers Inductor uses - its static CUDA launcher and Triton's own - check every tensor
+    argument with ``cuPointerGetAttribute``.  Under cudaMallocAsync, memory allocated during a
+    capture is a graph allocation whose address is not mapped until the graph is launched, so
+    that check fails ("invalid argument") for the first intermediate buffer, the capture is
+    lost, and freeing what it had allocated then aborted the process (cudaFreeAsync "invalid
+    argument", measured on an H200 with torch 2.11).  Both launchers take a plain integer as a
+    pointer without the check, so while ``raw_pointer_launches`` is on (this thread only) the
+    CUDA tensor arguments of ``CachingAutotuner.run`` are handed over as their addresses - the
+    same kernel on the same memory.  Installed once per process; False where this torch has no
+    such class (compiled blocks then stay off under cudaMallocAsync)."""
+    try:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    except Exception:  # pragma: no cover - a torch without Inductor's runtime
+        return False
+    original = CachingAutotuner.run
+    if getattr(original, "_comfy_modelopt_raw_pointers", False):
+        return True
+
+    @functools.wraps(original)
+    def run(self, *args, **kwargs):
+        if getattr(_RAW_POINTERS, "on", False):
+            args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) and a.device.type == "cuda" else a
+                         for a in args)
+        return original(self, *args, **kwargs)
+    run._comfy_modelopt_raw_pointers = True
+    CachingAutotuner.run = run
+    return True
+
+
+@contextlib.contextmanager
+def raw_pointer_launches():
+    """Inductor kernels launched by this thread get their CUDA tensors as raw addresses
+    (``install_raw_pointer_launches``, which must have succeeded)."""
+    previous = getattr(_RAW_POINTERS, "on", False)
+    _RAW_POINTERS.on = True
+    try:
+        yield
+    finally:
+        _RAW_POINTERS.on = previous
 
 
 def _carried_patches(topts: dict) -> str | None:

@@ -22,6 +22,7 @@ and die with its residency.  A change of weights or weight patches (a LoRA) reca
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -30,9 +31,10 @@ import torch
 
 from comfy.patcher_extension import CallbacksMP, WrappersMP
 
-from ..cuda_streams import allocator_backend, on_side_stream, shared_graph_pool, trim_graph_memory
+from ..cuda_streams import allocator_backend, keep_forever, on_side_stream, shared_graph_pool, trim_graph_memory
 from ..device_constants import ConstantsOnDevice, HostCopies
-from .compiled_blocks import CompiledBlocks, _carried_patches, _nonempty, rounding_noise
+from .compiled_blocks import (CompiledBlocks, _carried_patches, _nonempty, install_raw_pointer_launches,
+                              raw_pointer_launches, rounding_noise)
 from .lean import release_on_detach
 
 
@@ -133,12 +135,13 @@ class CudaGraphs:
         self.compiling: dict = {}  # signature -> the thread compiling the blocks for it
         self.compile_seconds: list = []  # wall time of each compilation + check (background or not)
         self.compiled = CompiledBlocks(patcher.model.diffusion_model) if compile_blocks else None
-        if self.compiled is not None and self.compiled.enabled and allocator_backend() == "cudaMallocAsync":
-            # Under cudaMallocAsync (ComfyUI's default allocator on CUDA 13 torch) a capture over
-            # Inductor-compiled blocks aborted the process (cudaFreeAsync "invalid argument"; H200,
-            # torch 2.11, compiled in the background or not), while plain captures work
-            self.compiled._disable("compiled blocks need PyTorch's caching allocator: ComfyUI runs on "
-                                   "cudaMallocAsync; start it with --disable-cuda-malloc to use them")
+        # cudaMallocAsync (ComfyUI's default allocator on CUDA 13 torch): captures need a quiet
+        # process (_quiet_for_capture), Inductor's kernels their pointers raw, and a failed
+        # capture's memory must never be freed
+        self.malloc_async = allocator_backend() == "cudaMallocAsync"
+        if self.compiled is not None and self.compiled.enabled and self.malloc_async and not install_raw_pointer_launches():
+            self.compiled._disable("this torch's Inductor kernels cannot be captured under cudaMallocAsync; "
+                                   "start ComfyUI with --disable-cuda-malloc to use compiled blocks")
         self.graphs: dict = {}
         self.pool = None
         # keep the graphs between sampling runs where their memory can be accounted (else they go
@@ -177,6 +180,7 @@ class CudaGraphs:
 
     # --------------------------------------------------------------- helpers
     def _eager(self, apply_model, args, reason: str):
+        self._join_compilation()
         if reason not in self.warned:
             self.warned.add(reason)
             logging.info(f"[comfy-modelopt] CUDA graphs: running eagerly ({reason})")
@@ -270,6 +274,8 @@ class CudaGraphs:
             try:
                 entry = self._capture(apply_model, args, c, topts, weights, sig)
             except Exception as e:  # capture can fail on host syncs or unsupported ops
+                if self.malloc_async:
+                    keep_forever(e)  # cudaMallocAsync: what the capture allocated is never freed
                 self.graphs.pop(sig, None)
                 self.failed[sig] = f"capture failed: {type(e).__name__}: {str(e)[:300]}"
                 return self._eager(apply_model, args, self.failed[sig])
@@ -283,6 +289,7 @@ class CudaGraphs:
 
     def _capture(self, apply_model, args, c, topts, weights, sig):
         t0 = time.perf_counter()
+        self._join_compilation()  # the warm-ups below run the model's Python forward
         # Conditioning can arrive on the CPU (SDXL's ADM vector and Flux's guidance are built
         # there); apply_model would copy it to the GPU on every call, and a host-to-device copy
         # cannot be captured.  apply_model moves every conditioning tensor to the input's device
@@ -293,13 +300,14 @@ class CudaGraphs:
         static_c = _clone_tree(c, device)
         static_c["transformer_options"] = topts
         use_compiled = self.compiled is not None and self.compiled.enabled and sig in self.validated
+        compile_after = False
         run = lambda: self._model_call(apply_model, static_x, static_t, static_c)  # noqa: E731
         first = lambda: self._model_call(apply_model, static_x, static_t, static_c, check_host_copies=True)  # noqa: E731
         cache = getattr(self.patcher.model, "_modelopt_dequant_cache", None)
         if sig not in self.warmed and self.compiled is not None and self.compiled.enabled and self.background_compile:
             on_side_stream(first)  # lazy inits, autotuning, the dequant cache: outside the capture
             self.warmed.add(sig)
-            self._compile_in_background(apply_model, static_x, static_t, static_c, sig)
+            compile_after = True  # once this capture is done: no other thread may run meanwhile
         elif sig not in self.warmed:
             t_compile = time.perf_counter()
 
@@ -323,12 +331,17 @@ class CudaGraphs:
             on_side_stream(warm_up_compiled)
         elif cache is not None and cache.needs_fill():
             on_side_stream(run)  # refill the dequant cache (released on detach, or weights changed)
+        self._quiet_for_capture()
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = GraphPool(accounted=self.persistent)
         self.pool.vacate()
-        with self.compiled.installed() if use_compiled else contextlib.nullcontext():
-            # thread_local: a compilation running in the background may use the GPU meanwhile
+        with contextlib.ExitStack() as stack:
+            if use_compiled:
+                stack.enter_context(self.compiled.installed())
+                if self.malloc_async:
+                    stack.enter_context(raw_pointer_launches())
+            # thread_local: other threads of the process (ComfyUI's) may use the GPU meanwhile
             with torch.cuda.graph(graph, pool=self.pool.handle, capture_error_mode="thread_local"):
                 out = run()
         self.captures += 1
@@ -336,9 +349,31 @@ class CudaGraphs:
         torch.cuda.current_stream().synchronize()
         self.pool.occupy()
         self.capture_seconds.append(round(time.perf_counter() - t0, 3))
+        if compile_after:
+            self._compile_in_background(apply_model, static_x, static_t, static_c, sig)
         static_c.pop("transformer_options")
         return {"graph": graph, "static": _tensors(static_x, static_t, static_c), "out": out, "weights": weights,
                 "compiled": use_compiled}
+
+    def _join_compilation(self) -> None:
+        """Wait for a background compilation: while Dynamo traces the blocks, FX patches
+        ``nn.Module.__call__`` for the whole process, so no other thread may run the model's Python
+        forward meanwhile (measured: an eager Wan forward in the sampler's thread was caught by
+        the tracer, and the compilation failed).  Replays run no Python forward: they go on."""
+        for thread in list(self.compiling.values()):
+            thread.join()
+
+    def _quiet_for_capture(self) -> None:
+        """Nothing else runs while a graph is captured: no compilation thread (above), and under
+        cudaMallocAsync no garbage of earlier runs freed during the capture.  torch's allocator
+        there keeps one process-wide "capture underway" flag, so an allocation by another thread
+        meanwhile is taken for a graph allocation and its free joins that thread's stream into
+        the capture - which invalidates it - and freeing what a failed capture allocated aborts
+        the process (cudaFreeAsync "invalid argument")."""
+        self._join_compilation()
+        if self.malloc_async:
+            gc.collect()
+            torch.cuda.synchronize()
 
     def _model_call(self, apply_model, x, t, c, check_host_copies: bool = False):
         """The model evaluation a capture and its warm-ups run: constants the forward builds on the

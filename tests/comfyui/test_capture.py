@@ -60,3 +60,67 @@ def test_forward_copies_nothing_from_the_host(family):
 
 def test_wan_copies_a_constant_without_the_mode():
     assert len(host_copies("wan", False)) == 1
+
+
+# An Inductor-compiled block captured in a CUDA graph under cudaMallocAsync (ComfyUI's default
+# allocator on CUDA 13 torch): a process of its own, since the allocator is chosen at CUDA init
+# and a failed capture there can abort the process.
+_ASYNC_CAPTURE = r"""
+import contextlib, sys
+import torch
+from comfy_modelopt.comfyui.compiled_blocks import install_raw_pointer_launches, raw_pointer_launches
+from comfy_modelopt.cuda_streams import keep_forever
+assert torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+raw = sys.argv[1] == "raw"
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 1024), torch.nn.GELU(),
+                        torch.nn.Linear(1024, 256)).cuda().half().requires_grad_(False)
+f = torch.compile(lambda x: x + m(x) * torch.sigmoid(x.mean(-1, keepdim=True)), dynamic=False)
+if raw:
+    assert install_raw_pointer_launches()
+x = torch.randn(4, 64, 256, device="cuda", dtype=torch.half)
+with torch.inference_mode():
+    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ref = f(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g, capture_error_mode="thread_local"), \
+                (raw_pointer_launches() if raw else contextlib.nullcontext()):
+            out = f(x)
+    except Exception as e:
+        print("CAPTURE FAILED", type(e).__name__, e, flush=True)
+        if sys.argv[2] == "keep":
+            keep_forever(e)  # else freeing what the failed capture allocated aborts the process
+        sys.exit(3)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = f(x)
+        assert torch.equal(out, ref), float((out - ref).abs().max())
+    g.reset(); del g, out
+    torch.cuda.synchronize()
+print("REPLAYED EQUAL", flush=True)
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph capture needs a GPU (the GPU machine runs it)")
+def test_compiled_block_captures_under_cuda_malloc_async():
+    import subprocess
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync",
+               PYTHONPATH=os.pathsep.join([os.path.abspath(root), os.environ.get("PYTHONPATH", "")]))
+
+    def run(*mode):
+        return subprocess.run([sys.executable, "-c", _ASYNC_CAPTURE, *mode], env=env, capture_output=True,
+                              text=True, timeout=300)
+    done = run("raw", "keep")
+    assert done.returncode == 0 and "REPLAYED EQUAL" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    # without raw pointers the launcher's pointer check fails on the capture's graph allocations;
+    # the failed capture's memory kept, the process ends normally - freed, it aborts (SIGABRT)
+    kept = run("plain", "keep")
+    assert kept.returncode == 3 and "CAPTURE FAILED" in kept.stdout, kept.stdout[-2000:] + kept.stderr[-3000:]
+    freed = run("plain", "free")
+    assert freed.returncode == -6 and "CAPTURE FAILED" in freed.stdout, freed.stdout[-2000:] + freed.stderr[-3000:]
