@@ -23,7 +23,7 @@ from .report import LayerReport
 from .safetensors_io import entries_nbytes
 from .heldout import Split, rel, split_rows
 from .lowrank import LowRank, lowrank_split
-from .scales import (ClipChoice, choose_block_clip, choose_input_scale, choose_weight_clip, clamp_blocks,
+from .scales import (ClipChoice, choose_input_scale, choose_weight_clip, clamp_blocks, search_block_clip,
                      squared_error)
 from .smoothing import choose_smoothing
 from .stats import histogram
@@ -164,11 +164,11 @@ def _block_clip(w, fmt: Format, x, split: Split | None, clip: ClipChoice, notes:
     real-weights model the per-tensor search took 25 of 36 layers for no gain (0.2576 vs naive
     0.2578); the blocks' clip, tried after it only, 0.2485 - chosen by error, 0.23."""
     fit = split.fit if split is not None else x
-    bound = choose_block_clip(fmt, w, fit.to(w.device) if fit is not None else None)
-    if bound is None:
+    found = search_block_clip(fmt, w, fit.to(w.device) if fit is not None else None)
+    if found is None:
         return clip
-    blocks = fmt.fake_rows(clamp_blocks(w, bound), amax=w.abs().max())
-    tensor = fmt.fake_rows(w, clip.alpha)
+    bound, blocks = found.bound, found.fake
+    tensor = found.fake_absmax if clip.alpha is None else fmt.fake_rows(w, clip.alpha)
     check = split.held if split is not None else x
     if check is not None:
         check = check.to(w.device)

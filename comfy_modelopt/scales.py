@@ -178,7 +178,23 @@ BLOCK_CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 BLOCK_CLIP_CHUNK = 1 << 22  # weight elements searched at once
 
 
+@dataclass
+class BlockClip:
+    """``search_block_clip``'s result: the bound of every block [N, K/16], and the fake-quantized
+    weights the search made anyway - with those bounds, and unclipped (absmax, as
+    ``fmt.fake_rows(w)``) - so that choosing between them costs no further pass."""
+    bound: torch.Tensor
+    fake: torch.Tensor
+    fake_absmax: torch.Tensor
+
+
 def choose_block_clip(fmt: Format, w: torch.Tensor, xs: torch.Tensor | None) -> torch.Tensor | None:
+    """The bounds of ``search_block_clip``, or None where no block gains."""
+    found = search_block_clip(fmt, w, xs)
+    return None if found is None else found.bound
+
+
+def search_block_clip(fmt: Format, w: torch.Tensor, xs: torch.Tensor | None) -> BlockClip | None:
     """nvfp4: a clip bound for every 16-value block of float ``w`` [N, K] (K % 16 == 0), the one of
     ``BLOCK_CLIP_GRID`` x the block's max that minimises the block's squared error weighted by
     the energy of its input channels (mean x^2 over the sampled rows ``xs`` [m, K]; plain weight
@@ -194,24 +210,31 @@ def choose_block_clip(fmt: Format, w: torch.Tensor, xs: torch.Tensor | None) -> 
     hb = h.to(w.device).reshape(k // 16, 16)
     amax = w.abs().max()
     out = torch.empty(n, k // 16, device=w.device)
+    fake, fake_absmax = torch.empty(n, k, device=w.device), torch.empty(n, k, device=w.device)
     step = max(1, BLOCK_CLIP_CHUNK // k)
+    assert BLOCK_CLIP_GRID[0] == 1.0  # the first candidate is the unclipped weight
     for r0 in range(0, n, step):  # bounded memory on wide layers
         rows = w[r0:r0 + step]
         blocks = rows.reshape(rows.shape[0], k // 16, 16)
         bmax = blocks.abs().amax(dim=-1)
         keep = bmax == amax
-        best_err, best = None, bmax
+        best_err, best, best_q = None, bmax, None
         for c in BLOCK_CLIP_GRID:
             bound = torch.where(keep, bmax, bmax * c)
             q = fmt.fake_rows(clamp_blocks(rows, bound), amax=amax).reshape(blocks.shape)
             err = ((blocks - q) ** 2 * hb).sum(dim=-1)
             if best_err is None:
-                best_err = err
+                best_err, best_q = err, q
+                fake_absmax[r0:r0 + rows.shape[0]] = q.reshape(rows.shape)
             else:
                 better = err < best_err
                 best_err, best = torch.where(better, err, best_err), torch.where(better, bound, best)
+                best_q = torch.where(better.unsqueeze(-1), q, best_q)
         out[r0:r0 + rows.shape[0]] = best
-    return out if bool((out < w.abs().reshape(n, k // 16, 16).amax(dim=-1)).any()) else None
+        fake[r0:r0 + rows.shape[0]] = best_q.reshape(rows.shape)
+    if not bool((out < w.abs().reshape(n, k // 16, 16).amax(dim=-1)).any()):
+        return None
+    return BlockClip(out, fake, fake_absmax)
 
 
 def clamp_blocks(w: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:

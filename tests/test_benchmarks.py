@@ -38,3 +38,10 @@ def test_gptq_cost_reduced(tmp_path):
     run("gptq_cost.py", "--reduced", "--device", "cpu", "--out", str(tmp_path))
     rows = json.load(open(tmp_path / "gptq_cost.json"))["rows"]
     assert len(rows) == 4 and all(r["equal"] for r in rows)  # batched dampings round as single calls
+
+
+def test_block_clip_cost_reduced(tmp_path):
+    run("block_clip_cost.py", "--reduced", "--out", str(tmp_path))
+    rows = json.load(open(tmp_path / "block_clip_cost.json"))["rows"]
+    assert len(rows) == 2 and all(r["weight_clip_s"] > 0 for r in rows)
+    assert any(r["block_clip_chosen"] for r in rows)  # outlier columns: some block gains

@@ -173,3 +173,24 @@ def test_nvfp4_block_clip_encodes_as_searched_and_through_gptq(act_order):
     assert torch.equal(rounded["_scale"].view(torch.uint8), clipped["_scale"].view(torch.uint8))
     err = lambda wq: float((x @ (wq - w).T).norm() / (x @ w.T).norm())  # noqa: E731
     assert err(deq) < 0.9 * err(searched), (err(deq), err(searched))
+
+
+def test_block_clip_search_returns_the_weights_it_made():
+    """search_block_clip hands back the fake-quantized weights of its chosen bounds and of the
+    unclipped blocks, equal to quantizing again (quantize._block_clip chooses with them instead
+    of two more passes)."""
+    from comfy_modelopt import scales
+    from comfy_modelopt.formats import FORMATS
+    fmt = FORMATS["nvfp4"]
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 256, generator=g) * (torch.rand(1, 256, generator=g) * 3)
+    x = torch.randn(40, 256, generator=g)
+    chunk = scales.BLOCK_CLIP_CHUNK
+    try:
+        scales.BLOCK_CLIP_CHUNK = 256 * 40  # three chunks of rows
+        found = scales.search_block_clip(fmt, w, x)
+    finally:
+        scales.BLOCK_CLIP_CHUNK = chunk
+    assert found is not None
+    assert torch.equal(found.fake, fmt.fake_rows(scales.clamp_blocks(w, found.bound), amax=w.abs().max()))
+    assert torch.equal(found.fake_absmax, fmt.fake_rows(w))
