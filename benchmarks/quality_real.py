@@ -13,7 +13,9 @@ any search).  Error: relative L2 of the sentence embeddings against the fp32 mod
 same format (absmax weight scales; fp8 W8A8 with the calibration max as input scale); the
 planner's rows (mixed precision under a byte budget) compare with naive nvfp4.  ``bytes``: stored
 Linear bytes / 16-bit Linear bytes (the model is float32: a layer the planner keeps costs 4 bytes
-per weight).  ``floor`` rows round only the activations (as ComfyUI does for the format, with
+per weight).  Rows starting "computed dequantized" run nvfp4 as ComfyUI runs it on GPUs without
+fp4 tensor cores (Hopper, Ada: the weight dequantized, the activation in 16 bits), against that
+semantics' own naive row.  ``floor`` rows round only the activations (as ComfyUI does for the format, with
 kitchen's quantizer) and keep every weight exact: the error no stored weights can go below.
 No ComfyUI needed.
 """
@@ -79,6 +81,19 @@ VARIANTS = [
     ("convrot_w4a4", "ours + low-rank 32 (own loader)", dict(convrot_groupsize=64, lowrank=32), True),
     ("convrot_w4a4", "ours + low-rank 32 + gptq (own loader)", dict(convrot_groupsize=64, lowrank=32, gptq=True),
      True),
+]
+
+
+# nvfp4 as ComfyUI computes it on a GPU without fp4 tensor cores (Hopper, Ada: the RTX 4090 and
+# every other pre-Blackwell card): the weight dequantized, the activation left in 16 bits
+# (``native=False``) - no activation floor; the first row is this semantics' naive converter
+DEQUANTIZED = "computed dequantized (pre-Blackwell): "
+DEQUANTIZED_VARIANTS = [
+    ("nvfp4", DEQUANTIZED + "naive (absmax)", dict(weight_scale="absmax"), False),
+    ("nvfp4", DEQUANTIZED + "ours: mse", dict(), True),
+    ("nvfp4", DEQUANTIZED + "ours + gptq act-order", dict(gptq=True, gptq_act_order=True), True),
+    ("nvfp4", DEQUANTIZED + "ours + low-rank 32 + awq + gptq (own loader)",
+     dict(lowrank=32, smoothing="awq", gptq=True), True),
 ]
 
 
@@ -159,11 +174,12 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
     calib_s = time.perf_counter() - t0
     calib_peak = peak_gib(dev)
     rows, naive = [], {}
-    for fmt, name, fields, uses_stats in VARIANTS:
+    for fmt, name, fields, uses_stats in VARIANTS + DEQUANTIZED_VARIANTS:
         if only and fmt not in only:
             continue
+        native = not name.startswith(DEQUANTIZED)
         t0 = time.perf_counter()
-        q = quantize_module(model, Recipe(**{"format": fmt, **fields}), stats if uses_stats else None, native=True)
+        q = quantize_module(model, Recipe(**{"format": fmt, **fields}), stats if uses_stats else None, native=native)
         seconds = time.perf_counter() - t0
         rep = module_report(q)
         quant = rep.quantized
@@ -172,8 +188,9 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
                "bytes": sum(l.bytes for l in rep.layers) / sum(l.bytes_16bit for l in rep.layers),
                "layers_quantized": len(quant), "layers": len(rep.layers), "seconds": round(seconds, 2),
                **peak_gib(dev)}
-        naive.setdefault(fmt, row["rel_err"])
-        row["vs_naive"] = row["rel_err"] / naive[fmt]
+        row["compute"] = "native" if native else "dequantized"
+        naive.setdefault((fmt, native), row["rel_err"])
+        row["vs_naive"] = row["rel_err"] / naive[(fmt, native)]
         rows.append(row)
         print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  1-cos {row['one_minus_cos']:.5f}  "
               f"vs naive {row['vs_naive']:.2f}x  bytes {row['bytes']:.3f}  ({len(quant)}/{len(rep.layers)} "
@@ -187,7 +204,7 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
         finally:
             for h in handles:
                 h.remove()
-        row["vs_naive"] = row["rel_err"] / naive[fmt]
+        row["vs_naive"] = row["rel_err"] / naive[(fmt, True)]
         rows.append(row)
         print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  vs naive {row['vs_naive']:.2f}x", flush=True)
     try:
@@ -212,7 +229,7 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
             row = {"format": fmt, "variant": name, "recipe": fields, "calibrated": True,
                    **errors(embed(q, tok, HELD_OUT), ref), "seconds": round(time.perf_counter() - t0, 2),
                    **peak_gib(dev)}
-            row["vs_naive"] = row["rel_err"] / naive[fmt]
+            row["vs_naive"] = row["rel_err"] / naive[(fmt, True)]
             rows.append(row)
             print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  vs naive {row['vs_naive']:.2f}x", flush=True)
     from safetensors import safe_open
