@@ -24,6 +24,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import tables  # noqa: E402
 
 quantize = importlib.import_module("comfy_modelopt.quantize")  # the module (the package exports a function of that name)
 from comfy_modelopt.formats import FORMATS  # noqa: E402
@@ -73,13 +76,9 @@ def main(argv=None):
     env = {"torch": torch.__version__, "device": str(device), "threads": torch.get_num_threads(),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
            "date": time.strftime("%Y-%m-%d %H:%M")}
-    print("\n| shape (out x in) | rows | weight clip choice s | one fake quant s | block clip chosen |")
-    print("|---|---|---|---|---|")
-    for r in out:
-        print(f"| {r['shape']} | {r['rows']} | {r['weight_clip_s']} | {r['one_fake_quant_s']} | {r['block_clip_chosen']} |")
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "block_clip_cost.json"), "w") as f:
-        json.dump({"env": env, "rows": out}, f, indent=1)
+    tables.print_markdown([("shape (out x in)", "shape"), ("rows", "rows"), ("weight clip choice s", "weight_clip_s"),
+                           ("one fake quant s", "one_fake_quant_s"), ("block clip chosen", "block_clip_chosen")], out)
+    tables.write_json(os.path.join(a.out, "block_clip_cost.json"), {"env": env, "rows": out})
     return out
 
 

@@ -2,7 +2,6 @@
 ComfyUI's own classes, quantized with comfy-modelopt and loaded the stock way."""
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -16,6 +15,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import architectures  # noqa: E402
+import tables  # noqa: E402
 
 architectures.setup_comfy()
 
@@ -229,8 +229,4 @@ def inputs(family: str, batch: int, res: int, txt: int, dtype, frames: int = 1) 
     raise ValueError(family)
 
 
-def write_json(path: str, doc: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-    os.replace(tmp, path)
+write_json = tables.write_json

@@ -25,7 +25,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import tables  # noqa: E402
 from comfy_modelopt import gptq  # noqa: E402
 
 SHAPES = [(3072, 15360), (21504, 3072), (3072, 12288)]
@@ -86,15 +88,13 @@ def main(argv=None):
     env = {"torch": torch.__version__, "device": str(device),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
            "date": time.strftime("%Y-%m-%d %H:%M")}
-    print("\n| shape (out x in) | rows | act-order | hinv batched s | hinv each s | 3 x gptq s | gptq_dampings s "
-          "| speed-up | equal |")
-    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows_out:
-        print(f"| {r['shape']} | {r['rows']} | {r['act_order']} | {r['hinv_batched_s']} | {r['hinv_each_s']} | "
-              f"{r['three_gptq_s']} | {r['gptq_dampings_s']} | {r['speedup']}x | {r['equal']} |")
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "gptq_cost.json"), "w") as f:
-        json.dump({"env": env, "rows": rows_out}, f, indent=1)
+        r["speed_up"] = f"{r['speedup']}x"
+    tables.print_markdown([("shape (out x in)", "shape"), ("rows", "rows"), ("act-order", "act_order"),
+                           ("hinv batched s", "hinv_batched_s"), ("hinv each s", "hinv_each_s"),
+                           ("3 x gptq s", "three_gptq_s"), ("gptq_dampings s", "gptq_dampings_s"),
+                           ("speed-up", "speed_up"), ("equal", "equal")], rows_out)
+    tables.write_json(os.path.join(a.out, "gptq_cost.json"), {"env": env, "rows": rows_out})
     return rows_out
 
 
