@@ -142,6 +142,11 @@ def _run_variant(label, q, runs, sample, ref, fp8_ref=None):
         row["graph"] = {"captures": runner.captures, "capture_s": list(runner.capture_seconds),
                         "replays": runner.replays, "eager": runner.eager_calls, "releases": runner.releases,
                         "persistent": runner.persistent, "eager_reasons": sorted(runner.warned)}
+        if runner.pool is not None and runner.pool.handle is not None:  # the caching allocator's pool
+            segments = runner.pool._segments()
+            row["graph"]["pool_reserved_gib"] = round(runner.pool.reserved_bytes() / 2**30, 3)
+            row["graph"]["pool_segments_mib"] = sorted((round(seg["total_size"] / 2**20, 1) for seg in segments),
+                                                       reverse=True)
         if runner.compiled is not None:
             row["compiled"] = {"enabled": runner.compiled.enabled, "reason": runner.compiled.reason,
                                "checks": runner.compiled.checks, "background": runner.background_compile,
