@@ -124,3 +124,25 @@ def test_compiled_block_captures_under_cuda_malloc_async():
     assert kept.returncode == 3 and "CAPTURE FAILED" in kept.stdout, kept.stdout[-2000:] + kept.stderr[-3000:]
     freed = run("plain", "free")
     assert freed.returncode == -6 and "CAPTURE FAILED" in freed.stdout, freed.stdout[-2000:] + freed.stderr[-3000:]
+
+
+def test_raw_pointer_launches_install_once_and_per_thread():
+    """The wrap compiled blocks need under cudaMallocAsync finds Inductor's CachingAutotuner in
+    this torch (where it moves, compiled blocks turn themselves off there - this test says so
+    first), wraps it once, and turns on for the calling thread only."""
+    import threading
+
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    from comfy_modelopt.comfyui import compiled_blocks as cb
+    assert cb.install_raw_pointer_launches()
+    wrapped = CachingAutotuner.run
+    assert getattr(wrapped, "_comfy_modelopt_raw_pointers", False)
+    assert cb.install_raw_pointer_launches() and CachingAutotuner.run is wrapped  # not wrapped twice
+    seen = {}
+    with cb.raw_pointer_launches():
+        seen["here"] = cb._RAW_POINTERS.on
+        other = threading.Thread(target=lambda: seen.setdefault("other", getattr(cb._RAW_POINTERS, "on", False)))
+        other.start()
+        other.join()
+    assert seen == {"here": True, "other": False} and not cb._RAW_POINTERS.on
