@@ -99,3 +99,21 @@ def test_a_cuda_graph_captures_constants_moved_every_way():
     assert mode.rebuilt == 12  # six constants, warm-up and capture
     for got, want in zip(captured, eager):
         assert got.device.type == "cuda" and got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_keep_forever_keeps_an_object_nobody_references():
+    """cuda_streams.keep_forever: a failed capture's exception (and the tensors its frames hold)
+    survives every reference to it - freeing that memory under cudaMallocAsync aborts."""
+    import gc
+    import weakref
+
+    from comfy_modelopt.cuda_streams import keep_forever
+
+    class Held:
+        pass
+    kept, dropped = Held(), Held()
+    kept_ref, dropped_ref = weakref.ref(kept), weakref.ref(dropped)
+    keep_forever(kept)
+    del kept, dropped
+    gc.collect()
+    assert kept_ref() is not None and dropped_ref() is None
