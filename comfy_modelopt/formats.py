@@ -86,7 +86,7 @@ class Format:
     quantize_input: bool = True     # ComfyUI quantizes the activation before the GEMM (its
     #                                 QUANT_ALGOS "quantize_input"); False: kitchen's kernel does
     block_clip: bool = False        # the encoder derives 16-block scales from each block's max:
-    #                                 clamping a block clips it (scales.choose_block_clip)
+    #                                 clamping a block clips it (scales.search_block_clip)
 
     # ---------------------------------------------------------------- rules
     def shape_problem(self, n: int, k: int, **opts) -> str | None:
@@ -506,7 +506,7 @@ class NvFp4Format(Format):
     def gptq_rounding(self, w, alpha, block_bound=None, **opts):
         # block scales fixed as kitchen derives them from the unrounded weight (E4M3 of
         # block amax / 6 / global, at most 448) - or from the blocks clamped to ``block_bound``
-        # (scales.choose_block_clip); each block's largest element anchored at +-6, its clamp
+        # (scales.search_block_clip); each block's largest element anchored at +-6, its clamp
         if w.shape[1] % 16:
             return None
         g = self.global_scale(w, alpha)

@@ -180,18 +180,14 @@ BLOCK_CLIP_CHUNK = 1 << 22  # weight elements searched at once
 
 @dataclass
 class BlockClip:
-    """``search_block_clip``'s result: the bound of every block [N, K/16], and the fake-quantized
-    weights the search made anyway - with those bounds, and unclipped (absmax, as
-    ``fmt.fake_rows(w)``) - so that choosing between them costs no further pass."""
+    """``search_block_clip``'s result: the bound of every block [N, K/16], the share of blocks it
+    clips, and the fake-quantized weights the search made anyway - with those bounds, and
+    unclipped (absmax, as ``fmt.fake_rows(w)``) - so that choosing between them costs no further
+    pass."""
     bound: torch.Tensor
+    share: float
     fake: torch.Tensor
     fake_absmax: torch.Tensor
-
-
-def choose_block_clip(fmt: Format, w: torch.Tensor, xs: torch.Tensor | None) -> torch.Tensor | None:
-    """The bounds of ``search_block_clip``, or None where no block gains."""
-    found = search_block_clip(fmt, w, xs)
-    return None if found is None else found.bound
 
 
 def search_block_clip(fmt: Format, w: torch.Tensor, xs: torch.Tensor | None) -> BlockClip | None:
@@ -232,9 +228,8 @@ def search_block_clip(fmt: Format, w: torch.Tensor, xs: torch.Tensor | None) -> 
                 best_q = torch.where(better.unsqueeze(-1), q, best_q)
         out[r0:r0 + rows.shape[0]] = best
         fake[r0:r0 + rows.shape[0]] = best_q.reshape(rows.shape)
-    if not bool((out < w.abs().reshape(n, k // 16, 16).amax(dim=-1)).any()):
-        return None
-    return BlockClip(out, fake, fake_absmax)
+    share = float((out < w.abs().reshape(n, k // 16, 16).amax(dim=-1)).float().mean())
+    return BlockClip(out, share, fake, fake_absmax) if share > 0 else None
 
 
 def clamp_blocks(w: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:

@@ -142,19 +142,20 @@ def test_dampings_batched_are_one_call_each(name, opts, act_order, monkeypatch):
 
 @pytest.mark.parametrize("act_order", [False, True])
 def test_nvfp4_block_clip_encodes_as_searched_and_through_gptq(act_order):
-    """nvfp4's per-block clip (scales.choose_block_clip): never worse than the unclipped blocks on
+    """nvfp4's per-block clip (scales.search_block_clip): never worse than the unclipped blocks on
     its energy-weighted objective; kitchen, given the clamped weight, derives exactly the clipped
     block scales the search assumed; GPTQ with those scales (blocks anchored at their bound) is
     re-encoded by kitchen value for value, and beats plain rounding of the clipped blocks."""
-    from comfy_modelopt.scales import choose_block_clip, clamp_blocks
+    from comfy_modelopt.scales import clamp_blocks, search_block_clip
     fmt = get_format("nvfp4")
     g = torch.Generator().manual_seed(1)
     n, k = 96, 256
     w = torch.randn(n, k, generator=g) / 16
     w[:, ::37] *= 6.0  # a few large weights: blocks worth clipping
     x = outlier_inputs(512, k, seed=4)
-    bound = choose_block_clip(fmt, w, x)
-    assert bound is not None and bool((bound < w.abs().reshape(n, k // 16, 16).amax(-1)).any())
+    found = search_block_clip(fmt, w, x)
+    assert found is not None and bool((found.bound < w.abs().reshape(n, k // 16, 16).amax(-1)).any())
+    bound = found.bound
     h = (x ** 2).mean(0)
     werr = lambda wq: float((((wq - w) ** 2) * h).sum())  # noqa: E731
     amax = w.abs().max()
