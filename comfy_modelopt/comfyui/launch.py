@@ -140,19 +140,6 @@ def _load(a):
     return model, clip
 
 
-def _latent(model, a):
-    import torch
-
-    import comfy.model_management
-    import comfy.sample
-    from .sampling import empty_latent
-    if a.frames <= 0:
-        return empty_latent(model, a.width, a.height)
-    latent = torch.zeros([1, 16, (a.frames - 1) // 4 + 1, a.height // 8, a.width // 8],
-                         device=comfy.model_management.intermediate_device())
-    return comfy.sample.fix_empty_latent_channels(model, latent)
-
-
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     # rank 0 tells (ComfyUI's device lines, progress); the others only warn
@@ -165,7 +152,7 @@ def main(argv=None) -> int:
     from ..calibrate import CalibrationOptions
     from ..distributed import Shard, calibrate_sharded, shard_prompts
     from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS
-    from .sampling import encode, sample_prompt, sampling_info, without_cuda_graphs
+    from .sampling import empty_latent, encode, sample_prompt, sampling_info, without_cuda_graphs
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -199,7 +186,7 @@ def main(argv=None) -> int:
     if a.engine == "modelopt":
         _check_modelopt(a, recipe, model)
     model = without_cuda_graphs(model)
-    latent = _latent(model, a)
+    latent = empty_latent(model, a.width, a.height, a.frames)
     mine = shard_prompts(list(range(len(prompts))), rank, world)
     with torch.inference_mode():
         # encoded before any statistics: the text encoder and the diffusion model may take turns in VRAM

@@ -25,8 +25,14 @@ def encode(clip, text: str, guidance: float | None):
     return cond
 
 
-def empty_latent(model, width: int, height: int) -> torch.Tensor:
-    latent = torch.zeros([1, 4, height // 8, width // 8], device=comfy.model_management.intermediate_device())
+def empty_latent(model, width: int, height: int, frames: int = 0) -> torch.Tensor:
+    """The empty latent sampling starts from; ``frames`` > 0: a video model's (Wan 2.1,
+    HunyuanVideo: 16 channels, (frames - 1) / 4 + 1 latent frames)."""
+    device = comfy.model_management.intermediate_device()
+    if frames > 0:
+        latent = torch.zeros([1, 16, (frames - 1) // 4 + 1, height // 8, width // 8], device=device)
+    else:
+        latent = torch.zeros([1, 4, height // 8, width // 8], device=device)
     return comfy.sample.fix_empty_latent_channels(model, latent)
 
 
