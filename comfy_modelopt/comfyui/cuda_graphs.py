@@ -364,13 +364,13 @@ class CudaGraphs:
             thread.join()
 
     def _quiet_for_capture(self) -> None:
-        """Nothing else runs while a graph is captured: no compilation thread (above), and under
-        cudaMallocAsync no garbage of earlier runs freed during the capture.  torch's allocator
-        there keeps one process-wide "capture underway" flag, so an allocation by another thread
-        meanwhile is taken for a graph allocation and its free joins that thread's stream into
-        the capture - which invalidates it - and freeing what a failed capture allocated aborts
-        the process (cudaFreeAsync "invalid argument")."""
-        self._join_compilation()
+        """Nothing else runs while a graph is captured: no compilation thread (``_capture`` joined
+        it first and starts the next one after the capture), and under cudaMallocAsync no garbage
+        of earlier runs freed during the capture.  torch's allocator there keeps one process-wide
+        "capture underway" flag, so an allocation by another thread meanwhile is taken for a
+        graph allocation and its free joins that thread's stream into the capture - which
+        invalidates it - and freeing what a failed capture allocated aborts the process
+        (cudaFreeAsync "invalid argument")."""
         if self.malloc_async:
             gc.collect()
             torch.cuda.synchronize()
