@@ -174,10 +174,10 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
     calib_s = time.perf_counter() - t0
     calib_peak = peak_gib(dev)
     rows, naive = [], {}
-    for fmt, name, fields, uses_stats in VARIANTS + DEQUANTIZED_VARIANTS:
+    for (fmt, name, fields, uses_stats), native in ([(v, True) for v in VARIANTS] +
+                                                    [(v, False) for v in DEQUANTIZED_VARIANTS]):
         if only and fmt not in only:
             continue
-        native = not name.startswith(DEQUANTIZED)
         t0 = time.perf_counter()
         q = quantize_module(model, Recipe(**{"format": fmt, **fields}), stats if uses_stats else None, native=native)
         seconds = time.perf_counter() - t0
