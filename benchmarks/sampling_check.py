@@ -84,6 +84,9 @@ QUALITY_SIGMAS = (1.0, 0.85, 0.7, 0.55, 0.4, 0.25, 0.12, 0.04)
 CFG = {"flux": 1.0, "sdxl": 7.0, "wan": 5.0}
 
 
+TRACE_PEAK = False  # --trace-peak
+
+
 def _run_variant(label, q, runs, sample, ref, fp8_ref=None):
     """``runs`` whole sampling runs of patcher ``q``; one row."""
     wrapper = q.model_options.get("model_function_wrapper")
@@ -108,6 +111,14 @@ def _run_variant(label, q, runs, sample, ref, fp8_ref=None):
         captured.append((runner.captures if runner is not None else 0) - before)
         if common.CUDA:
             peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+    peak_trace = None
+    if TRACE_PEAK and common.CUDA:
+        # one more run with the allocator's history and stacks on: what is live at its peak
+        from comfy_modelopt.graph_memory import AllocationTrace, live_at_peak
+        with torch.inference_mode(), AllocationTrace(stacks=True) as trace:
+            sample(q)
+            common.sync()
+        peak_trace = live_at_peak(trace.entries) if trace.entries is not None else None
     row = {"variant": label, "first_s": round(secs[0], 3), "steady_s": round(min(secs[1:] or secs), 3),
            "runs_s": [round(x, 3) for x in secs], "peak_vram_gib": round(max(peaks), 2) if peaks else None,
            "finite": bool(torch.isfinite(out).all())}
@@ -134,6 +145,23 @@ def _run_variant(label, q, runs, sample, ref, fp8_ref=None):
         row["device_used_gib"] = round((total - free) / 2**30, 3)
         row["comfy_free_gib"] = round(comfy.model_management.get_free_memory() / 2**30, 3)
         row["allocator"] = torch.cuda.get_allocator_backend()
+        if row["allocator"] == "native":  # where the memory between runs sits: which pool, in use or idle
+            ours = tuple(runner.pool.handle) if runner is not None and runner.pool is not None and runner.pool.handle else None
+            by_pool: dict = {}
+            for seg in torch.cuda.memory_snapshot():
+                pid = tuple(seg.get("segment_pool_id", (0, 0)))
+                kind = "default" if pid == (0, 0) else "graph pool" if pid == ours else "other private pools"
+                acc = by_pool.setdefault(kind, {"reserved": 0, "allocated": 0, "segments": 0})
+                acc["reserved"] += seg["total_size"]
+                acc["allocated"] += seg["allocated_size"]
+                acc["segments"] += 1
+            row["memory_by_pool_gib"] = {k: {"reserved": round(v["reserved"] / 2**30, 3),
+                                             "allocated": round(v["allocated"] / 2**30, 3), "segments": v["segments"]}
+                                         for k, v in by_pool.items()}
+    if peak_trace is not None:  # the traced run's peak counts only what it allocated itself
+        row["traced_run_peak"] = {"peak_gib": round(peak_trace["peak_bytes"] / 2**30, 3), "largest_live": [
+            {"mib": round(a["bytes"] / 2**20, 1), "stream": a["stream"], "frames": a["frames"]}
+            for a in peak_trace["allocations"]]}
     if ref is not None:
         row["rel_l2_vs_16bit"] = float((out - ref).norm() / ref.norm())
     if fp8_ref is not None:  # 0 where the runtime is bit-exact with stock ComfyUI
@@ -147,6 +175,17 @@ def _run_variant(label, q, runs, sample, ref, fp8_ref=None):
             row["graph"]["pool_reserved_gib"] = round(runner.pool.reserved_bytes() / 2**30, 3)
             row["graph"]["pool_segments_mib"] = sorted((round(seg["total_size"] / 2**20, 1) for seg in segments),
                                                        reverse=True)
+        # what each first capture asked of its pool (graph_memory): the peak in use at once, the
+        # segments the allocator grew, the segments fitted, and the pool it was captured into
+        mib = lambda b: round(b / 2**20, 1)  # noqa: E731
+        row["graph"]["pool_needs_mib"] = [{"compiled": compiled, "peak": mib(n.peak), "grown_simulated": mib(n.grown),
+                                           "fitted": mib(n.fitted), "segments": [mib(b) for b in n.segments],
+                                           "requests": n.requests}
+                                          for (_sig, compiled), n in runner.pool_needs.items()]
+        row["graph"]["pool_sizing_mib"] = [{k: mib(v) for k, v in r.items()} for r in runner.pool_sizing]
+        # the recorded large requests themselves, written beside the JSON (record): graph_memory's
+        # placement can be replayed on them offline
+        row["_pool_events"] = [{"compiled": compiled, "events": n.events} for (_sig, compiled), n in runner.pool_needs.items()]
         if runner.compiled is not None:
             row["compiled"] = {"enabled": runner.compiled.enabled, "reason": runner.compiled.reason,
                                "checks": runner.compiled.checks, "background": runner.background_compile,
@@ -173,7 +212,12 @@ def main(argv=None):
                          "final-latent difference vs 16-bit next to the other-dtype yardstick")
     ap.add_argument("--quality-recipes", nargs="*", default=None,
                     help=f"with --quality: only these of {list(QUALITY_RECIPES)}")
+    ap.add_argument("--trace-peak", action="store_true",
+                    help="after its runs, one more run of each variant with the allocator's history on: the "
+                         "largest allocations live at that run's peak, with where they were made (slower)")
     a = ap.parse_args(argv)
+    global TRACE_PEAK
+    TRACE_PEAK = a.trace_peak
     unknown = set(a.quality_recipes or ()) - set(QUALITY_RECIPES)
     if unknown:
         ap.error(f"unknown --quality-recipes {sorted(unknown)}; choose from {list(QUALITY_RECIPES)}")
@@ -199,6 +243,10 @@ def main(argv=None):
                "rows": []}
 
     def record(row):
+        events = row.pop("_pool_events", None)
+        if events:
+            slug = "".join(ch if ch.isalnum() else "_" for ch in row["variant"])
+            common.write_json(os.path.join(a.out, f"pool_events_{a.model}_{slug}.json"), events)
         results["rows"].append(row)
         base = next((r for r in results["rows"] if r["variant"] == STOCK_16BIT), None)
         if base is not None:

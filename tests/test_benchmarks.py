@@ -45,3 +45,11 @@ def test_block_clip_cost_reduced(tmp_path):
     rows = json.load(open(tmp_path / "block_clip_cost.json"))["rows"]
     assert len(rows) == 2 and all(r["weight_clip_s"] > 0 for r in rows)
     assert any(r["block_clip_chosen"] for r in rows)  # outlier columns: some block gains
+
+
+def test_graph_pool_replays_the_recorded_captures(tmp_path):
+    run("graph_pool.py", "--out", str(tmp_path))
+    rows = json.load(open(tmp_path / "graph_pool.json"))["rows"]
+    assert {r["capture"] for r in rows} == {"flux_lean_graphs", "wan_lean_graphs"}
+    for r in rows:
+        assert r["peak_mib"] <= r["fitted_mib"] <= r["single_mib"] <= r["grown_mib"]

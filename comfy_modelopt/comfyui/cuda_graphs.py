@@ -31,8 +31,10 @@ import torch
 
 from comfy.patcher_extension import CallbacksMP, WrappersMP
 
-from ..cuda_streams import allocator_backend, keep_forever, on_side_stream, shared_graph_pool, trim_graph_memory
+from ..cuda_streams import (allocator_backend, keep_forever, on_side_stream, shared_graph_pool, trim_graph_memory,
+                            work_stream)
 from ..device_constants import ConstantsOnDevice, HostCopies
+from ..graph_memory import AllocationTrace, large_events, pool_need, seed_pool
 from .compiled_blocks import (CompiledBlocks, _carried_patches, _nonempty, install_raw_pointer_launches,
                               raw_pointer_launches, rounding_noise)
 from .lean import release_on_detach
@@ -79,8 +81,14 @@ class GraphPool:
     def idle_bytes(self) -> int:
         return sum(b["size"] for seg in self._segments() for b in seg["blocks"] if b["state"] == "inactive")
 
-    def reserved_bytes(self) -> int:
-        return sum(seg["total_size"] for seg in self._segments())
+    def reserved_bytes(self, kind: str | None = None) -> int:
+        """Bytes of the pool's segments (``kind``: only "large" or "small" ones)."""
+        return sum(seg["total_size"] for seg in self._segments() if kind in (None, seg.get("segment_type")))
+
+    def seed(self, segments: list, stream, device) -> None:
+        """Free segments of these sizes for the captures on ``stream`` to split (``graph_memory``)."""
+        if self.pool is not None and segments:
+            seed_pool(self.pool, segments, stream, device)
 
     def vacate(self) -> None:
         """Free the placeholders (before a capture: the new graph reuses those blocks)."""
@@ -116,6 +124,7 @@ class GraphPool:
 
 
 _SMALL_REQUEST = 1 << 20  # the CUDA caching allocator serves requests up to this from small segments
+_RESIZE_MIN_SAVING = 32 << 20  # a first capture whose pool grew this much (and 5%) past its fitted segment is redone
 
 
 class CudaGraphs:
@@ -154,6 +163,14 @@ class CudaGraphs:
         self.failed: dict = {}  # signature -> why its capture failed (runs eagerly, not retried)
         self.validated: set = set()  # signatures whose compiled blocks matched eager
         self.graph_memory_trimmed = None  # cudaMallocAsync: whether the last release trimmed
+        # every capture and its warm-ups run on one stream (cuda_streams.work_stream): the allocator
+        # serves a request only from free blocks of its own stream, and a sized pool's segment is
+        # made on it
+        self.capture_stream = None
+        # (signature, compiled) -> what its capture asked of the pool (graph_memory.PoolNeed),
+        # recorded at its first capture into an empty pool
+        self.pool_needs: dict = {}
+        self.pool_sizing: list = []  # per capture made again: the pool grown vs the fitted segments, bytes
         self.constants_rebuilt = 0  # CPU-built constants the last capture built on the GPU instead
 
     def release(self, *_args) -> None:
@@ -305,7 +322,7 @@ class CudaGraphs:
         first = lambda: self._model_call(apply_model, static_x, static_t, static_c, check_host_copies=True)  # noqa: E731
         cache = getattr(self.patcher.model, "_modelopt_dequant_cache", None)
         if sig not in self.warmed and self.compiled is not None and self.compiled.enabled and self.background_compile:
-            on_side_stream(first)  # lazy inits, autotuning, the dequant cache: outside the capture
+            on_side_stream(first, device)  # lazy inits, autotuning, the dequant cache: outside the capture
             self.warmed.add(sig)
             compile_after = True  # once this capture is done: no other thread may run meanwhile
         elif sig not in self.warmed:
@@ -316,7 +333,7 @@ class CudaGraphs:
                 return self.compiled is not None and self.compiled.validate(
                     run, ref, lambda: apply_model(rounding_noise(static_x, self._compute_dtype()), static_t,
                                                   **static_c))
-            use_compiled = on_side_stream(warm_up)
+            use_compiled = on_side_stream(warm_up, device)
             self.warmed.add(sig)
             if self.compiled is not None:
                 self.compile_seconds.append(round(time.perf_counter() - t_compile, 3))
@@ -328,23 +345,43 @@ class CudaGraphs:
             def warm_up_compiled():
                 with self.compiled.installed():
                     run()
-            on_side_stream(warm_up_compiled)
+            on_side_stream(warm_up_compiled, device)
         elif cache is not None and cache.needs_fill():
-            on_side_stream(run)  # refill the dequant cache (released on detach, or weights changed)
+            on_side_stream(run, device)  # refill the dequant cache (released on detach, or weights changed)
         self._quiet_for_capture()
-        graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
+        self.capture_stream = work_stream(device)  # the warm-ups above ran on it too
+        if not self.graphs and self.pool is not None:
+            # no graph lives in the pool (the uncompiled graph this capture replaces is gone): a
+            # pool of its own for this one, the old segments go back at the capture's empty_cache
+            self.pool.vacate()
+            self.pool = None
+        fresh = self.pool is None
+        if fresh:
             self.pool = GraphPool(accounted=self.persistent)
+        key = (sig, use_compiled)
+        need = self.pool_needs.get(key)
+        if fresh and need is not None:
+            self.pool.seed(need.segments, self.capture_stream, device)
         self.pool.vacate()
-        with contextlib.ExitStack() as stack:
-            if use_compiled:
-                stack.enter_context(self.compiled.installed())
-                if self.malloc_async:
-                    stack.enter_context(raw_pointer_launches())
-            # thread_local: other threads of the process (ComfyUI's) may use the GPU meanwhile
-            with torch.cuda.graph(graph, pool=self.pool.handle, capture_error_mode="thread_local"):
-                out = run()
-        self.captures += 1
+        measure = fresh and need is None and self.pool.pool is not None
+        with AllocationTrace(device) if measure else contextlib.nullcontext() as trace:
+            graph, out = self._capture_graph(run, use_compiled)
+        if trace is not None and trace.entries is not None:
+            need = pool_need(large_events(trace.entries, stream=self.capture_stream.cuda_stream))
+            self.pool_needs[key] = need
+            grown = self.pool.reserved_bytes("large")
+            if need.fitted and grown - need.fitted > max(_RESIZE_MIN_SAVING, need.fitted // 20):
+                # the pool grew segment by segment to far more than the graph uses at once:
+                # capture again into the fitted segments (the same forward, once more)
+                del graph, out
+                self.pool.vacate()
+                self.pool = GraphPool(accounted=self.persistent)
+                self.pool.seed(need.segments, self.capture_stream, device)
+                graph, out = self._capture_graph(run, use_compiled)
+                self.pool_sizing.append({"grown": grown, "fitted": need.fitted, "peak": need.peak,
+                                         "simulated_grown": need.grown,
+                                         "sized": self.pool.reserved_bytes("large")})
+        self.captures += 1  # a capture made again into fitted segments counts once (pool_sizing has it)
         graph.replay()
         torch.cuda.current_stream().synchronize()
         self.pool.occupy()
@@ -354,6 +391,20 @@ class CudaGraphs:
         static_c.pop("transformer_options")
         return {"graph": graph, "static": _tensors(static_x, static_t, static_c), "out": out, "weights": weights,
                 "compiled": use_compiled}
+
+    def _capture_graph(self, run, use_compiled: bool):
+        """One capture of ``run`` into the pool, on the capture stream."""
+        graph = torch.cuda.CUDAGraph()
+        with contextlib.ExitStack() as stack:
+            if use_compiled:
+                stack.enter_context(self.compiled.installed())
+                if self.malloc_async:
+                    stack.enter_context(raw_pointer_launches())
+            # thread_local: other threads of the process (ComfyUI's) may use the GPU meanwhile
+            with torch.cuda.graph(graph, pool=self.pool.handle, stream=self.capture_stream,
+                                  capture_error_mode="thread_local"):
+                out = run()
+        return graph, out
 
     def _join_compilation(self) -> None:
         """Wait for a background compilation: while Dynamo traces the blocks, FX patches
@@ -414,7 +465,7 @@ class CudaGraphs:
             try:
                 torch.cuda.set_device(device)
                 with torch.inference_mode(modes[0]), torch.set_grad_enabled(modes[1]):
-                    stream = torch.cuda.Stream(device)
+                    stream = work_stream(device, "compile")
                     stream.wait_event(copied)
                     with torch.cuda.stream(stream):
                         run = lambda: apply_model(x, t, **c)  # noqa: E731

@@ -1,0 +1,269 @@
+"""How much memory a CUDA graph's private pool needs, and a pool sized to it.
+
+A graph keeps the high-water mark of its private memory pool for as long as it lives.  PyTorch's
+caching allocator grows that pool one ``cudaMalloc`` segment at a time, each sized to the
+request that found no free block big enough, and never merges segments: a forward whose
+temporaries grow and shrink layer by layer leaves the pool at several times what is ever in
+use at once (measured: Flux.1-dev's captured fp8 forward, 0.98 GiB of segments for an eager
+activation peak of 0.39 GiB).  Expandable segments would avoid it, but the allocator does not
+use them for private pools.
+
+So a capture is recorded once (the allocator's own alloc/free history, ``AllocationTrace``),
+the allocator's best-fit placement is replayed on that sequence (``simulate_pool``) to find the
+smallest segments that serve every request (``pool_need``: one arena, plus a segment or two
+sized to the largest requests where that packs tighter), and the capture is made again into a
+pool that holds just those segments (``seed_pool``): every request then splits them.  This module is plain PyTorch; the ComfyUI adapter (``comfyui/cuda_graphs.py``) uses it.
+"""
+from __future__ import annotations
+
+import bisect
+import inspect
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+# the CUDA caching allocator's constants (c10/cuda/CUDACachingAllocator.cpp)
+SMALL_SIZE = 1 << 20           # kSmallSize: requests up to it are packed into small segments
+SMALL_BUFFER = 2 << 20         # kSmallBuffer: a small segment
+MIN_LARGE_ALLOC = 10 << 20     # kMinLargeAlloc: below it a new large segment is a 20 MiB buffer
+LARGE_BUFFER = 20 << 20        # kLargeBuffer
+ROUND_LARGE = 2 << 20          # kRoundLarge: larger segments are rounded up to 2 MiB
+MIN_BLOCK = 512                # kMinBlockSize: every request is rounded up to it
+
+
+def round_request(size: int) -> int:
+    """The block size the allocator hands out for a request of ``size`` bytes."""
+    return MIN_BLOCK if size < MIN_BLOCK else -(-size // MIN_BLOCK) * MIN_BLOCK
+
+
+def segment_size(size: int) -> int:
+    """The segment the allocator creates when no free block serves a large request."""
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+@dataclass
+class PoolNeed:
+    """What a recorded capture asked of the pool's large segments, and the segments fitted to it."""
+    peak: int      # bytes of large blocks in use at once, at most (rounded as the allocator does)
+    grown: int     # the segments an empty pool grows to serving it (the allocator's behaviour)
+    segments: list  # the fitted segments, bytes (the arena first; empty: nothing large, or no saving)
+    requests: int  # large requests recorded
+    events: list = field(default_factory=list, repr=False)  # what was recorded (large_events)
+
+    @property
+    def fitted(self) -> int:
+        """Bytes of the fitted segments (0: none)."""
+        return sum(self.segments)
+
+
+def simulate_pool(events, seed: int = 0) -> int:
+    """Replay ``events`` (``("alloc", key, size)`` / ``("free", key)``, large requests only, in
+    order) through the caching allocator's placement on one stream and return the bytes of
+    segments the pool ends with, given a first segment of ``seed`` bytes (0: none).
+
+    Placement as the allocator does it: the smallest free block that fits (lowest address on a
+    tie), split when more than ``SMALL_SIZE`` would be left over (else the whole block is handed
+    out), neighbours in a segment merged when freed, and a new segment (``segment_size``) when
+    no free block fits.  Segments never merge with each other."""
+    free: list = []   # sorted (size, segment, offset) of the free blocks
+    blocks: dict = {}  # (segment, offset) -> size, every block
+    free_end: dict = {}  # (segment, end offset) -> offset, the free blocks
+    segments: list = []
+    live: dict = {}
+
+    def add_free(seg, off, size):
+        blocks[(seg, off)] = size
+        free_end[(seg, off + size)] = off
+        bisect.insort(free, (size, seg, off))
+
+    def take_free(seg, off):
+        size = blocks.pop((seg, off))
+        del free_end[(seg, off + size)]
+        free.pop(bisect.bisect_left(free, (size, seg, off)))
+        return size
+
+    for size in ([seed] if isinstance(seed, int) else seed):
+        if size:
+            segments.append(size)
+            add_free(len(segments) - 1, 0, size)
+    for ev in events:
+        if ev[0] == "alloc":
+            size = round_request(ev[2])
+            i = bisect.bisect_left(free, (size, -1, -1))
+            if i == len(free):
+                segments.append(segment_size(size))
+                add_free(len(segments) - 1, 0, segments[-1])
+                i = bisect.bisect_left(free, (size, -1, -1))
+            bsize, seg, off = free[i]
+            take_free(seg, off)
+            if bsize - size > SMALL_SIZE:
+                add_free(seg, off + size, bsize - size)
+                bsize = size
+            blocks[(seg, off)] = bsize
+            live[ev[1]] = (seg, off)
+        else:
+            pos = live.pop(ev[1], None)
+            if pos is None:  # allocated before the recording began
+                continue
+            seg, off = pos
+            size = blocks.pop(pos)
+            if (seg, off + size) in blocks and (seg, off + size + blocks[(seg, off + size)]) in free_end:
+                size += take_free(seg, off + size)
+            before = free_end.get((seg, off))
+            if before is not None:
+                size += take_free(seg, before)
+                off = before
+            add_free(seg, off, size)
+    return sum(segments)
+
+
+def pool_need(events, extra_candidates: int = 10, max_extra: int = 3) -> PoolNeed:
+    """The peak, the grown pool and the fitted segments of a recorded capture's large requests.
+
+    First the smallest single segment that serves every request (searched in 2 MiB steps between
+    the peak and what the pool grows to).  Then, greedily, up to ``max_extra`` more segments,
+    each the size of one of the ``extra_candidates`` largest requests, kept when the arena they
+    leave plus themselves is smaller: a few big tensors that live across layers otherwise split
+    the arena where the others need it whole (measured on Flux.1-dev's captured fp8 forward:
+    one segment 526 MiB, with two more 442 MiB, for a peak in use of 399 MiB; about 0.2 s).  A set of
+    segments that serves everything leaves the pool at exactly those segments."""
+    live, current, peak, requests = {}, 0, 0, 0
+    for ev in events:
+        if ev[0] == "alloc":
+            size = round_request(ev[2])
+            live[ev[1]] = size
+            current += size
+            peak = max(peak, current)
+            requests += 1
+        else:
+            current -= live.pop(ev[1], 0)
+    grown = simulate_pool(events)
+    if not requests:
+        return PoolNeed(0, grown, [], 0, events)
+
+    def arena(extra: list, below: int) -> int | None:
+        """The smallest arena that, with ``extra``, serves everything, if one below ``below``
+        bytes (in total) does."""
+        fixed = sum(extra)
+        lo, hi = max(1, -(-(peak - fixed) // ROUND_LARGE)), (below - fixed) // ROUND_LARGE
+        if hi < lo or simulate_pool(events, [hi * ROUND_LARGE] + extra) != hi * ROUND_LARGE + fixed:
+            return None
+        while lo < hi:  # best-fit placement is near enough monotone in the arena's size
+            mid = (lo + hi) // 2
+            if simulate_pool(events, [mid * ROUND_LARGE] + extra) == mid * ROUND_LARGE + fixed:
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi * ROUND_LARGE
+
+    single = arena([], -(-grown // ROUND_LARGE) * ROUND_LARGE)
+    if single is None:  # pathological: one segment of the grown size is not enough
+        return PoolNeed(peak, grown, [], requests, events)
+    best = [single]
+    sizes = sorted({-(-round_request(ev[2]) // ROUND_LARGE) * ROUND_LARGE for ev in events if ev[0] == "alloc"},
+                   reverse=True)[:extra_candidates]
+    for _ in range(max_extra):
+        extra, found = best[1:], None
+        for size in sizes:
+            a = arena(extra + [size], (sum(found) if found else sum(best)) - ROUND_LARGE)
+            if a is not None:
+                found = [a] + extra + [size]
+        if found is None:
+            break
+        best = found
+    return PoolNeed(peak, grown, best, requests, events)
+
+
+def large_events(entries, stream: int | None = None, pool_id=None) -> list:
+    """The large alloc/free events of an allocator history (``torch.cuda.memory._snapshot()``'s
+    ``device_traces`` entries), optionally only those of one stream and one pool.  A free counts
+    when it completes (the block is reusable from then on); the address is the key."""
+    events, large = [], set()
+    for e in entries:
+        if stream is not None and e.get("stream") != stream:
+            continue
+        if pool_id is not None and "pool_id" in e and tuple(e["pool_id"]) != tuple(pool_id):
+            continue
+        action, addr = e.get("action"), e.get("addr")
+        if action == "alloc" and e.get("size", 0) > SMALL_SIZE:
+            events.append(("alloc", addr, e["size"]))
+            large.add(addr)
+        elif action == "free_completed" and addr in large:
+            events.append(("free", addr))
+            large.discard(addr)
+    return events
+
+
+class AllocationTrace:
+    """Record the caching allocator's alloc/free history while the block runs (no stack traces:
+    cheap).  ``entries`` stays None where it cannot record: another user of the process is already
+    recording (their history is left alone), or the allocator has no history (cudaMallocAsync)."""
+
+    def __init__(self, device=None, max_entries: int = 1_000_000, stacks: bool = False):
+        self.device, self.max_entries, self.entries = device, max_entries, None
+        self.stacks = stacks  # also the Python stack of each allocation (a diagnosis; slower)
+        self._recording = False
+
+    def __enter__(self):
+        try:
+            if torch._C._cuda_isHistoryEnabled():
+                return self
+            kwargs = {"context": "alloc" if self.stacks else None, "stacks": "python", "max_entries": self.max_entries}
+            if "clear_history" in inspect.signature(torch.cuda.memory._record_memory_history).parameters:
+                kwargs["clear_history"] = True
+            torch.cuda.memory._record_memory_history("all", **kwargs)
+            self._recording = True
+        except Exception:  # no history in this allocator or torch
+            self._recording = False
+        return self
+
+    def __exit__(self, *exc):
+        if not self._recording:
+            return False
+        try:
+            index = torch.cuda.current_device() if self.device is None else torch.device(self.device).index
+            traces = torch.cuda.memory._snapshot()["device_traces"]
+            self.entries = list(traces[index or 0]) if exc[0] is None else None
+        finally:
+            torch.cuda.memory._record_memory_history(None)
+        return False
+
+
+def live_at_peak(entries, top: int = 12, where: str = "comfy") -> dict:
+    """What was allocated at the moment the recorded history held the most (every pool and
+    stream): the peak's bytes and its ``top`` largest live allocations, each with the innermost
+    frames of its Python stack whose file path contains ``where`` (recorded with ``stacks``)."""
+    live, current, peak, at_peak = {}, 0, 0, {}
+    for e in entries:
+        action, addr = e.get("action"), e.get("addr")
+        if action == "alloc":
+            live[addr] = e
+            current += e.get("size", 0)
+            if current > peak:
+                peak, at_peak = current, dict(live)
+        elif action == "free_completed" and addr in live:
+            current -= live.pop(addr).get("size", 0)
+    biggest = sorted(at_peak.values(), key=lambda e: -e.get("size", 0))[:top]
+    return {"peak_bytes": peak, "allocations": [
+        {"bytes": e.get("size", 0), "stream": e.get("stream"),
+         "frames": [f"{os.path.basename(f.get('filename', ''))}:{f.get('line')} {f.get('name')}"
+                    for f in e.get("frames", []) if where in f.get("filename", "")][:3]}
+        for e in biggest]}
+
+
+def seed_pool(pool, segments, stream, device) -> None:
+    """Give the MemPool ``pool`` free segments of the given sizes (bytes; one int or a list) on
+    ``stream`` - the stream a graph will be captured on: the allocator serves a request only from
+    blocks of its own stream.  All are held until the last is made, so each is a segment of its
+    own."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    held = []
+    with torch.cuda.use_mem_pool(pool, device), torch.cuda.stream(stream):
+        for size in ([segments] if isinstance(segments, int) else segments):
+            held.append(torch.empty(size, dtype=torch.uint8, device=device))
+    del held

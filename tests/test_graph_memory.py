@@ -1,0 +1,188 @@
+"""graph_memory: the caching allocator's placement replayed on a recorded capture, and the single
+segment fitted to it.  The replay is checked against the real allocator on a GPU (skipped on CPU);
+the rest is plain arithmetic on CPU."""
+import json
+import os
+
+import pytest
+import torch
+
+from comfy_modelopt.graph_memory import (LARGE_BUFFER, ROUND_LARGE, SMALL_SIZE, AllocationTrace, large_events,
+                                         pool_need, round_request, segment_size, simulate_pool)
+
+MiB = 1 << 20
+
+
+def layers(sizes):
+    """A forward's temporaries growing layer by layer: each one allocated, then freed."""
+    events = []
+    for i, size in enumerate(sizes):
+        events += [("alloc", i, size), ("free", i)]
+    return events
+
+
+def test_rounding_and_segment_sizes():
+    assert round_request(1) == 512 and round_request(513) == 1024 and round_request(4096) == 4096
+    assert segment_size(2 * MiB) == LARGE_BUFFER  # 1-10 MiB requests get a 20 MiB buffer
+    assert segment_size(11 * MiB + 1) == 12 * MiB  # larger ones are rounded up to 2 MiB
+
+
+def test_growing_temporaries_fragment_the_pool_and_one_segment_serves_them():
+    sizes = [12 * MiB, 14 * MiB, 16 * MiB, 18 * MiB]
+    events = layers(sizes)
+    # each request finds only smaller free segments: a new one each time, none ever merged
+    assert simulate_pool(events) == sum(sizes)
+    need = pool_need(events)
+    assert need.peak == 18 * MiB and need.grown == sum(sizes) and need.requests == 4
+    assert need.segments == [18 * MiB]
+    assert simulate_pool(events, need.fitted) == need.fitted  # serves all: the pool stays one segment
+    assert simulate_pool(events, need.fitted - ROUND_LARGE) > need.fitted  # any less grows it
+
+
+def test_a_segment_for_a_big_request_packs_tighter_than_one_arena():
+    # b (30) sits between a and the rest; once a is freed, c (12) fits only after b, and d (46)
+    # only after c: one arena needs 98 MiB for a peak in use of 58.  With a 12 MiB segment of its
+    # own, c leaves the arena whole for d: 46 + 12 MiB, the peak itself.
+    events = [("alloc", "a", 10 * MiB), ("alloc", "b", 30 * MiB), ("free", "a"), ("alloc", "c", 12 * MiB),
+              ("free", "b"), ("alloc", "d", 46 * MiB)]
+    assert simulate_pool(events, 98 * MiB) == 98 * MiB and simulate_pool(events, 96 * MiB) > 96 * MiB
+    need = pool_need(events)
+    assert need.peak == 58 * MiB
+    assert need.segments == [46 * MiB, 12 * MiB] and need.fitted == need.peak
+    assert simulate_pool(events, need.segments) == need.fitted
+    assert pool_need(events, max_extra=0).segments == [98 * MiB]
+
+
+def test_freed_neighbours_merge():
+    # A, B, C side by side in one segment; A and B freed: one block serves a request of A + B
+    events = [("alloc", "a", 12 * MiB), ("alloc", "b", 12 * MiB), ("alloc", "c", 12 * MiB),
+              ("free", "b"), ("free", "a"), ("alloc", "d", 24 * MiB)]
+    assert simulate_pool(events, 36 * MiB) == 36 * MiB
+    # freed in the other order: the merge must work from both sides
+    events = events[:3] + [("free", "a"), ("free", "b"), ("alloc", "d", 24 * MiB)]
+    assert simulate_pool(events, 36 * MiB) == 36 * MiB
+    # without the merge d would not fit (c still holds the segment's end)
+    assert simulate_pool(events[:3] + [("free", "a"), ("alloc", "d", 24 * MiB)], 36 * MiB) > 36 * MiB
+
+
+def test_a_block_is_split_only_when_more_than_a_small_request_is_left():
+    # 12.5 MiB of a 13 MiB block: the 0.5 MiB left goes with it, so the next 2 MiB needs a segment
+    events = [("alloc", "a", 12 * MiB + MiB // 2), ("alloc", "b", 2 * MiB)]
+    assert simulate_pool(events, 13 * MiB) == 13 * MiB + LARGE_BUFFER
+    # 12 MiB of a 16 MiB block leaves 4 MiB: split, and the 2 MiB request fits in it
+    events = [("alloc", "a", 12 * MiB), ("alloc", "b", 2 * MiB)]
+    assert simulate_pool(events, 16 * MiB) == 16 * MiB
+
+
+def test_best_fit_takes_the_smallest_free_block():
+    # free blocks of 14 and 30 MiB: a 13 MiB request takes the 14 (so a later 28 MiB still fits)
+    events = [("alloc", "a", 14 * MiB), ("alloc", "b", 12 * MiB), ("alloc", "c", 30 * MiB),
+              ("free", "a"), ("free", "c"), ("alloc", "d", 13 * MiB), ("alloc", "e", 28 * MiB)]
+    assert simulate_pool(events, 56 * MiB) == 56 * MiB
+
+
+def test_large_events_filters_the_history():
+    entries = [
+        {"action": "alloc", "addr": 1, "size": 4 * MiB, "stream": 7},
+        {"action": "alloc", "addr": 2, "size": SMALL_SIZE, "stream": 7},  # small: its own segments
+        {"action": "alloc", "addr": 3, "size": 8 * MiB, "stream": 9},  # another stream
+        {"action": "free_requested", "addr": 1, "size": 4 * MiB, "stream": 7},
+        {"action": "free_completed", "addr": 1, "size": 4 * MiB, "stream": 7},
+        {"action": "free_completed", "addr": 2, "size": SMALL_SIZE, "stream": 7},
+        {"action": "free_completed", "addr": 5, "size": 4 * MiB, "stream": 7},  # allocated before
+        {"action": "segment_alloc", "addr": 6, "size": 20 * MiB, "stream": 7},
+    ]
+    assert large_events(entries, stream=7) == [("alloc", 1, 4 * MiB), ("free", 1)]
+    assert len(large_events(entries)) == 3
+    # a free of something allocated before the recording is ignored by the replay
+    assert simulate_pool([("free", 99), ("alloc", 1, 12 * MiB)]) == 12 * MiB
+
+
+def test_nothing_large_needs_no_segment():
+    need = pool_need([("alloc", 1, 3 * MiB)][:0])
+    assert need.fitted == 0 and need.requests == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the real allocator is the oracle")
+def test_replay_matches_the_real_allocator_and_a_sized_pool_stays_one_segment():
+    """A capture of growing temporaries: the pool the real allocator grows is what the replay of
+    its recorded history says, and a capture into a pool seeded with the fitted segment keeps it
+    at exactly that segment."""
+    from comfy_modelopt.graph_memory import seed_pool
+
+    device = torch.device("cuda")
+    x = torch.randn(1024, 1024, device=device)
+
+    def forward():
+        y = x
+        for n in (3, 4, 5, 6, 7, 8):  # 12-32 MiB temporaries, each bigger than the last
+            y = torch.cat([y] * n, 0)[:1024].clone() + torch.ones(n * 1024, 1024, device=device)[:1024]
+        return y
+
+    forward()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+
+    def capture(pool):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool.id, stream=stream):
+            out = forward()
+        return g, out
+
+    def large_reserved(pool):
+        return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+                   if tuple(s["segment_pool_id"]) == tuple(pool.id) and s["segment_type"] == "large")
+
+    ref = forward()
+    pool = torch.cuda.MemPool()
+    with AllocationTrace() as trace:
+        g, out = capture(pool)
+    assert trace.entries is not None
+    need = pool_need(large_events(trace.entries, stream=stream.cuda_stream))
+    grown = large_reserved(pool)
+    assert need.requests > 0 and need.grown == grown, (need, grown)
+    assert 0 < need.fitted < grown
+    del g, out
+    sized = torch.cuda.MemPool()
+    seed_pool(sized, need.segments, stream, device)
+    g, out = capture(sized)
+    assert large_reserved(sized) == need.fitted
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
+RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "results",
+                        "2026-11-30-h200-wholerun")
+
+
+@pytest.mark.parametrize("model", ["flux", "wan"])
+def test_replay_of_a_recorded_capture_matches_the_pool_the_h200_grew(model):
+    """The large requests of a real capture (full-size Flux.1-dev / Wan 2.1 fp8, lean + graphs,
+    recorded on the H200) replayed here grow the pool the real allocator grew there, byte for
+    byte, and the fitted segments are what that run captured into (its sampling JSON)."""
+    with open(os.path.join(RECORDED, f"pool_events_{model}_lean_graphs.json")) as f:
+        events = [tuple(e) for e in json.load(f)[0]["events"]]
+    with open(os.path.join(RECORDED, f"sampling_{model}_sized_pool.json")) as f:
+        row = next(r for r in json.load(f)["rows"] if r["variant"] == "lean + cuda graphs")
+    measured = row["graph"]["pool_sizing_mib"][0]  # the real pool: as grown, then as captured into
+    need = pool_need(events)
+    assert round(need.grown / MiB, 1) == measured["grown"]
+    assert round(need.fitted / MiB, 1) == measured["sized"]
+    assert need.peak < need.fitted <= 1.16 * need.peak < need.grown
+
+
+def test_live_at_peak_lists_what_the_peak_held():
+    from comfy_modelopt.graph_memory import live_at_peak
+    frame = lambda name: [{"filename": "/x/ComfyUI/comfy/ldm/flux/layers.py", "line": 7, "name": name},  # noqa: E731
+                          {"filename": "/usr/lib/torch/nn/modules/module.py", "line": 1, "name": "_call_impl"}]
+    entries = [{"action": "alloc", "addr": 1, "size": 10, "frames": frame("a")},
+               {"action": "alloc", "addr": 2, "size": 30, "frames": frame("b")},
+               {"action": "free_completed", "addr": 1, "size": 10},
+               {"action": "alloc", "addr": 3, "size": 15, "frames": frame("c")},  # 45: the peak
+               {"action": "free_completed", "addr": 2, "size": 30},
+               {"action": "alloc", "addr": 4, "size": 20, "frames": frame("d")}]
+    got = live_at_peak(entries)
+    assert got["peak_bytes"] == 45
+    assert [a["bytes"] for a in got["allocations"]] == [30, 15]
+    assert got["allocations"][0]["frames"] == ["layers.py:7 b"]
