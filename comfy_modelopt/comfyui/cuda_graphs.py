@@ -18,6 +18,11 @@ under cudaMallocAsync, ComfyUI's default on CUDA 13 torch, the graphs hold drive
 device reports as used), and it goes back when ComfyUI
 unloads the model, partly or wholly, to make room: the graphs are owned by the model's patcher
 and die with its residency.  A change of weights or weight patches (a LoRA) recaptures.
+
+Under the caching allocator the pool is sized to the capture (``graph_memory``): a signature's
+first capture is recorded, the allocator's placement replayed on it, and the graph captured
+again into a few segments fitted to it - left alone the pool grew to 2x what the forward uses at
+once (Flux.1-dev: 0.82 GiB of segments for 0.39 GiB in use; fitted 0.44 GiB).
 """
 from __future__ import annotations
 
