@@ -352,7 +352,11 @@ class CudaGraphs:
         if fresh and need is not None:
             self.pool.seed(need.segments, self.capture_stream, device)
         self.pool.vacate()
-        measure = fresh and need is None and self.pool.pool is not None
+        # sized where the graph will stay: not the uncompiled graph the compiled blocks replace
+        # after the background compilation (that one's pool goes then; sizing it cost SDXL's
+        # first run 0.5 s for nothing).  Should the compilation fail, that graph keeps its pool
+        # as grown until it is captured again (a release), which then sizes it.
+        measure = fresh and need is None and self.pool.pool is not None and not compile_after
         with AllocationTrace(device) if measure else contextlib.nullcontext() as trace:
             graph, out = self._capture_graph(run, use_compiled)
         if trace is not None and trace.entries is not None:
