@@ -4,15 +4,16 @@ A graph keeps the high-water mark of its private memory pool for as long as it l
 caching allocator grows that pool one ``cudaMalloc`` segment at a time, each sized to the
 request that found no free block big enough, and never merges segments: a forward whose
 temporaries grow and shrink layer by layer leaves the pool at several times what is ever in
-use at once (measured: Flux.1-dev's captured fp8 forward, 0.98 GiB of segments for an eager
-activation peak of 0.39 GiB).  Expandable segments would avoid it, but the allocator does not
-use them for private pools.
+use at once (measured on an H200: Flux.1-dev's captured fp8 forward, 0.82 GiB of segments for
+0.39 GiB in use at once).  Expandable segments would avoid it, but the allocator does not use
+them for private pools.
 
 So a capture is recorded once (the allocator's own alloc/free history, ``AllocationTrace``),
 the allocator's best-fit placement is replayed on that sequence (``simulate_pool``) to find the
 smallest segments that serve every request (``pool_need``: one arena, plus a segment or two
 sized to the largest requests where that packs tighter), and the capture is made again into a
-pool that holds just those segments (``seed_pool``): every request then splits them.  This module is plain PyTorch; the ComfyUI adapter (``comfyui/cuda_graphs.py``) uses it.
+pool that holds just those segments (``seed_pool``): every request then splits them.  This
+module is plain PyTorch; the ComfyUI adapter (``comfyui/cuda_graphs.py``) uses it.
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ import torch
 
 # the CUDA caching allocator's constants (c10/cuda/CUDACachingAllocator.cpp)
 SMALL_SIZE = 1 << 20           # kSmallSize: requests up to it are packed into small segments
-SMALL_BUFFER = 2 << 20         # kSmallBuffer: a small segment
 MIN_LARGE_ALLOC = 10 << 20     # kMinLargeAlloc: below it a new large segment is a 20 MiB buffer
 LARGE_BUFFER = 20 << 20        # kLargeBuffer
 ROUND_LARGE = 2 << 20          # kRoundLarge: larger segments are rounded up to 2 MiB
