@@ -172,7 +172,7 @@ def _run_variant(label, q, runs, sample, ref, fp8_ref=None):
                         "persistent": runner.persistent, "eager_reasons": sorted(runner.warned)}
         if runner.pool is not None and runner.pool.handle is not None:  # the caching allocator's pool
             segments = runner.pool._segments()
-            row["graph"]["pool_reserved_gib"] = round(runner.pool.reserved_bytes() / 2**30, 3)
+            row["graph"]["pool_reserved_gib"] = round(sum(seg["total_size"] for seg in segments) / 2**30, 3)
             row["graph"]["pool_segments_mib"] = sorted((round(seg["total_size"] / 2**20, 1) for seg in segments),
                                                        reverse=True)
         # what each first capture asked of its pool (graph_memory): the peak in use at once, the
@@ -296,7 +296,7 @@ def main(argv=None):
                 results["rows"].append({"variant": label, "error": str(e)})
                 print(f"  {label}: {e}")
                 continue
-            q_sd_ = {k: v.cpu() for k, v in q_sd_.items()}  # as above: only the loaded model on the GPU
+            q_sd_ = common.on_host(q_sd_)  # only the loaded model on the GPU
             q = common.load_stock(q_sd_, meta_)
             row, _ = _run_variant(label, q, max(1, a.runs - 1), sample, ref)
             row["quantize_s"] = round(time.perf_counter() - t0, 1)
@@ -313,10 +313,7 @@ def main(argv=None):
     if not later:
         return results
     q_sd, meta = common.calibrated_fp8(base, sd, x, sigma, kw)
-    # kept on the host: ComfyUI's loader copies the tensors it converts (the 16-bit ones a file
-    # keeps unquantized) instead of sharing them, so a GPU copy held here was counted as the
-    # runtime's memory (SDXL 0.74 GiB, Flux 0.09 GiB beyond model_size() before this)
-    q_sd = {k: v.cpu() for k, v in q_sd.items()}
+    q_sd = common.on_host(q_sd)  # only the loaded model on the GPU
     common.free(base)
     del sd
     fp8_ref = None

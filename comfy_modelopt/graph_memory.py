@@ -177,15 +177,13 @@ def pool_need(events, extra_candidates: int = 10, max_extra: int = 3) -> PoolNee
     return PoolNeed(peak, grown, best, requests, events)
 
 
-def large_events(entries, stream: int | None = None, pool_id=None) -> list:
+def large_events(entries, stream: int | None = None) -> list:
     """The large alloc/free events of an allocator history (``torch.cuda.memory._snapshot()``'s
-    ``device_traces`` entries), optionally only those of one stream and one pool.  A free counts
+    ``device_traces`` entries), optionally only those of one stream.  A free counts
     when it completes (the block is reusable from then on); the address is the key."""
     events, large = [], set()
     for e in entries:
         if stream is not None and e.get("stream") != stream:
-            continue
-        if pool_id is not None and "pool_id" in e and tuple(e["pool_id"]) != tuple(pool_id):
             continue
         action, addr = e.get("action"), e.get("addr")
         if action == "alloc" and e.get("size", 0) > SMALL_SIZE:

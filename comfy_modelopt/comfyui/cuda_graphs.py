@@ -39,7 +39,7 @@ from comfy.patcher_extension import CallbacksMP, WrappersMP
 from ..cuda_streams import (allocator_backend, keep_forever, on_side_stream, shared_graph_pool, trim_graph_memory,
                             work_stream)
 from ..device_constants import ConstantsOnDevice, HostCopies
-from ..graph_memory import AllocationTrace, large_events, pool_need, seed_pool
+from ..graph_memory import SMALL_SIZE, AllocationTrace, large_events, pool_need, seed_pool
 from .compiled_blocks import (CompiledBlocks, _carried_patches, _nonempty, install_raw_pointer_launches,
                               raw_pointer_launches, rounding_noise)
 from .lean import release_on_detach
@@ -114,7 +114,7 @@ class GraphPool:
             if seg.get("segment_type") != "large":
                 continue
             for b in seg["blocks"]:
-                if b["state"] == "inactive" and b["size"] > _SMALL_REQUEST:
+                if b["state"] == "inactive" and b["size"] > SMALL_SIZE:
                     by_stream.setdefault((seg["device"], seg["stream"]), []).append(b["size"])
         with torch.cuda.use_mem_pool(self.pool):
             for (device, stream), sizes in by_stream.items():
@@ -128,7 +128,6 @@ class GraphPool:
                         self.fillers.append(filler)
 
 
-_SMALL_REQUEST = 1 << 20  # the CUDA caching allocator serves requests up to this from small segments
 _RESIZE_MIN_SAVING = 32 << 20  # a first capture whose pool grew this much (and 5%) past its fitted segment is redone
 
 
@@ -168,10 +167,6 @@ class CudaGraphs:
         self.failed: dict = {}  # signature -> why its capture failed (runs eagerly, not retried)
         self.validated: set = set()  # signatures whose compiled blocks matched eager
         self.graph_memory_trimmed = None  # cudaMallocAsync: whether the last release trimmed
-        # every capture and its warm-ups run on one stream (cuda_streams.work_stream): the allocator
-        # serves a request only from free blocks of its own stream, and a sized pool's segment is
-        # made on it
-        self.capture_stream = None
         # (signature, compiled) -> what its capture asked of the pool (graph_memory.PoolNeed),
         # recorded at its first capture into an empty pool
         self.pool_needs: dict = {}
@@ -338,19 +333,17 @@ class CudaGraphs:
         elif cache is not None and cache.needs_fill():
             on_side_stream(run, device)  # refill the dequant cache (released on detach, or weights changed)
         self._quiet_for_capture()
-        self.capture_stream = work_stream(device)  # the warm-ups above ran on it too
-        if not self.graphs and self.pool is not None:
-            # no graph lives in the pool (the uncompiled graph this capture replaces is gone): a
-            # pool of its own for this one, the old segments go back at the capture's empty_cache
-            self.pool.vacate()
-            self.pool = None
-        fresh = self.pool is None
-        if fresh:
-            self.pool = GraphPool(accounted=self.persistent)
+        # every capture runs on the stream its warm-ups above ran on (cuda_streams.work_stream):
+        # the allocator serves a request only from free blocks of its own stream, and a sized
+        # pool's segments are made on it
+        stream = work_stream(device)
         key = (sig, use_compiled)
         need = self.pool_needs.get(key)
-        if fresh and need is not None:
-            self.pool.seed(need.segments, self.capture_stream, device)
+        # no graph lives in the pool (none yet, or the uncompiled graph this capture replaces is
+        # gone): a pool of its own for this one, seeded where its need is known
+        fresh = not self.graphs or self.pool is None
+        if fresh:
+            self._new_pool(need.segments if need is not None else [], stream, device)
         self.pool.vacate()
         # sized where the graph will stay: not the uncompiled graph the compiled blocks replace
         # after the background compilation (that one's pool goes then; sizing it cost SDXL's
@@ -358,19 +351,17 @@ class CudaGraphs:
         # as grown until it is captured again (a release), which then sizes it.
         measure = fresh and need is None and self.pool.pool is not None and not compile_after
         with AllocationTrace(device) if measure else contextlib.nullcontext() as trace:
-            graph, out = self._capture_graph(run, use_compiled)
+            graph, out = self._capture_graph(run, use_compiled, stream)
         if trace is not None and trace.entries is not None:
-            need = pool_need(large_events(trace.entries, stream=self.capture_stream.cuda_stream))
+            need = pool_need(large_events(trace.entries, stream=stream.cuda_stream))
             self.pool_needs[key] = need
             grown = self.pool.reserved_bytes("large")
             if need.fitted and grown - need.fitted > max(_RESIZE_MIN_SAVING, need.fitted // 20):
                 # the pool grew segment by segment to far more than the graph uses at once:
                 # capture again into the fitted segments (the same forward, once more)
                 del graph, out
-                self.pool.vacate()
-                self.pool = GraphPool(accounted=self.persistent)
-                self.pool.seed(need.segments, self.capture_stream, device)
-                graph, out = self._capture_graph(run, use_compiled)
+                self._new_pool(need.segments, stream, device)
+                graph, out = self._capture_graph(run, use_compiled, stream)
                 self.pool_sizing.append({"grown": grown, "fitted": need.fitted, "peak": need.peak,
                                          "simulated_grown": need.grown,
                                          "sized": self.pool.reserved_bytes("large")})
@@ -385,8 +376,16 @@ class CudaGraphs:
         return {"graph": graph, "static": _tensors(static_x, static_t, static_c), "out": out, "weights": weights,
                 "compiled": use_compiled}
 
-    def _capture_graph(self, run, use_compiled: bool):
-        """One capture of ``run`` into the pool, on the capture stream."""
+    def _new_pool(self, segments: list, stream, device) -> None:
+        """Replace the pool (its segments go back at the next capture's empty_cache, once no graph
+        uses them) by a new one seeded with ``segments`` on ``stream``."""
+        if self.pool is not None:
+            self.pool.vacate()
+        self.pool = GraphPool(accounted=self.persistent)
+        self.pool.seed(segments, stream, device)
+
+    def _capture_graph(self, run, use_compiled: bool, stream):
+        """One capture of ``run`` into the pool, on ``stream``."""
         graph = torch.cuda.CUDAGraph()
         with contextlib.ExitStack() as stack:
             if use_compiled:
@@ -394,7 +393,7 @@ class CudaGraphs:
                 if self.malloc_async:
                     stack.enter_context(raw_pointer_launches())
             # thread_local: other threads of the process (ComfyUI's) may use the GPU meanwhile
-            with torch.cuda.graph(graph, pool=self.pool.handle, stream=self.capture_stream,
+            with torch.cuda.graph(graph, pool=self.pool.handle, stream=stream,
                                   capture_error_mode="thread_local"):
                 out = run()
         return graph, out
