@@ -120,16 +120,8 @@ def simulate_pool(events, seed: int = 0) -> int:
     return sum(segments)
 
 
-def pool_need(events, extra_candidates: int = 10, max_extra: int = 3) -> PoolNeed:
-    """The peak, the grown pool and the fitted segments of a recorded capture's large requests.
-
-    First the smallest single segment that serves every request (searched in 2 MiB steps between
-    the peak and what the pool grows to).  Then, greedily, up to ``max_extra`` more segments,
-    each the size of one of the ``extra_candidates`` largest requests, kept when the arena they
-    leave plus themselves is smaller: a few big tensors that live across layers otherwise split
-    the arena where the others need it whole (measured on Flux.1-dev's captured fp8 forward:
-    one segment 526 MiB, with two more 442 MiB, for a peak in use of 399 MiB; about 0.2 s).  A set of
-    segments that serves everything leaves the pool at exactly those segments."""
+def peak_in_use(events) -> tuple:
+    """(bytes of large blocks in use at once at most, large requests) of recorded ``events``."""
     live, current, peak, requests = {}, 0, 0, 0
     for ev in events:
         if ev[0] == "alloc":
@@ -140,6 +132,38 @@ def pool_need(events, extra_candidates: int = 10, max_extra: int = 3) -> PoolNee
             requests += 1
         else:
             current -= live.pop(ev[1], 0)
+    return peak, requests
+
+
+def without_unfreed(events, keep=()) -> list:
+    """``events`` less the allocations never freed, but for those at the addresses in ``keep``.
+
+    An eager forward recorded as a stand-in for its capture: what it allocates for good (lazy
+    inits, cuBLAS's workspace of a new stream, a dequantized-weight cache) lives outside the pool
+    by the time the forward is captured, so only its outputs (``keep``) stay in the pool."""
+    last, freed = {}, set()
+    for i, ev in enumerate(events):
+        if ev[0] == "alloc":
+            last[ev[1]] = i
+            freed.discard(i)
+        elif ev[1] in last:
+            freed.add(last[ev[1]])
+    keep = set(keep)
+    drop = {i for addr, i in last.items() if i not in freed and addr not in keep}
+    return [ev for i, ev in enumerate(events) if i not in drop]
+
+
+def pool_need(events, extra_candidates: int = 10, max_extra: int = 3) -> PoolNeed:
+    """The peak, the grown pool and the fitted segments of a recorded capture's large requests.
+
+    First the smallest single segment that serves every request (searched in 2 MiB steps between
+    the peak and what the pool grows to).  Then, greedily, up to ``max_extra`` more segments,
+    each the size of one of the ``extra_candidates`` largest requests, kept when the arena they
+    leave plus themselves is smaller: a few big tensors that live across layers otherwise split
+    the arena where the others need it whole (measured on Flux.1-dev's captured fp8 forward:
+    one segment 526 MiB, with two more 442 MiB, for a peak in use of 399 MiB; about 0.2 s).  A set of
+    segments that serves everything leaves the pool at exactly those segments."""
+    peak, requests = peak_in_use(events)
     grown = simulate_pool(events)
     if not requests:
         return PoolNeed(0, grown, [], 0, events)

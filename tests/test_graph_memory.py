@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from comfy_modelopt.graph_memory import (LARGE_BUFFER, ROUND_LARGE, SMALL_SIZE, AllocationTrace, large_events,
-                                         pool_need, round_request, segment_size, simulate_pool)
+                                         peak_in_use, pool_need, round_request, segment_size, simulate_pool,
+                                         without_unfreed)
 
 MiB = 1 << 20
 
@@ -98,6 +99,24 @@ def test_large_events_filters_the_history():
     assert simulate_pool([("free", 99), ("alloc", 1, 12 * MiB)]) == 12 * MiB
 
 
+def test_a_warm_up_stands_for_its_capture_less_what_it_keeps_for_good():
+    """An eager warm-up's record: what it allocates and never frees (a workspace, a cache) is
+    gone from it but for its output; an address freed and allocated again counts by its last
+    allocation; what the capture would ask is left."""
+    warm = [("alloc", 1, 32 * MiB),            # a new stream's workspace: kept for good
+            ("alloc", 2, 8 * MiB), ("free", 2),
+            ("alloc", 2, 6 * MiB),             # the same address again: the output
+            ("alloc", 3, 10 * MiB), ("free", 3),
+            ("alloc", 4, 4 * MiB),             # a cache filled once
+            ("free", 77)]                      # allocated before the record
+    capture = [("alloc", 2, 8 * MiB), ("free", 2), ("alloc", 2, 6 * MiB), ("alloc", 3, 10 * MiB), ("free", 3)]
+    assert without_unfreed(warm, keep={2}) == capture + [("free", 77)]
+    assert peak_in_use(without_unfreed(warm, keep={2})) == peak_in_use(capture) == (16 * MiB, 3)
+    assert pool_need(without_unfreed(warm, keep={2})).segments == pool_need(capture).segments
+    assert without_unfreed(warm) == [("alloc", 2, 8 * MiB), ("free", 2), ("alloc", 3, 10 * MiB), ("free", 3),
+                                     ("free", 77)]
+
+
 def test_nothing_large_needs_no_segment():
     need = pool_need([("alloc", 1, 3 * MiB)][:0])
     assert need.fitted == 0 and need.requests == 0
@@ -150,6 +169,19 @@ def test_replay_matches_the_real_allocator_and_a_sized_pool_stays_one_segment():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ref)
+    # the same segments from an eager warm-up's record (what the runtime seeds a first capture
+    # with): a tensor it keeps for good (a lazy cache) is left out, its output stays
+    cache = []
+
+    def warm_up():
+        cache.append(torch.empty(24 * MiB, dtype=torch.uint8, device=device))
+        return forward()
+    with torch.cuda.stream(stream), AllocationTrace() as trace:
+        wout = warm_up()
+    stream.synchronize()
+    wneed = pool_need(without_unfreed(large_events(trace.entries, stream=stream.cuda_stream),
+                                      {wout.untyped_storage().data_ptr()}))
+    assert wneed.peak == need.peak and wneed.segments == need.segments, (wneed, need)
 
 
 RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "results",

@@ -39,7 +39,8 @@ from comfy.patcher_extension import CallbacksMP, WrappersMP
 from ..cuda_streams import (allocator_backend, keep_forever, on_side_stream, shared_graph_pool, trim_graph_memory,
                             work_stream)
 from ..device_constants import ConstantsOnDevice, HostCopies
-from ..graph_memory import SMALL_SIZE, AllocationTrace, large_events, pool_need, seed_pool
+from ..graph_memory import (ROUND_LARGE, SMALL_SIZE, AllocationTrace, large_events, peak_in_use, pool_need, seed_pool,
+                            without_unfreed)
 from .compiled_blocks import (CompiledBlocks, _carried_patches, _nonempty, install_raw_pointer_launches,
                               raw_pointer_launches, rounding_noise)
 from .lean import release_on_detach
@@ -170,7 +171,9 @@ class CudaGraphs:
         # (signature, compiled) -> what its capture asked of the pool (graph_memory.PoolNeed),
         # recorded at its first capture into an empty pool
         self.pool_needs: dict = {}
-        self.pool_sizing: list = []  # per capture made again: the pool grown vs the fitted segments, bytes
+        # per sized first capture, bytes: seeded from its warm-up (from_warm_up), or grown vs
+        # fitted where it was captured again
+        self.pool_sizing: list = []
         self.constants_rebuilt = 0  # CPU-built constants the last capture built on the GPU instead
 
     def release(self, *_args) -> None:
@@ -305,6 +308,17 @@ class CudaGraphs:
         run = lambda: self._model_call(apply_model, static_x, static_t, static_c)  # noqa: E731
         first = lambda: self._model_call(apply_model, static_x, static_t, static_c, check_host_copies=True)  # noqa: E731
         cache = getattr(self.patcher.model, "_modelopt_dequant_cache", None)
+        # a graph that will get a pool of its own, not sized yet: its warm-up is recorded, and the
+        # pool seeded from that record, so the capture needs no second take into a fitted pool
+        # (SDXL's first run: ~0.4 s).  The capture is recorded too and checks the seeding
+        fresh = not self.graphs or self.pool is None
+        warm = {}  # (sig, compiled) -> the PoolNeed of that warm-up
+
+        def sized_warm_up(fn, compiled: bool):
+            if not fresh or (sig, compiled) in self.pool_needs:
+                return fn()
+            out, warm[(sig, compiled)] = self._recorded(fn, device)
+            return out
         if sig not in self.warmed and self.compiled is not None and self.compiled.enabled and self.background_compile:
             on_side_stream(first, device)  # lazy inits, autotuning, the dequant cache: outside the capture
             self.warmed.add(sig)
@@ -313,7 +327,7 @@ class CudaGraphs:
             t_compile = time.perf_counter()
 
             def warm_up():  # outside the capture: lazy inits, autotuning, compilation, dequant cache
-                ref = first()
+                ref = sized_warm_up(first, False)
                 return self.compiled is not None and self.compiled.validate(
                     run, ref, lambda: apply_model(rounding_noise(static_x, self._compute_dtype()), static_t,
                                                   **static_c))
@@ -328,7 +342,7 @@ class CudaGraphs:
             # Inductor's autotuning) must happen here, never inside the capture
             def warm_up_compiled():
                 with self.compiled.installed():
-                    run()
+                    sized_warm_up(run, True)
             on_side_stream(warm_up_compiled, device)
         elif cache is not None and cache.needs_fill():
             on_side_stream(run, device)  # refill the dequant cache (released on detach, or weights changed)
@@ -339,11 +353,12 @@ class CudaGraphs:
         stream = work_stream(device)
         key = (sig, use_compiled)
         need = self.pool_needs.get(key)
+        warm_need = warm.get(key) if need is None else None
         # no graph lives in the pool (none yet, or the uncompiled graph this capture replaces is
-        # gone): a pool of its own for this one, seeded where its need is known
-        fresh = not self.graphs or self.pool is None
+        # gone): a pool of its own for this one, seeded where its need is known (or its warm-up's)
         if fresh:
-            self._new_pool(need.segments if need is not None else [], stream, device)
+            seed = need if need is not None else warm_need
+            self._new_pool(seed.segments if seed is not None else [], stream, device)
         self.pool.vacate()
         # sized where the graph will stay: not the uncompiled graph the compiled blocks replace
         # after the background compilation (that one's pool goes then; sizing it cost SDXL's
@@ -353,10 +368,19 @@ class CudaGraphs:
         with AllocationTrace(device) if measure else contextlib.nullcontext() as trace:
             graph, out = self._capture_graph(run, use_compiled, stream)
         if trace is not None and trace.entries is not None:
-            need = pool_need(large_events(trace.entries, stream=stream.cuda_stream))
-            self.pool_needs[key] = need
+            events = large_events(trace.entries, stream=stream.cuda_stream)
             grown = self.pool.reserved_bytes("large")
-            if need.fitted and grown - need.fitted > max(_RESIZE_MIN_SAVING, need.fitted // 20):
+            if warm_need is not None and warm_need.fitted and grown <= warm_need.fitted and \
+                    abs(peak_in_use(events)[0] - warm_need.peak) <= ROUND_LARGE:
+                # the capture asked what its warm-up did and the seeded segments served it
+                self.pool_needs[key] = warm_need
+                self.pool_sizing.append({"from_warm_up": True, "fitted": warm_need.fitted, "peak": warm_need.peak,
+                                         "simulated_grown": warm_need.grown, "sized": grown})
+                events = None
+            need = pool_need(events) if events is not None else None
+            if need is not None:
+                self.pool_needs[key] = need
+            if need is not None and need.fitted and grown - need.fitted > max(_RESIZE_MIN_SAVING, need.fitted // 20):
                 # the pool grew segment by segment to far more than the graph uses at once:
                 # capture again into the fitted segments (the same forward, once more)
                 del graph, out
@@ -375,6 +399,20 @@ class CudaGraphs:
         static_c.pop("transformer_options")
         return {"graph": graph, "static": _tensors(static_x, static_t, static_c), "out": out, "weights": weights,
                 "compiled": use_compiled}
+
+    @staticmethod
+    def _recorded(fn, device):
+        """``fn()`` (a warm-up, on the work stream) with its large allocations recorded: (its
+        output, the pool a capture of the same forward needs, or None where the allocator keeps
+        no history).  What the warm-up allocates for good but its output lives outside the pool
+        by the time the forward is captured (``without_unfreed``)."""
+        with AllocationTrace(device) as trace:
+            out = fn()
+        if trace.entries is None:
+            return out, None
+        keep = {t.untyped_storage().data_ptr() for t in _tensors(out)}
+        events = large_events(trace.entries, stream=torch.cuda.current_stream(device).cuda_stream)
+        return out, pool_need(without_unfreed(events, keep))
 
     def _new_pool(self, segments: list, stream, device) -> None:
         """Replace the pool (its segments go back at the next capture's empty_cache, once no graph
