@@ -25,6 +25,7 @@ on a CPU (graphs then fall back to eager: a smoke run, not a measurement).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -44,6 +45,7 @@ from comfy_modelopt.comfyui.compiled_blocks import rounding_noise  # noqa: E402
 from comfy_modelopt.comfyui.cuda_graphs import CudaGraphs  # noqa: E402
 from comfy_modelopt.comfyui.lean import make_lean  # noqa: E402
 from comfy_modelopt.comfyui.runtime import RUNTIMES, apply_runtime  # noqa: E402
+from comfy_modelopt.graph_memory import AllocationTrace  # noqa: E402
 
 EAGER_NOISE = "lean, input rounded once more per call (eager's own noise)"
 
@@ -114,7 +116,7 @@ def _run_variant(label, q, runs, sample, ref, fp8_ref=None):
     peak_trace = None
     if TRACE_PEAK and common.CUDA:
         # one more run with the allocator's history and stacks on: what is live at its peak
-        from comfy_modelopt.graph_memory import AllocationTrace, live_at_peak
+        from comfy_modelopt.graph_memory import live_at_peak
         with torch.inference_mode(), AllocationTrace(stacks=True) as trace:
             sample(q)
             common.sync()
@@ -216,6 +218,10 @@ def main(argv=None):
     ap.add_argument("--trace-peak", action="store_true",
                     help="after its runs, one more run of each variant with the allocator's history on: the "
                          "largest allocations live at that run's peak, with where they were made (slower)")
+    ap.add_argument("--trace-held", action="store_true",
+                    help="record every allocation's Python stack from before each fp8 variant loads (slow): what "
+                         "stays allocated between its runs beyond the model's weights, largest first, with where it "
+                         "was made")
     a = ap.parse_args(argv)
     global TRACE_PEAK
     TRACE_PEAK = a.trace_peak
@@ -327,6 +333,8 @@ def main(argv=None):
     # peak), the inputs and references - not the fp8 variants' to count
     held_before = torch.cuda.memory_allocated() / 2**30 if common.CUDA else None
     for variant in later:
+        held_trace = AllocationTrace(stacks=True) if a.trace_held and common.CUDA else contextlib.nullcontext()
+        held_trace.__enter__()
         q = common.load_stock(q_sd, meta)
         if variant == EAGER_NOISE:
             make_lean(q)
@@ -336,6 +344,9 @@ def main(argv=None):
         elif variant != STOCK_FP8:  # as the nodes install it
             q, _ = apply_runtime(q, variant, force_int8_attention=True)
         row, out = _run_variant(variant, q, a.runs, sample, ref, fp8_ref)
+        if a.trace_held and common.CUDA:
+            row["held_beyond_weights"] = held_allocations(q)
+        held_trace.__exit__(None, None, None)
         if held_before is not None and "settled_over_model_gib" in row:
             row["held_before_gib"] = round(held_before, 3)
             row["settled_over_model_and_held_gib"] = round(row["settled_over_model_gib"] - held_before, 3)
@@ -345,6 +356,47 @@ def main(argv=None):
         record(row)
         common.free(q)
     return results
+
+
+def _storage_ptrs(t, out: set) -> None:
+    """Where a (possibly quantized, wrapper-subclass) tensor's bytes live."""
+    try:
+        out.add(t.untyped_storage().data_ptr())
+        return
+    except (RuntimeError, NotImplementedError, TypeError):
+        pass
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None:
+        for name in flatten()[0]:
+            _storage_ptrs(getattr(t, name), out)
+
+
+def held_allocations(q, top: int = 12) -> dict:
+    """The blocks allocated now that are not the model's own tensors, largest first, with where
+    each was allocated (--trace-held: the allocator's history recorded since before loading)."""
+    own: set = set()
+    for t in q.model.state_dict().values():
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            _storage_ptrs(t, own)
+    held, weights_by_site = [], {}
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        pool = "default" if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) else "private"
+        for blk in seg["blocks"]:
+            if blk["state"] != "active_allocated":
+                continue
+            frames = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in blk.get("frames", [])
+                      if "/torch/" not in f["filename"] and "/threading.py" not in f["filename"]][:5]
+            if blk["address"] in own:  # the model's tensors, by where they were made
+                site = " | ".join(frames[:3])
+                weights_by_site[site] = weights_by_site.get(site, 0) + blk["size"] / 2**20
+                continue
+            held.append({"mib": round(blk["size"] / 2**20, 2), "pool": pool, "stream": seg.get("stream"),
+                         "frames": frames})
+    held.sort(key=lambda h: -h["mib"])
+    sites = sorted(weights_by_site.items(), key=lambda kv: -kv[1])[:top]
+    return {"total_mib": round(sum(h["mib"] for h in held), 1), "blocks": len(held), "largest": held[:top],
+            "model_tensors_mib": round(sum(weights_by_site.values()), 1),
+            "model_tensors_by_site_mib": [{"site": k, "mib": round(v, 1)} for k, v in sites]}
 
 
 def profile_run(q, sample, top: int = 25) -> dict:
