@@ -6,6 +6,10 @@ Measured on an H200 (``benchmarks/sampling_check.py``, 2026-11-30, whole 20-step
 0.70 s per run against cuDNN's flash attention 0.49 s), SDXL 0.93 against 0.82 s.  On Hopper
 cuDNN's 16-bit flash attention is the faster choice, so the runtime leaves attention alone
 there (``SLOWER_ON``); elsewhere (Ada, Blackwell: not measured yet) it is installed as asked.
+Per call (``benchmarks/attention8.py``, H200, 2026-12-01) kitchen's kernel is 0.57-0.79x bf16's
+at every size measured, and cuDNN's FP8 SDPA - the other 8-bit candidate - is slower too at the
+whole-run sizes once Q/K/V are quantized (Flux 1024x1024 0.92x, 3% error against bf16's 0.2%),
+faster only at long sequences (1.35-1.41x at 17-33k tokens); not offered as a runtime.
 """
 from __future__ import annotations
 
