@@ -8,11 +8,12 @@ use at once (measured on an H200: Flux.1-dev's captured fp8 forward, 0.82 GiB of
 0.39 GiB in use at once).  Expandable segments would avoid it, but the allocator does not use
 them for private pools.
 
-So a capture is recorded once (the allocator's own alloc/free history, ``AllocationTrace``),
-the allocator's best-fit placement is replayed on that sequence (``simulate_pool``) to find the
+So the forward is recorded once (the allocator's own alloc/free history, ``AllocationTrace``:
+its eager warm-up less what that keeps for good, ``without_unfreed``, or a capture), the
+allocator's best-fit placement is replayed on that sequence (``simulate_pool``) to find the
 smallest segments that serve every request (``pool_need``: one arena, plus a segment or two
-sized to the largest requests where that packs tighter), and the capture is made again into a
-pool that holds just those segments (``seed_pool``): every request then splits them.  This
+sized to the largest requests where that packs tighter), and the capture is made into a pool
+that holds just those segments (``seed_pool``): every request then splits them.  This
 module is plain PyTorch; the ComfyUI adapter (``comfyui/cuda_graphs.py``) uses it.
 """
 from __future__ import annotations

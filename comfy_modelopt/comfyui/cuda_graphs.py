@@ -19,10 +19,12 @@ device reports as used), and it goes back when ComfyUI
 unloads the model, partly or wholly, to make room: the graphs are owned by the model's patcher
 and die with its residency.  A change of weights or weight patches (a LoRA) recaptures.
 
-Under the caching allocator the pool is sized to the capture (``graph_memory``): a signature's
-first capture is recorded, the allocator's placement replayed on it, and the graph captured
-again into a few segments fitted to it - left alone the pool grew to 2x what the forward uses at
-once (Flux.1-dev: 0.82 GiB of segments for 0.39 GiB in use; fitted 0.44 GiB).
+Under the caching allocator the pool is sized to the forward (``graph_memory``): the eager
+warm-up before a signature's first capture is recorded, the allocator's placement replayed on
+it, and the graph captured into a few segments fitted to it (the capture, recorded too, checks
+the fit; captured once more into its own fit where it asked for more) - left alone the pool grew
+to 2x what the forward uses at once (Flux.1-dev: 0.82 GiB of segments for 0.39 GiB in use;
+fitted 0.44 GiB).
 """
 from __future__ import annotations
 
@@ -168,8 +170,8 @@ class CudaGraphs:
         self.failed: dict = {}  # signature -> why its capture failed (runs eagerly, not retried)
         self.validated: set = set()  # signatures whose compiled blocks matched eager
         self.graph_memory_trimmed = None  # cudaMallocAsync: whether the last release trimmed
-        # (signature, compiled) -> what its capture asked of the pool (graph_memory.PoolNeed),
-        # recorded at its first capture into an empty pool
+        # (signature, compiled) -> what its forward asks of the pool (graph_memory.PoolNeed),
+        # recorded at its first warm-up / capture into an empty pool
         self.pool_needs: dict = {}
         # per sized first capture, bytes: seeded from its warm-up (from_warm_up), or grown vs
         # fitted where it was captured again
