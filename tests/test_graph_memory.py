@@ -38,6 +38,9 @@ def test_growing_temporaries_fragment_the_pool_and_one_segment_serves_them():
     assert need.segments == [18 * MiB]
     assert simulate_pool(events, need.fitted) == need.fitted  # serves all: the pool stays one segment
     assert simulate_pool(events, need.fitted - ROUND_LARGE) > need.fitted  # any less grows it
+    # the searches' question (does it serve all without growing?) answered without replaying on
+    assert simulate_pool(events, need.fitted, grow=False) == need.fitted
+    assert simulate_pool(events, need.fitted - ROUND_LARGE, grow=False) is None
 
 
 def test_a_segment_for_a_big_request_packs_tighter_than_one_arena():
