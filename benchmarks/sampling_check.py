@@ -221,7 +221,7 @@ def main(argv=None):
     ap.add_argument("--trace-held", action="store_true",
                     help="record every allocation's Python stack from before each fp8 variant loads (slow): what "
                          "stays allocated between its runs beyond the model's weights, largest first, with where it "
-                         "was made")
+                         "was made; the runtime's graph-pool sizing, which records the allocator itself, is off then")
     a = ap.parse_args(argv)
     global TRACE_PEAK
     TRACE_PEAK = a.trace_peak
@@ -333,20 +333,19 @@ def main(argv=None):
     # peak), the inputs and references - not the fp8 variants' to count
     held_before = torch.cuda.memory_allocated() / 2**30 if common.CUDA else None
     for variant in later:
-        held_trace = AllocationTrace(stacks=True) if a.trace_held and common.CUDA else contextlib.nullcontext()
-        held_trace.__enter__()
-        q = common.load_stock(q_sd, meta)
-        if variant == EAGER_NOISE:
-            make_lean(q)
-            dtype = q.model.get_dtype_inference()
-            q.set_model_unet_function_wrapper(
-                lambda apply_model, args: apply_model(rounding_noise(args["input"], dtype), args["timestep"], **args["c"]))
-        elif variant != STOCK_FP8:  # as the nodes install it
-            q, _ = apply_runtime(q, variant, force_int8_attention=True)
-        row, out = _run_variant(variant, q, a.runs, sample, ref, fp8_ref)
-        if a.trace_held and common.CUDA:
-            row["held_beyond_weights"] = held_allocations(q)
-        held_trace.__exit__(None, None, None)
+        with AllocationTrace(stacks=True) if a.trace_held and common.CUDA else contextlib.nullcontext():
+            q = common.load_stock(q_sd, meta)
+            if variant == EAGER_NOISE:
+                make_lean(q)
+                dtype = q.model.get_dtype_inference()
+                q.set_model_unet_function_wrapper(
+                    lambda apply_model, args: apply_model(rounding_noise(args["input"], dtype), args["timestep"],
+                                                          **args["c"]))
+            elif variant != STOCK_FP8:  # as the nodes install it
+                q, _ = apply_runtime(q, variant, force_int8_attention=True)
+            row, out = _run_variant(variant, q, a.runs, sample, ref, fp8_ref)
+            if a.trace_held and common.CUDA:
+                row["held_beyond_weights"] = held_allocations(q)
         if held_before is not None and "settled_over_model_gib" in row:
             row["held_before_gib"] = round(held_before, 3)
             row["settled_over_model_and_held_gib"] = round(row["settled_over_model_gib"] - held_before, 3)

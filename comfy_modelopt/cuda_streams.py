@@ -26,10 +26,10 @@ def work_stream(device=None, role: str = "capture"):
     return _STREAMS[key]
 
 
-def on_side_stream(fn, device=None, stream=None):
-    """``fn()`` on a side stream (``work_stream``'s capture stream unless given) ordered after
-    the current one, and the current one after it."""
-    stream = work_stream(device) if stream is None else stream
+def on_side_stream(fn, device=None):
+    """``fn()`` on ``work_stream``'s capture stream, ordered after the current stream, and the
+    current stream after it."""
+    stream = work_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         result = fn()

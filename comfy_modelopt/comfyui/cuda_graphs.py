@@ -379,19 +379,17 @@ class CudaGraphs:
                 self.pool_needs[key] = warm_need
                 self.pool_sizing.append({"from_warm_up": True, "fitted": warm_need.fitted, "peak": warm_need.peak,
                                          "simulated_grown": warm_need.grown, "sized": grown})
-                events = None
-            need = pool_need(events) if events is not None else None
-            if need is not None:
-                self.pool_needs[key] = need
-            if need is not None and need.fitted and grown - need.fitted > max(_RESIZE_MIN_SAVING, need.fitted // 20):
-                # the pool grew segment by segment to far more than the graph uses at once:
-                # capture again into the fitted segments (the same forward, once more)
-                del graph, out
-                self._new_pool(need.segments, stream, device)
-                graph, out = self._capture_graph(run, use_compiled, stream)
-                self.pool_sizing.append({"grown": grown, "fitted": need.fitted, "peak": need.peak,
-                                         "simulated_grown": need.grown,
-                                         "sized": self.pool.reserved_bytes("large")})
+            else:
+                need = self.pool_needs[key] = pool_need(events)
+                if need.fitted and grown - need.fitted > max(_RESIZE_MIN_SAVING, need.fitted // 20):
+                    # the pool grew segment by segment to far more than the graph uses at once:
+                    # capture again into the fitted segments (the same forward, once more)
+                    del graph, out
+                    self._new_pool(need.segments, stream, device)
+                    graph, out = self._capture_graph(run, use_compiled, stream)
+                    self.pool_sizing.append({"grown": grown, "fitted": need.fitted, "peak": need.peak,
+                                             "simulated_grown": need.grown,
+                                             "sized": self.pool.reserved_bytes("large")})
         self.captures += 1  # a capture made again into fitted segments counts once (pool_sizing has it)
         graph.replay()
         torch.cuda.current_stream().synchronize()
