@@ -21,6 +21,8 @@ import threading
 import torch
 
 from ..device_constants import ConstantsOnDevice
+from .traced_layers import clear as clear_traced
+from .traced_layers import traced_forward
 
 
 def _rel_l2(a, b) -> float:
@@ -105,8 +107,9 @@ class CompiledBlocks:
     kernels and the stock fallback run as they are (a quantized weight is a tensor subclass the
     compiler cannot trace, and a GEMM gains nothing from tracing)."""
 
-    def __init__(self, diffusion_model, tol: float = 0.02, max_tol: float = 0.25):
+    def __init__(self, diffusion_model, tol: float = 0.02, max_tol: float = 0.25, trace_layers: bool = True):
         self.tol, self.max_tol = tol, max_tol
+        self.trace_layers = trace_layers  # plain kernel calls as operators (traced_layers), not breaks
         self.enabled, self.reason = True, None
         self.checks: list = []  # one dict per validated input signature
         self.regions = [m for m in _block_regions(diffusion_model) if not _is_weight_layer(m)]
@@ -187,10 +190,14 @@ class CompiledBlocks:
                 for m, c in zip(blocks.regions, blocks.compiled):
                     m.forward = c
                 for m, f in zip(blocks.opaque, self.saved[len(blocks.regions):]):
-                    m.forward = blocks._opaque_forward(m, f)
+                    opaque = blocks._opaque_forward(m, f)
+                    # a plain kernel call is one operator in the block's graph, not a break
+                    m.forward = (traced_forward(m, opaque) if blocks.trace_layers else None) or opaque
                 return self
 
             def __exit__(self, *exc):
+                for m in blocks.opaque:
+                    clear_traced(m)
                 for m, f in zip(self.mods, self.saved):
                     if f is None:
                         del m.forward

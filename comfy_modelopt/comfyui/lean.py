@@ -65,17 +65,22 @@ def _bias(module, x):
     return b if (b.dtype == x.dtype and b.device == x.device) else b.to(device=x.device, dtype=x.dtype)
 
 
+def _fp8_mm(x, qdata, scale_a, scale_b, bias, fast_accum: bool):
+    """fp8 with a static input scale on plain tensors (also the compiled blocks' operator,
+    ``traced_layers``)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq = ck.quantize_per_tensor_fp8(x2, scale_a, qdata.dtype)
+    if fast_accum:
+        out = torch._scaled_mm(xq, qdata.t(), scale_a=scale_a, scale_b=scale_b,
+                               bias=bias, out_dtype=x.dtype, use_fast_accum=True)
+    else:
+        out = scaled_mm_v2(xq.contiguous(), qdata.t(), scale_a, scale_b, bias, x.dtype)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def _fp8_forward(module, x, fast_accum: bool):
     w = module.weight
-    x2 = x.reshape(-1, x.shape[-1])
-    scale_a = module.input_scale
-    xq = ck.quantize_per_tensor_fp8(x2, scale_a, w._qdata.dtype)
-    if fast_accum:
-        out = torch._scaled_mm(xq, w._qdata.t(), scale_a=scale_a, scale_b=w._params.scale,
-                               bias=_bias(module, x), out_dtype=x.dtype, use_fast_accum=True)
-    else:
-        out = scaled_mm_v2(xq.contiguous(), w._qdata.t(), scale_a, w._params.scale, _bias(module, x), x.dtype)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    return _fp8_mm(x, w._qdata, module.input_scale, w._params.scale, _bias(module, x), fast_accum)
 
 
 def _int8_forward(module, x):
@@ -207,10 +212,12 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
         stock = getattr(owner, attr)
         full_precision = module._full_precision_mm or fmt not in native
         kernel = _kernel(fmt) if not full_precision else None
+        kind = None  # what compiled blocks may trace as one operator (traced_layers)
         if kernel is _fp8_forward and getattr(module, "input_scale", None) is not None:
             fast = lambda m, x, fa=fast_accum: _fp8_forward(m, x, fa)  # noqa: E731
+            kind = ("fp8", fast_accum)
         elif kernel is _int8_forward:
-            fast = _int8_forward
+            fast, kind = _int8_forward, ("int8",)
         elif full_precision:
             fast = lambda m, x, c=cache: _dequant_forward(m, x, c)  # noqa: E731
             dequantized += module.weight.numel()
@@ -223,8 +230,11 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
             if input.device.type == _on and _fast_path_ok(self, input):
                 return _fast(self, input)
             return _stock(input, *args, **kwargs)
-        setattr(owner, attr, types.MethodType(forward, module))
+        bound = types.MethodType(forward, module)
+        setattr(owner, attr, bound)
         module._modelopt_lean = True
+        if kind is not None and owner is module and attr == "forward":
+            module._modelopt_lean_kernel, module._modelopt_lean_forward = kind, bound
         count += 1
     if new_cache:
         # never reserve more than the layers computed dequantized can use (at the compute dtype)

@@ -1,0 +1,145 @@
+"""Weight layers the compiler sees through: while compiled blocks are installed
+(``compiled_blocks``), a Linear whose forward is a plain kernel call - the lean fp8 and int8
+kernels, a 16-bit GEMM - reaches Dynamo as one opaque operator in the block's graph instead of a
+graph break.
+
+Why: a graph break splits a block into one compiled graph per stretch between layers, and every
+stretch resumes inside the previous one's frame, which keeps that frame's values alive until
+the block returns.  Measured on the H200 (eager warm-up before Flux's first capture, the
+allocator's history): the compiled double block held its attention's q/k/v, the QKV output and
+RoPE's output through the MLP - 456 MiB in use at once against the uncompiled forward's 433,
+and Wan 2.1's compiled blocks 578 MiB against 458 - memory a CUDA graph then keeps for good.
+With the layers as operators the block is one graph whose buffers Inductor frees at their last
+use.
+
+The operator runs exactly the lean kernel (``lean._fp8_mm``; kitchen's ``int8_linear`` op; the
+16-bit ``linear`` ComfyUI's cast path ends in when the weight is already on the device in the
+input's dtype), so each layer's output is bit-identical to the eager one.  Taken only where
+nothing else can apply at call time: the layer's forward is the lean one (or the class's own for
+a 16-bit layer), no weight or bias function (LoRA patches), no cast flags, the weight on the
+device.  Any other layer - and any call from outside a compilation (another thread running the
+block eagerly) - runs its own forward, opaque to the compiler as before.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from . import lean
+
+try:
+    from comfy.quant_ops import QuantizedTensor
+except ImportError:  # pragma: no cover
+    QuantizedTensor = ()
+
+_OP = "comfy_modelopt::fp8_linear"
+
+
+def _registered() -> bool:
+    try:
+        torch.ops.comfy_modelopt.fp8_linear  # noqa: B018 - a module imported twice registers once
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+if not _registered():
+    @torch.library.custom_op(_OP, mutates_args=())
+    def fp8_linear(x: torch.Tensor, qdata: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                   bias: torch.Tensor | None, fast_accum: bool) -> torch.Tensor:
+        """The lean fp8 kernel as one operator: kitchen's static-scale activation quantizer +
+        ``scaled_mm`` (``lean._fp8_mm``)."""
+        return lean._fp8_mm(x, qdata, scale_a, scale_b, bias, fast_accum)
+
+    @fp8_linear.register_fake
+    def _fp8_linear_fake(x, qdata, scale_a, scale_b, bias, fast_accum):
+        return x.new_empty((*x.shape[:-1], qdata.shape[0]))
+
+
+def _plain(t):
+    """A parameter as the plain tensor Dynamo lifts as a graph input."""
+    return t.detach() if isinstance(t, torch.nn.Parameter) else t
+
+
+def _fp8_traced(self, input, *args, **kwargs):
+    if args or kwargs or not torch.compiler.is_compiling():
+        return self._modelopt_untraced(input, *args, **kwargs)
+    qdata, scale_a, scale_b, bias, fast_accum = self._modelopt_traced
+    if input.device != qdata.device or input.requires_grad:
+        return self._modelopt_untraced(input)
+    if bias is not None and bias.dtype != input.dtype:
+        bias = bias.to(input.dtype)
+    return torch.ops.comfy_modelopt.fp8_linear(input, qdata, scale_a, scale_b, bias, fast_accum)
+
+
+def _int8_traced(self, input, *args, **kwargs):
+    if args or kwargs or not torch.compiler.is_compiling():
+        return self._modelopt_untraced(input, *args, **kwargs)
+    qdata, scale, bias, convrot, group = self._modelopt_traced
+    if input.device != qdata.device or input.requires_grad:
+        return self._modelopt_untraced(input)
+    if bias is not None and bias.dtype != input.dtype:
+        bias = bias.to(input.dtype)
+    return torch.ops.comfy_kitchen.int8_linear(input.contiguous(), qdata, scale, bias,
+                                               lean._dtype_code(input.dtype), convrot, group)
+
+
+def _linear_traced(self, input, *args, **kwargs):
+    if args or kwargs or not torch.compiler.is_compiling():
+        return self._modelopt_untraced(input, *args, **kwargs)
+    weight, bias = self._modelopt_traced
+    if (input.device != weight.device or input.dtype != weight.dtype or input.requires_grad
+            or (bias is not None and bias.dtype != input.dtype)):
+        return self._modelopt_untraced(input)
+    return torch.nn.functional.linear(input, weight, bias)
+
+
+def _static_ok(m) -> bool:
+    """Nothing a call could still route elsewhere (lean's ``_fast_path_ok`` less what only the
+    input decides - the traced forward checks that): weight and bias on one device, no patches,
+    no cast flags."""
+    w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+    return (isinstance(w, torch.Tensor) and (b is None or b.device == w.device)
+            and not getattr(m, "weight_function", None) and not getattr(m, "bias_function", None)
+            and not getattr(m, "comfy_force_cast_weights", False) and not getattr(m, "comfy_cast_weights", False))
+
+
+def traced_forward(m, untraced):
+    """A forward for layer ``m`` that Dynamo traces as one operator, with what it reads set on the
+    module (``_modelopt_traced``) - or None where the layer must stay opaque.  ``untraced``: the
+    opaque forward every other call takes (and a traced call whose input is on another device)."""
+    if not _static_ok(m):
+        return None
+    w, own = m.weight, m.__dict__.get("forward")
+    bias = _plain(m.bias) if getattr(m, "bias", None) is not None else None
+    if QuantizedTensor and isinstance(w, QuantizedTensor):
+        kind = getattr(m, "_modelopt_lean_kernel", None)
+        if kind is None or own is None or own is not getattr(m, "_modelopt_lean_forward", None):
+            return None  # not (or no longer) the lean forward: the own loader's, a LoRA hook's
+        if kind[0] == "fp8":
+            m._modelopt_traced = (w._qdata, _plain(m.input_scale), w._params.scale, bias, kind[1])
+            fn = _fp8_traced
+        elif kind[0] == "int8" and lean._dtype_code is not None:
+            p = w._params
+            m._modelopt_traced = (w._qdata, p.scale, bias, bool(getattr(p, "convrot", False)),
+                                  int(getattr(p, "convrot_groupsize", 256)))
+            fn = _int8_traced
+        else:
+            return None
+    elif own is None and type(m).__name__ == "Linear" and hasattr(m, "weight_function") and w.dim() == 2:
+        # a 16-bit ComfyUI Linear on its class's forward: with the weight on the device in the
+        # input's dtype, its cast path hands this very weight to F.linear
+        m._modelopt_traced = (_plain(w), bias)
+        fn = _linear_traced
+    else:
+        return None
+    m._modelopt_untraced = untraced
+    return types.MethodType(fn, m)
+
+
+def clear(m) -> None:
+    """Forget what ``traced_forward`` set on ``m`` (the weights may move or change before the next
+    installation)."""
+    for name in ("_modelopt_traced", "_modelopt_untraced"):
+        m.__dict__.pop(name, None)
