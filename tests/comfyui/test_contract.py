@@ -230,6 +230,75 @@ def test_compiled_blocks_compile_per_shape_not_per_block():
         assert None not in indices and max(indices) > 0  # the options reached it with the real indices
 
 
+def _w8a8_lean(family: str):
+    """A small ``family`` model as an fp8 W8A8 file (static input scales from three evaluations),
+    loaded by ComfyUI and made lean with the fp8 kernel - kitchen's quantizer and ``scaled_mm``,
+    which also run on a CPU, where ComfyUI itself would compute the format dequantized."""
+    import common  # benchmarks/common.py
+    from comfy_modelopt.comfyui import lean
+    _, sd = models.build(family, "small", seed=1)
+    kw = inputs(family)
+    x = kw.pop("x")
+    base = comfy.sd.load_diffusion_model_state_dict(dict(sd))
+    q_sd, meta = common.calibrated_fp8(base, sd, x, torch.tensor([1.0]), kw)
+    patcher = comfy.sd.load_diffusion_model_state_dict(q_sd, metadata=meta)
+    comfy.model_management.load_models_gpu([patcher])
+    for m in patcher.model.diffusion_model.modules():
+        if getattr(m, "quant_format", None):
+            m._full_precision_mm = False  # as on an fp8 GPU
+    native = lean.native_formats
+    lean.native_formats = lambda _device: {"float8_e4m3fn"}
+    try:
+        assert lean.make_lean(patcher) > 0
+    finally:
+        lean.native_formats = native
+    return patcher, x, kw
+
+
+@pytest.mark.parametrize("family", ["flux", "wan", "sdxl"])
+def test_compiled_blocks_trace_the_lean_layers(family):
+    """Compiled blocks see a lean fp8 layer (and a 16-bit Linear) as one operator in the block's
+    graph, not as a graph break - a break resumes inside the previous stretch's frame, which kept
+    attention's tensors alive through the MLP (the H200's compiled Flux/Wan forwards held 5-25%
+    more than eager).  No break names a Linear any more; the compiled model still matches eager
+    within its rounding noise; the operator is bit-identical to the eager lean layer; a layer with
+    a LoRA weight function, and any call made outside a compilation, takes its own forward."""
+    from torch._dynamo.utils import counters
+
+    from comfy_modelopt.comfyui.compiled_blocks import CompiledBlocks, rounding_noise
+    from comfy_modelopt.comfyui.traced_layers import traced_forward
+    patcher, x, kw = _w8a8_lean(family)
+    dm = patcher.model.diffusion_model
+    t = torch.tensor([0.7])
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.inference_mode():
+        run = lambda: patcher.model.apply_model(x, t, **kw)  # noqa: E731
+        ref = run()
+        cb = CompiledBlocks(dm)
+        ok = cb.validate(run, ref, lambda: patcher.model.apply_model(rounding_noise(x, torch.bfloat16), t, **kw))
+        assert ok, cb.reason
+        reasons = [r for r in counters["graph_break"] if "Linear" in r or "make_lean" in r]
+        assert not reasons, reasons[0][:300]
+        assert counters["stats"]["unique_graphs"] > 0
+
+        lin = next(m for m in dm.modules() if getattr(m, "_modelopt_lean_kernel", None))
+        h = torch.randn(3, lin.weight.shape[1], dtype=torch.bfloat16)
+        eager = lin.forward(h)
+        traced = traced_forward(lin, lin.forward)
+        assert traced is not None and lin._modelopt_traced[0] is lin.weight._qdata
+        qdata, scale_a, scale_b, bias, fast = lin._modelopt_traced
+        op = torch.ops.comfy_modelopt.fp8_linear(h, qdata, scale_a, scale_b,
+                                                  None if bias is None else bias.to(h.dtype), fast)
+        assert torch.equal(op, eager)
+        assert torch.equal(traced(h), eager)  # not compiling: the layer's own forward
+        lin.weight_function.append(lambda w: w)
+        try:
+            assert traced_forward(lin, lin.forward) is None  # patched: stays opaque
+        finally:
+            lin.weight_function.clear()
+
+
 MODULATION_FOLDS = {  # family -> (producer, consumer) kinds its blocks must fold
     "flux": {("img_mod.lin", "img_attn.qkv"), ("img_mod.lin", "img_mlp.0"), ("txt_mod.lin", "txt_attn.qkv"),
              ("txt_mod.lin", "txt_mlp.0"), ("modulation.lin", "linear1")},
