@@ -187,6 +187,63 @@ def test_replay_matches_the_real_allocator_and_a_sized_pool_stays_one_segment():
     assert wneed.peak == need.peak and wneed.segments == need.segments, (wneed, need)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: cuBLAS's workspaces are the subject")
+def test_blas_workspace_is_recorded_as_the_capture_holds_it():
+    """cuBLAS's workspace, freed before a recorded warm-up and at its end, is in the record as a
+    capture made after freeing every workspace holds it - inside its pool: the capture's peak in
+    use is the warm-up's, its seeded segments serve it, and freeing every workspace after the
+    capture (new ones made meanwhile on other streams) leaves the replay exact.  Left unfreed, the
+    warm-up's workspace would be dropped from the record, which would then ask for less."""
+    from comfy_modelopt.graph_memory import release_blas_workspaces, seed_pool
+
+    device = torch.device("cuda")
+    a = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
+
+    def forward():
+        h = torch.relu(a @ a) @ a
+        return h.float().sum(0)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        forward()  # lazy inits
+    torch.cuda.synchronize()
+
+    def recorded(free_at_end: bool):
+        release_blas_workspaces()
+        with torch.cuda.stream(stream), AllocationTrace() as trace:
+            out = forward()
+            if free_at_end:
+                release_blas_workspaces()
+        stream.synchronize()
+        events = large_events(trace.entries, stream=stream.cuda_stream)
+        return pool_need(without_unfreed(events, {out.untyped_storage().data_ptr()}))
+    kept_out, need = recorded(False), recorded(True)
+    assert need.peak > kept_out.peak  # the workspace is in the record
+
+    pool = torch.cuda.MemPool()
+    seed_pool(pool, need.segments, stream, device)
+    release_blas_workspaces()
+    g = torch.cuda.CUDAGraph()
+    with AllocationTrace() as trace:
+        with torch.cuda.graph(g, pool=pool.id, stream=stream):
+            out = forward()
+        release_blas_workspaces()
+    assert peak_in_use(large_events(trace.entries, stream=stream.cuda_stream))[0] == need.peak
+    if need.fitted:
+        reserved = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+                       if tuple(s["segment_pool_id"]) == tuple(pool.id) and s["segment_type"] == "large")
+        assert reserved == need.fitted
+    ref = forward()
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        (a @ a).sum()  # a workspace of another stream, then every one freed again
+    torch.cuda.synchronize()
+    release_blas_workspaces()
+    filler = [torch.full((64 * MiB // 4,), 7.0, device=device) for _ in range(4)]  # whatever was freed, reused
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(out, ref, rtol=1e-3, atol=1e-2) and all(bool((f == 7).all()) for f in filler)
+
+
 RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "results",
                         "2026-11-30-h200-wholerun")
 

@@ -41,8 +41,8 @@ from comfy.patcher_extension import CallbacksMP, WrappersMP
 from ..cuda_streams import (allocator_backend, keep_forever, on_side_stream, shared_graph_pool, trim_graph_memory,
                             work_stream)
 from ..device_constants import ConstantsOnDevice, HostCopies
-from ..graph_memory import (ROUND_LARGE, SMALL_SIZE, AllocationTrace, large_events, peak_in_use, pool_need, seed_pool,
-                            without_unfreed)
+from ..graph_memory import (ROUND_LARGE, SMALL_SIZE, AllocationTrace, large_events, peak_in_use, pool_need,
+                            release_blas_workspaces, seed_pool, without_unfreed)
 from .compiled_blocks import (CompiledBlocks, _carried_patches, _nonempty, install_raw_pointer_launches,
                               raw_pointer_launches, rounding_noise)
 from .lean import release_on_detach
@@ -407,8 +407,12 @@ class CudaGraphs:
         output, the pool a capture of the same forward needs, or None where the allocator keeps
         no history).  What the warm-up allocates for good but its output lives outside the pool
         by the time the forward is captured (``without_unfreed``)."""
+        # its cuBLAS workspace is made where the capture's will be (at the first matmul) and
+        # freed at the end, as after a capture: the fit holds it, as the graph's pool will
+        release_blas_workspaces()
         with AllocationTrace(device) as trace:
             out = fn()
+            release_blas_workspaces()
         if trace.entries is None:
             return out, None
         keep = {t.untyped_storage().data_ptr() for t in _tensors(out)}
@@ -431,10 +435,14 @@ class CudaGraphs:
                 stack.enter_context(self.compiled.installed())
                 if self.malloc_async:
                     stack.enter_context(raw_pointer_launches())
+            # the workspace cuBLAS uses inside the graph is allocated in its pool, and stays there
+            # (release_blas_workspaces); every other one goes back to the allocator
+            release_blas_workspaces()
             # thread_local: other threads of the process (ComfyUI's) may use the GPU meanwhile
             with torch.cuda.graph(graph, pool=self.pool.handle, stream=stream,
                                   capture_error_mode="thread_local"):
                 out = run()
+            release_blas_workspaces()
         return graph, out
 
     def _join_compilation(self) -> None:

@@ -26,7 +26,16 @@ import types
 
 import torch
 
-from . import lean
+_lean = None  # the lean module, imported at the first installation (it needs ComfyUI and kitchen)
+
+
+def _lean_module():
+    global _lean
+    if _lean is None:
+        from . import lean
+        _lean = lean
+    return _lean
+
 
 try:
     from comfy.quant_ops import QuantizedTensor
@@ -50,7 +59,7 @@ if not _registered():
                    bias: torch.Tensor | None, fast_accum: bool) -> torch.Tensor:
         """The lean fp8 kernel as one operator: kitchen's static-scale activation quantizer +
         ``scaled_mm`` (``lean._fp8_mm``)."""
-        return lean._fp8_mm(x, qdata, scale_a, scale_b, bias, fast_accum)
+        return _lean_module()._fp8_mm(x, qdata, scale_a, scale_b, bias, fast_accum)
 
     @fp8_linear.register_fake
     def _fp8_linear_fake(x, qdata, scale_a, scale_b, bias, fast_accum):
@@ -82,7 +91,7 @@ def _int8_traced(self, input, *args, **kwargs):
     if bias is not None and bias.dtype != input.dtype:
         bias = bias.to(input.dtype)
     return torch.ops.comfy_kitchen.int8_linear(input.contiguous(), qdata, scale, bias,
-                                               lean._dtype_code(input.dtype), convrot, group)
+                                               _lean._dtype_code(input.dtype), convrot, group)
 
 
 def _linear_traced(self, input, *args, **kwargs):
@@ -111,6 +120,7 @@ def traced_forward(m, untraced):
     opaque forward every other call takes (and a traced call whose input is on another device)."""
     if not _static_ok(m):
         return None
+    lean = _lean_module()
     w, own = m.weight, m.__dict__.get("forward")
     bias = _plain(m.bias) if getattr(m, "bias", None) is not None else None
     if QuantizedTensor and isinstance(w, QuantizedTensor):

@@ -241,8 +241,7 @@ def _w8a8_lean(family: str):
     x = kw.pop("x")
     base = comfy.sd.load_diffusion_model_state_dict(dict(sd))
     q_sd, meta = common.calibrated_fp8(base, sd, x, torch.tensor([1.0]), kw)
-    patcher = comfy.sd.load_diffusion_model_state_dict(q_sd, metadata=meta)
-    comfy.model_management.load_models_gpu([patcher])
+    patcher = common.load_stock(q_sd, meta)  # fully loaded, as the runtimes' MODEL is
     for m in patcher.model.diffusion_model.modules():
         if getattr(m, "quant_format", None):
             m._full_precision_mm = False  # as on an fp8 GPU
@@ -283,7 +282,7 @@ def test_compiled_blocks_trace_the_lean_layers(family):
         assert counters["stats"]["unique_graphs"] > 0
 
         lin = next(m for m in dm.modules() if getattr(m, "_modelopt_lean_kernel", None))
-        h = torch.randn(3, lin.weight.shape[1], dtype=torch.bfloat16)
+        h = torch.randn(3, lin.weight.shape[1], dtype=torch.bfloat16).to(lin.weight.device)
         eager = lin.forward(h)
         traced = traced_forward(lin, lin.forward)
         assert traced is not None and lin._modelopt_traced[0] is lin.weight._qdata
