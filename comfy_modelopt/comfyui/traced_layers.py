@@ -71,36 +71,25 @@ def _plain(t):
     return t.detach() if isinstance(t, torch.nn.Parameter) else t
 
 
-def _fp8_traced(self, input, *args, **kwargs):
+def _traced(self, input, *args, **kwargs):
+    """The forward Dynamo traces: one operator for the layer (``_modelopt_traced``: kind, weight,
+    bias, the kind's other arguments); any other call takes the layer's own forward."""
     if args or kwargs or not torch.compiler.is_compiling():
         return self._modelopt_untraced(input, *args, **kwargs)
-    qdata, scale_a, scale_b, bias, fast_accum = self._modelopt_traced
-    if input.device != qdata.device or input.requires_grad:
+    kind, weight, bias, extra = self._modelopt_traced
+    if input.device != weight.device or input.requires_grad or (kind == "linear" and input.dtype != weight.dtype):
         return self._modelopt_untraced(input)
     if bias is not None and bias.dtype != input.dtype:
+        if kind == "linear":  # the cast path would convert it: left to it
+            return self._modelopt_untraced(input)
         bias = bias.to(input.dtype)
-    return torch.ops.comfy_modelopt.fp8_linear(input, qdata, scale_a, scale_b, bias, fast_accum)
-
-
-def _int8_traced(self, input, *args, **kwargs):
-    if args or kwargs or not torch.compiler.is_compiling():
-        return self._modelopt_untraced(input, *args, **kwargs)
-    qdata, scale, bias, convrot, group = self._modelopt_traced
-    if input.device != qdata.device or input.requires_grad:
-        return self._modelopt_untraced(input)
-    if bias is not None and bias.dtype != input.dtype:
-        bias = bias.to(input.dtype)
-    return torch.ops.comfy_kitchen.int8_linear(input.contiguous(), qdata, scale, bias,
-                                               _lean._dtype_code(input.dtype), convrot, group)
-
-
-def _linear_traced(self, input, *args, **kwargs):
-    if args or kwargs or not torch.compiler.is_compiling():
-        return self._modelopt_untraced(input, *args, **kwargs)
-    weight, bias = self._modelopt_traced
-    if (input.device != weight.device or input.dtype != weight.dtype or input.requires_grad
-            or (bias is not None and bias.dtype != input.dtype)):
-        return self._modelopt_untraced(input)
+    if kind == "fp8":
+        scale_a, scale_b, fast_accum = extra
+        return torch.ops.comfy_modelopt.fp8_linear(input, weight, scale_a, scale_b, bias, fast_accum)
+    if kind == "int8":
+        scale, convrot, group = extra
+        return torch.ops.comfy_kitchen.int8_linear(input.contiguous(), weight, scale, bias,
+                                                   _lean._dtype_code(input.dtype), convrot, group)
     return torch.nn.functional.linear(input, weight, bias)
 
 
@@ -128,24 +117,21 @@ def traced_forward(m, untraced):
         if kind is None or own is None or own is not getattr(m, "_modelopt_lean_forward", None):
             return None  # not (or no longer) the lean forward: the own loader's, a LoRA hook's
         if kind[0] == "fp8":
-            m._modelopt_traced = (w._qdata, _plain(m.input_scale), w._params.scale, bias, kind[1])
-            fn = _fp8_traced
+            m._modelopt_traced = ("fp8", w._qdata, bias, (_plain(m.input_scale), w._params.scale, kind[1]))
         elif kind[0] == "int8" and lean._dtype_code is not None:
             p = w._params
-            m._modelopt_traced = (w._qdata, p.scale, bias, bool(getattr(p, "convrot", False)),
-                                  int(getattr(p, "convrot_groupsize", 256)))
-            fn = _int8_traced
+            m._modelopt_traced = ("int8", w._qdata, bias, (p.scale, bool(getattr(p, "convrot", False)),
+                                                            int(getattr(p, "convrot_groupsize", 256))))
         else:
             return None
     elif own is None and type(m).__name__ == "Linear" and hasattr(m, "weight_function") and w.dim() == 2:
         # a 16-bit ComfyUI Linear on its class's forward: with the weight on the device in the
         # input's dtype, its cast path hands this very weight to F.linear
-        m._modelopt_traced = (_plain(w), bias)
-        fn = _linear_traced
+        m._modelopt_traced = ("linear", _plain(w), bias, ())
     else:
         return None
     m._modelopt_untraced = untraced
-    return types.MethodType(fn, m)
+    return types.MethodType(_traced, m)
 
 
 def clear(m) -> None:

@@ -285,8 +285,8 @@ def test_compiled_blocks_trace_the_lean_layers(family):
         h = torch.randn(3, lin.weight.shape[1], dtype=torch.bfloat16).to(lin.weight.device)
         eager = lin.forward(h)
         traced = traced_forward(lin, lin.forward)
-        assert traced is not None and lin._modelopt_traced[0] is lin.weight._qdata
-        qdata, scale_a, scale_b, bias, fast = lin._modelopt_traced
+        assert traced is not None and lin._modelopt_traced[1] is lin.weight._qdata
+        _kind, qdata, bias, (scale_a, scale_b, fast) = lin._modelopt_traced
         op = torch.ops.comfy_modelopt.fp8_linear(h, qdata, scale_a, scale_b,
                                                   None if bias is None else bias.to(h.dtype), fast)
         assert torch.equal(op, eager)
