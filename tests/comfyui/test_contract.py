@@ -230,23 +230,28 @@ def test_compiled_blocks_compile_per_shape_not_per_block():
         assert None not in indices and max(indices) > 0  # the options reached it with the real indices
 
 
-def _w8a8_lean(family: str):
-    """A small ``family`` model as an fp8 W8A8 file (static input scales from three evaluations),
-    loaded by ComfyUI and made lean with the fp8 kernel - kitchen's quantizer and ``scaled_mm``,
-    which also run on a CPU, where ComfyUI itself would compute the format dequantized."""
+def _w8a8_lean(family: str, fmt: str = "float8_e4m3fn"):
+    """A small ``family`` model as a W8A8 file - fp8 with static input scales from three
+    evaluations, or int8 + ConvRot - loaded by ComfyUI and made lean with the format's kernel
+    (kitchen's fp8 quantizer and ``scaled_mm``, its ``int8_linear``), which also run on a CPU,
+    where ComfyUI itself would compute the format dequantized."""
     import common  # benchmarks/common.py
     from comfy_modelopt.comfyui import lean
     _, sd = models.build(family, "small", seed=1)
     kw = inputs(family)
     x = kw.pop("x")
-    base = comfy.sd.load_diffusion_model_state_dict(dict(sd))
-    q_sd, meta = common.calibrated_fp8(base, sd, x, torch.tensor([1.0]), kw)
+    if fmt == "float8_e4m3fn":
+        base = comfy.sd.load_diffusion_model_state_dict(dict(sd))
+        q_sd, meta = common.calibrated_fp8(base, sd, x, torch.tensor([1.0]), kw)
+    else:
+        q_sd, meta, _ = common.quantize_sd(sd, Recipe(fmt, weight_scale="absmax", convrot=True, convrot_groupsize=64,
+                                                      sensitivity=False))
     patcher = common.load_stock(q_sd, meta)  # fully loaded, as the runtimes' MODEL is
     for m in patcher.model.diffusion_model.modules():
         if getattr(m, "quant_format", None):
-            m._full_precision_mm = False  # as on an fp8 GPU
+            m._full_precision_mm = False  # as on a GPU computing the format
     native = lean.native_formats
-    lean.native_formats = lambda _device: {"float8_e4m3fn"}
+    lean.native_formats = lambda _device: {fmt}
     try:
         assert lean.make_lean(patcher) > 0
     finally:
@@ -254,8 +259,9 @@ def _w8a8_lean(family: str):
     return patcher, x, kw
 
 
-@pytest.mark.parametrize("family", ["flux", "wan", "sdxl"])
-def test_compiled_blocks_trace_the_lean_layers(family):
+@pytest.mark.parametrize("family,fmt", [("flux", "float8_e4m3fn"), ("wan", "float8_e4m3fn"), ("sdxl", "float8_e4m3fn"),
+                                        ("flux", "int8_tensorwise")])
+def test_compiled_blocks_trace_the_lean_layers(family, fmt):
     """Compiled blocks see a lean fp8 layer (and a 16-bit Linear) as one operator in the block's
     graph, not as a graph break - a break resumes inside the previous stretch's frame, which kept
     attention's tensors alive through the MLP (the H200's compiled Flux/Wan forwards held 5-25%
@@ -266,7 +272,7 @@ def test_compiled_blocks_trace_the_lean_layers(family):
 
     from comfy_modelopt.comfyui.compiled_blocks import CompiledBlocks, rounding_noise
     from comfy_modelopt.comfyui.traced_layers import traced_forward
-    patcher, x, kw = _w8a8_lean(family)
+    patcher, x, kw = _w8a8_lean(family, fmt)
     dm = patcher.model.diffusion_model
     t = torch.tensor([0.7])
     torch._dynamo.reset()
@@ -286,9 +292,14 @@ def test_compiled_blocks_trace_the_lean_layers(family):
         eager = lin.forward(h)
         traced = traced_forward(lin, lin.forward)
         assert traced is not None and lin._modelopt_traced[1] is lin.weight._qdata
-        _kind, qdata, bias, (scale_a, scale_b, fast) = lin._modelopt_traced
-        op = torch.ops.comfy_modelopt.fp8_linear(h, qdata, scale_a, scale_b,
-                                                  None if bias is None else bias.to(h.dtype), fast)
+        kind, qdata, bias, extra = lin._modelopt_traced
+        bias = None if bias is None else bias.to(h.dtype)
+        if kind == "fp8":
+            op = torch.ops.comfy_modelopt.fp8_linear(h, qdata, *extra[:2], bias, extra[2])
+        else:
+            from comfy_modelopt.comfyui.lean import _dtype_code
+            assert kind == "int8" and extra[1]  # ConvRot
+            op = torch.ops.comfy_kitchen.int8_linear(h, qdata, extra[0], bias, _dtype_code(h.dtype), *extra[1:])
         assert torch.equal(op, eager)
         assert torch.equal(traced(h), eager)  # not compiling: the layer's own forward
         lin.weight_function.append(lambda w: w)
