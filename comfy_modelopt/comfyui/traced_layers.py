@@ -20,9 +20,9 @@ a 16-bit layer), no weight or bias function (LoRA patches), no cast flags, the w
 device.  Any other layer - and any call from outside a compilation (another thread running the
 block eagerly) - runs its own forward, opaque to the compiler as before.
 """
-from __future__ import annotations
-
+import logging
 import types
+from typing import Optional
 
 import torch
 
@@ -53,17 +53,30 @@ def _registered() -> bool:
         return False
 
 
-if not _registered():
-    @torch.library.custom_op(_OP, mutates_args=())
-    def fp8_linear(x: torch.Tensor, qdata: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                   bias: torch.Tensor | None, fast_accum: bool) -> torch.Tensor:
-        """The lean fp8 kernel as one operator: kitchen's static-scale activation quantizer +
-        ``scaled_mm`` (``lean._fp8_mm``)."""
-        return _lean_module()._fp8_mm(x, qdata, scale_a, scale_b, bias, fast_accum)
+def _register() -> bool:
+    """Define the operator (once per process); False where this torch cannot (fp8 layers then stay
+    opaque, as before)."""
+    if _registered():
+        return True
+    try:
+        # no postponed annotations in this module: custom_op reads the schema from these types
+        @torch.library.custom_op(_OP, mutates_args=())
+        def fp8_linear(x: torch.Tensor, qdata: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                       bias: Optional[torch.Tensor], fast_accum: bool) -> torch.Tensor:
+            """The lean fp8 kernel as one operator: kitchen's static-scale activation quantizer +
+            ``scaled_mm`` (``lean._fp8_mm``)."""
+            return _lean_module()._fp8_mm(x, qdata, scale_a, scale_b, bias, fast_accum)
 
-    @fp8_linear.register_fake
-    def _fp8_linear_fake(x, qdata, scale_a, scale_b, bias, fast_accum):
-        return x.new_empty((*x.shape[:-1], qdata.shape[0]))
+        @fp8_linear.register_fake
+        def _fp8_linear_fake(x, qdata, scale_a, scale_b, bias, fast_accum):
+            return x.new_empty((*x.shape[:-1], qdata.shape[0]))
+    except Exception as e:  # pragma: no cover - an older torch's custom_op
+        logging.info(f"[comfy-modelopt] compiled blocks keep fp8 layers opaque: {type(e).__name__}: {e}")
+        return False
+    return True
+
+
+_FP8_OP = _register()
 
 
 def _plain(t):
@@ -116,7 +129,7 @@ def traced_forward(m, untraced):
         kind = getattr(m, "_modelopt_lean_kernel", None)
         if kind is None or own is None or own is not getattr(m, "_modelopt_lean_forward", None):
             return None  # not (or no longer) the lean forward: the own loader's, a LoRA hook's
-        if kind[0] == "fp8":
+        if kind[0] == "fp8" and _FP8_OP:
             m._modelopt_traced = ("fp8", w._qdata, bias, (_plain(m.input_scale), w._params.scale, kind[1]))
         elif kind[0] == "int8" and lean._dtype_code is not None:
             p = w._params
