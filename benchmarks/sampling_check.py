@@ -194,6 +194,11 @@ def _run_variant(label, q, runs, sample, ref, fp8_ref=None):
                                "checks": runner.compiled.checks, "background": runner.background_compile,
                                "compile_s": list(runner.compile_seconds),
                                "waited_after_first_run_s": waited}
+            # Dynamo's own counts, for the whole process so far (graph breaks split a block into
+            # stretches whose frames keep tensors alive: see comfyui/traced_layers.py)
+            from torch._dynamo.utils import counters
+            row["compiled"]["dynamo"] = {"graph_breaks": sum(counters["graph_break"].values()),
+                                         "unique_graphs": counters["stats"]["unique_graphs"]}
     return row, out
 
 
