@@ -3,8 +3,9 @@ use under CUDA-graph capture (``cuda_graphs``).
 
 The 16-bit, memory-bound work between the GEMMs - norms, modulation, gated residuals, RoPE,
 concatenations, the activation function - is fused into fewer kernels, while every
-weight-holding layer stays opaque to the compiler (the quantized layers' tensor subclasses are
-not traceable, and a GEMM gains nothing from tracing).  Inductor output is never trusted: the
+weight-holding layer keeps its own kernel (the quantized layers' tensor subclasses are not
+traceable, and a GEMM gains nothing from tracing): a lean fp8/int8 layer or a 16-bit Linear as
+one operator inside the block's graph (``traced_layers``), anything else opaque.  Inductor output is never trusted: the
 first evaluation of every input signature is run both ways and compared, and a difference beyond
 3x eager's own rounding noise (``CompiledBlocks.validate``) turns compilation off for the model,
 logged.
@@ -103,9 +104,12 @@ class CompiledBlocks:
     one trace per block class and shape, where a whole-model trace would unroll the loop.  The
     compiled function replaces the block's ``forward`` (instance attribute) only while installed,
     so the module objects, their types and the model's own iteration stay as they are.
-    Weight-holding layers (Linear, Conv) are made opaque with ``torch.compiler.disable``: the lean
-    kernels and the stock fallback run as they are (a quantized weight is a tensor subclass the
-    compiler cannot trace, and a GEMM gains nothing from tracing)."""
+    Weight-holding layers (Linear, Conv) keep their own kernels: where the layer's forward is a
+    plain kernel call (lean fp8/int8, a 16-bit Linear) it is one operator in the block's graph
+    (``traced_layers``; a graph break there kept tensors alive across the block), otherwise it is
+    opaque (``torch.compiler.disable``: the stock path, a patched or offloaded layer, a
+    convolution) - a quantized weight is a tensor subclass the compiler cannot trace, and a GEMM
+    gains nothing from tracing."""
 
     def __init__(self, diffusion_model, tol: float = 0.02, max_tol: float = 0.25, trace_layers: bool = True):
         self.tol, self.max_tol = tol, max_tol
