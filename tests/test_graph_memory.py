@@ -125,6 +125,12 @@ def test_nothing_large_needs_no_segment():
     assert need.fitted == 0 and need.requests == 0
 
 
+def large_reserved(pool):
+    """Bytes of the large segments a MemPool holds (the allocator's own snapshot)."""
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+               if tuple(s["segment_pool_id"]) == tuple(pool.id) and s["segment_type"] == "large")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the real allocator is the oracle")
 def test_replay_matches_the_real_allocator_and_a_sized_pool_stays_one_segment():
     """A capture of growing temporaries: the pool the real allocator grows is what the replay of
@@ -150,10 +156,6 @@ def test_replay_matches_the_real_allocator_and_a_sized_pool_stays_one_segment():
         with torch.cuda.graph(g, pool=pool.id, stream=stream):
             out = forward()
         return g, out
-
-    def large_reserved(pool):
-        return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
-                   if tuple(s["segment_pool_id"]) == tuple(pool.id) and s["segment_type"] == "large")
 
     ref = forward()
     pool = torch.cuda.MemPool()
@@ -229,9 +231,7 @@ def test_blas_workspace_is_recorded_as_the_capture_holds_it():
         release_blas_workspaces()
     assert peak_in_use(large_events(trace.entries, stream=stream.cuda_stream))[0] == need.peak
     if need.fitted:
-        reserved = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
-                       if tuple(s["segment_pool_id"]) == tuple(pool.id) and s["segment_type"] == "large")
-        assert reserved == need.fitted
+        assert large_reserved(pool) == need.fitted
     ref = forward()
     other = torch.cuda.Stream()
     with torch.cuda.stream(other):

@@ -5,10 +5,10 @@ The 16-bit, memory-bound work between the GEMMs - norms, modulation, gated resid
 concatenations, the activation function - is fused into fewer kernels, while every
 weight-holding layer keeps its own kernel (the quantized layers' tensor subclasses are not
 traceable, and a GEMM gains nothing from tracing): a lean fp8/int8 layer or a 16-bit Linear as
-one operator inside the block's graph (``traced_layers``), anything else opaque.  Inductor output is never trusted: the
-first evaluation of every input signature is run both ways and compared, and a difference beyond
-3x eager's own rounding noise (``CompiledBlocks.validate``) turns compilation off for the model,
-logged.
+one operator inside the block's graph (``traced_layers``), anything else opaque.  Inductor
+output is never trusted: the first evaluation of every input signature is run both ways and
+compared, and a difference beyond 3x eager's own rounding noise (``CompiledBlocks.validate``)
+turns compilation off for the model, logged.
 """
 from __future__ import annotations
 
@@ -128,9 +128,10 @@ class CompiledBlocks:
             return
         # Dynamo keeps one cache entry per code object, shape and guard set.  Opaque layers (a
         # UNet's convolutions, anything not traced as an operator) break the graph, so the frames
-        # that call them (a UNet's blocks, their attention) are compiled on their own; ComfyUI's per-block keys are kept out of them
-        # (_region_forward), but a model passing other per-block constants would still need one
-        # entry per module instance.  Past the limit Dynamo silently runs the frame eager -
+        # that call them (a UNet's blocks, their attention) are compiled on their own; ComfyUI's
+        # per-block keys are kept out of them (_region_forward), but a model passing other
+        # per-block constants would still need one entry per module instance.  Past the limit
+        # Dynamo silently runs the frame eager -
         # measured on SDXL (70 transformer blocks, limit 41): part of the model lost its fusion.
         cfg = torch._dynamo.config
         per_class = collections.Counter(type(m) for r in self.regions for m in r.modules()

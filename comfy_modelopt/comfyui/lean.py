@@ -51,11 +51,17 @@ def native_formats(device) -> set:
             if not f.native_gate or getattr(mm, f.native_gate, lambda _d: False)(device)}
 
 
+def unpatched(module) -> bool:
+    """No weight or bias functions (LoRA patches at run time) and no cast flags: the layer's own
+    kernel may run (also what compiled blocks ask before tracing a layer, ``traced_layers``)."""
+    return (not getattr(module, "weight_function", None) and not getattr(module, "bias_function", None)
+            and not getattr(module, "comfy_force_cast_weights", False)
+            and not getattr(module, "comfy_cast_weights", False))
+
+
 def _fast_path_ok(module, x) -> bool:
     w = module.weight
-    return (isinstance(w, QuantizedTensor) and w.device == x.device and not module.weight_function
-            and not module.bias_function and not getattr(module, "comfy_force_cast_weights", False)
-            and not getattr(module, "comfy_cast_weights", False) and not x.requires_grad)
+    return isinstance(w, QuantizedTensor) and w.device == x.device and unpatched(module) and not x.requires_grad
 
 
 def _bias(module, x):
@@ -83,13 +89,18 @@ def _fp8_forward(module, x, fast_accum: bool):
     return _fp8_mm(x, w._qdata, module.input_scale, w._params.scale, _bias(module, x), fast_accum)
 
 
+def int8_params(w) -> tuple:
+    """(scale, convrot, group size) of an int8 weight, as kitchen's ``int8_linear`` takes them."""
+    p = w._params
+    return p.scale, bool(getattr(p, "convrot", False)), int(getattr(p, "convrot_groupsize", 256))
+
+
 def _int8_forward(module, x):
     w = module.weight
-    p = w._params
-    convrot, group = bool(getattr(p, "convrot", False)), int(getattr(p, "convrot_groupsize", 256))
+    scale, convrot, group = int8_params(w)
     if _dtype_code is None:  # public entry point (its backend dispatch costs a little per call)
-        return ck.int8_linear(x.contiguous(), w._qdata, p.scale, _bias(module, x), x.dtype, convrot, group)
-    return torch.ops.comfy_kitchen.int8_linear(x.contiguous(), w._qdata, p.scale, _bias(module, x),
+        return ck.int8_linear(x.contiguous(), w._qdata, scale, _bias(module, x), x.dtype, convrot, group)
+    return torch.ops.comfy_kitchen.int8_linear(x.contiguous(), w._qdata, scale, _bias(module, x),
                                                _dtype_code(x.dtype), convrot, group)
 
 

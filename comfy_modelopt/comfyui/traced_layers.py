@@ -106,25 +106,18 @@ def _traced(self, input, *args, **kwargs):
     return torch.nn.functional.linear(input, weight, bias)
 
 
-def _static_ok(m) -> bool:
-    """Nothing a call could still route elsewhere (lean's ``_fast_path_ok`` less what only the
-    input decides - the traced forward checks that): weight and bias on one device, no patches,
-    no cast flags."""
-    w, b = getattr(m, "weight", None), getattr(m, "bias", None)
-    return (isinstance(w, torch.Tensor) and (b is None or b.device == w.device)
-            and not getattr(m, "weight_function", None) and not getattr(m, "bias_function", None)
-            and not getattr(m, "comfy_force_cast_weights", False) and not getattr(m, "comfy_cast_weights", False))
-
-
 def traced_forward(m, untraced):
     """A forward for layer ``m`` that Dynamo traces as one operator, with what it reads set on the
     module (``_modelopt_traced``) - or None where the layer must stay opaque.  ``untraced``: the
     opaque forward every other call takes (and a traced call whose input is on another device)."""
-    if not _static_ok(m):
-        return None
     lean = _lean_module()
-    w, own = m.weight, m.__dict__.get("forward")
-    bias = _plain(m.bias) if getattr(m, "bias", None) is not None else None
+    w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+    # nothing a call could still route elsewhere (lean's fast-path check less what only the
+    # input decides - the traced forward checks that)
+    if not isinstance(w, torch.Tensor) or (b is not None and b.device != w.device) or not lean.unpatched(m):
+        return None
+    own = m.__dict__.get("forward")
+    bias = _plain(b) if b is not None else None
     if QuantizedTensor and isinstance(w, QuantizedTensor):
         kind = getattr(m, "_modelopt_lean_kernel", None)
         if kind is None or own is None or own is not getattr(m, "_modelopt_lean_forward", None):
@@ -132,9 +125,7 @@ def traced_forward(m, untraced):
         if kind[0] == "fp8" and _FP8_OP:
             m._modelopt_traced = ("fp8", w._qdata, bias, (_plain(m.input_scale), w._params.scale, kind[1]))
         elif kind[0] == "int8" and lean._dtype_code is not None:
-            p = w._params
-            m._modelopt_traced = ("int8", w._qdata, bias, (p.scale, bool(getattr(p, "convrot", False)),
-                                                            int(getattr(p, "convrot_groupsize", 256))))
+            m._modelopt_traced = ("int8", w._qdata, bias, lean.int8_params(w))
         else:
             return None
     elif own is None and type(m).__name__ == "Linear" and hasattr(m, "weight_function") and w.dim() == 2:
