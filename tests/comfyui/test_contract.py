@@ -256,7 +256,8 @@ def _w8a8_lean(family: str, fmt: str = "float8_e4m3fn"):
         assert lean.make_lean(patcher) > 0
     finally:
         lean.native_formats = native
-    return patcher, x, kw
+    dev = patcher.load_device  # the sampler hands the model its inputs on its device
+    return patcher, x.to(dev), {k: v.to(dev) for k, v in kw.items()}
 
 
 @pytest.mark.parametrize("family,fmt", [("flux", "float8_e4m3fn"), ("wan", "float8_e4m3fn"), ("sdxl", "float8_e4m3fn"),
@@ -274,7 +275,7 @@ def test_compiled_blocks_trace_the_lean_layers(family, fmt):
     from comfy_modelopt.comfyui.traced_layers import traced_forward
     patcher, x, kw = _w8a8_lean(family, fmt)
     dm = patcher.model.diffusion_model
-    t = torch.tensor([0.7])
+    t = torch.tensor([0.7], device=x.device)
     torch._dynamo.reset()
     counters.clear()
     with torch.inference_mode():
