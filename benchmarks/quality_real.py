@@ -111,25 +111,54 @@ ENGINE_VARIANTS = [
 
 # floors: only the activations rounded as ComfyUI rounds them for the format (kitchen's quantizer,
 # fp8 with the calibration max as static scale, nvfp4 dynamic), every weight exact - the error
-# no choice of weights can go below (errors of weights and activations add about in quadrature)
-FLOORS = [("float8_e4m3fn", "floor: activations only (weights exact)", True),
-          ("nvfp4", "floor: activations only (weights exact)", False)]
+# no choice of weights can go below (errors of weights and activations add about in quadrature).
+# The nvfp4 floor under what could move it, weights still exact: the activation Hadamard-rotated
+# per group before rounding (``rotate``: a runtime rotation, as ConvRot's for int), smoothed
+# per channel by amax^a (``alpha``: what AWQ/SmoothQuant scales do), and the own loader's shape
+# (``rank``: a 16-bit low-rank branch of the smoothed weight sees the exact input, so only the
+# residual's product carries the activation error - SVDQuant's point)
+FLOORS = [("float8_e4m3fn", "floor: activations only (weights exact)", dict(static=True)),
+          ("nvfp4", "floor: activations only (weights exact)", dict()),
+          ("nvfp4", "floor: activations Hadamard-rotated, group 16", dict(rotate=16)),
+          ("nvfp4", "floor: activations Hadamard-rotated, group 64", dict(rotate=64)),
+          ("nvfp4", "floor: activations smoothed, a=0.25", dict(alpha=0.25)),
+          ("nvfp4", "floor: activations smoothed, a=0.5", dict(alpha=0.5)),
+          ("nvfp4", "floor: own loader, low-rank 32 branch", dict(rank=32)),
+          ("nvfp4", "floor: own loader, low-rank 32 branch, smoothed a=0.5", dict(rank=32, alpha=0.5)),
+          ("nvfp4", "floor: own loader, low-rank 64 branch, smoothed a=0.5", dict(rank=64, alpha=0.5))]
 
 
-def activations_only(model, stats, fmt_name: str, static: bool):
-    """Hooks rounding every Linear input to ``fmt_name`` and back (weights untouched); removers."""
+def activations_only(model, stats, fmt_name: str, static: bool = False, rotate: int = 0, alpha: float = 0.0,
+                     rank: int = 0):
+    """Every Linear of ``model`` computing with its input rounded to ``fmt_name`` and its weight
+    exact (``FLOORS`` says what ``rotate``, ``alpha`` and ``rank`` change); call the result to
+    restore the layers."""
+    from comfy_modelopt.formats import _hadamard_rotate
     fmt = FORMATS[fmt_name]
-
-    def hook(mod, args, scale):
-        x = args[0]
-        x2 = x.reshape(-1, x.shape[-1]).float()
-        return (fmt.quantize_activation(x2, scale).dequantize().float().reshape(x.shape).to(x.dtype),)
-    handles = []
+    restore = []
     for name, m in linear_layers(model).items():
-        scale = (torch.tensor(stats.layer(name).amax_value() / fmt.input_fmax(), dtype=torch.float32)
-                 if static else None)
-        handles.append(m.register_forward_pre_hook(lambda mod, a, s=scale: hook(mod, a, s)))
-    return handles
+        st = stats.layer(name)
+        scale = torch.tensor(st.amax_value() / fmt.input_fmax(), dtype=torch.float32) if static else None
+        s = st.channel_absmax.float().clamp(min=1e-5) ** alpha
+        s = (s / s.mean()).to(m.weight.device)
+        w = m.weight.float() * s                      # x @ w.T == (x / s) @ (w * s).T
+        low = torch.zeros_like(w)
+        if rank:
+            u, sv, vh = torch.linalg.svd(w, full_matrices=False)
+            low = (u[:, :rank] * sv[:rank]) @ vh[:rank]
+
+        def forward(x, m=m, s=s, w=w, low=low, scale=scale):
+            xs = x.reshape(-1, x.shape[-1]).float() / s
+            xr = _hadamard_rotate(xs, rotate) if rotate else xs
+            q = fmt.quantize_activation(xr, scale).dequantize().float()
+            q = _hadamard_rotate(q, rotate) if rotate else q   # the rotation is its own inverse
+            y = torch.nn.functional.linear(q, w - low if rank else w, m.bias)
+            if rank:
+                y = y + xs @ low.T
+            return y.reshape(*x.shape[:-1], -1).to(x.dtype)
+        m.forward = forward
+        restore.append(m)
+    return lambda: [m.__dict__.pop("forward", None) for m in restore]
 
 
 def embed(model, tok, texts: list[str]) -> torch.Tensor:
@@ -195,15 +224,14 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
         print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  1-cos {row['one_minus_cos']:.5f}  "
               f"vs naive {row['vs_naive']:.2f}x  bytes {row['bytes']:.3f}  ({len(quant)}/{len(rep.layers)} "
               f"layers, {seconds:.1f} s)", flush=True)
-    for fmt, name, static in FLOORS:
+    for fmt, name, how in FLOORS:
         if only and fmt not in only:
             continue
-        handles = activations_only(model, stats, fmt, static)
+        restore = activations_only(model, stats, fmt, **how)
         try:
-            row = {"format": fmt, "variant": name, "calibrated": static, **errors(embed(model, tok, HELD_OUT), ref)}
+            row = {"format": fmt, "variant": name, "floor": how, **errors(embed(model, tok, HELD_OUT), ref)}
         finally:
-            for h in handles:
-                h.remove()
+            restore()
         row["vs_naive"] = row["rel_err"] / naive[(fmt, True)]
         rows.append(row)
         print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  vs naive {row['vs_naive']:.2f}x", flush=True)
