@@ -80,3 +80,37 @@ def test_attention8_needs_a_gpu_and_its_quantizer_saturates_nothing(tmp_path):
         run("attention8.py", "--out", str(tmp_path), "--shapes", "SDXL 1024x1024, first level, cfg batch 2")
         row = json.load(open(tmp_path / "attention8.json"))["rows"][0]
         assert row["bf16_ms"] > 0 and row["bf16_rel_err"] < 0.01
+
+
+def test_quality_real_floors_round_only_what_they_say():
+    """quality_real's floors: every Linear computes with its input rounded (weights exact); a
+    full-rank 16-bit branch leaves nothing to the rounded residual (exact output), smoothing and
+    a rotation that round nothing change nothing, and restoring gives the layers back."""
+    import importlib.util
+
+    import torch
+
+    from comfy_modelopt.calibrate import calibrate
+    spec = importlib.util.spec_from_file_location("quality_real", os.path.join(ROOT, "benchmarks", "quality_real.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 32))
+    x = torch.randn(4, 6, 32) * (1 + 8 * (torch.rand(32) > 0.9))  # a few outlier channels
+    with torch.no_grad():
+        ref = model(x)
+        stats = calibrate(model, lambda m: [m(x)])
+
+        def err(**how):
+            restore = mod.activations_only(model, stats, "nvfp4", **how)
+            try:
+                return float((model(x) - ref).norm() / ref.norm())
+            finally:
+                restore()
+        plain = err()
+        assert plain > 1e-3                      # the activations are rounded
+        assert err(rank=32) < 1e-5               # full rank: the branch computes it all, exactly
+        assert 1e-3 < err(rank=8) < plain        # part of it: less than without the branch
+        assert err(rotate=16) != plain and err(alpha=0.5) != plain
+        assert torch.equal(model(x), ref)        # restored
+        assert all("forward" not in m.__dict__ for m in model)
