@@ -105,11 +105,11 @@ class CompiledBlocks:
     compiled function replaces the block's ``forward`` (instance attribute) only while installed,
     so the module objects, their types and the model's own iteration stay as they are.
     Weight-holding layers (Linear, Conv) keep their own kernels: where the layer's forward is a
-    plain kernel call (lean fp8/int8, a 16-bit Linear) it is one operator in the block's graph
-    (``traced_layers``; a graph break there kept tensors alive across the block), otherwise it is
-    opaque (``torch.compiler.disable``: the stock path, a patched or offloaded layer, a
-    convolution) - a quantized weight is a tensor subclass the compiler cannot trace, and a GEMM
-    gains nothing from tracing."""
+    plain kernel call (lean fp8/int8, a 16-bit Linear or Conv2d) it is one operator in the block's
+    graph (``traced_layers``; a graph break there kept tensors alive across the block), otherwise
+    it is opaque (``torch.compiler.disable``: the stock path, a patched, cast or offloaded layer, a
+    quantized or 3-D convolution) - a quantized weight is a tensor subclass the compiler cannot
+    trace, and a GEMM gains nothing from tracing."""
 
     def __init__(self, diffusion_model, tol: float = 0.02, max_tol: float = 0.25, trace_layers: bool = True):
         self.tol, self.max_tol = tol, max_tol
@@ -127,7 +127,7 @@ class CompiledBlocks:
             self.enabled, self.reason = False, "no blocks (nn.ModuleList) to compile"
             return
         # Dynamo keeps one cache entry per code object, shape and guard set.  Opaque layers (a
-        # UNet's convolutions, anything not traced as an operator) break the graph, so the frames
+        # cast or patched convolution, anything not traced as an operator) break the graph, so the frames
         # that call them (a UNet's blocks, their attention) are compiled on their own; ComfyUI's
         # per-block keys are kept out of them (_region_forward), but a model passing other
         # per-block constants would still need one entry per module instance.  Past the limit

@@ -1,7 +1,7 @@
 """Weight layers the compiler sees through: while compiled blocks are installed
-(``compiled_blocks``), a Linear whose forward is a plain kernel call - the lean fp8 and int8
-kernels, a 16-bit GEMM - reaches Dynamo as one opaque operator in the block's graph instead of a
-graph break.
+(``compiled_blocks``), a weight layer whose forward is a plain kernel call - the lean fp8 and
+int8 kernels, a 16-bit GEMM or 2-D convolution - reaches Dynamo as one opaque operator in the
+block's graph instead of a graph break.
 
 Why: a graph break splits a block into one compiled graph per stretch between layers, and every
 stretch resumes inside the previous one's frame, which keeps that frame's values alive until
@@ -14,7 +14,10 @@ use.
 
 The operator runs exactly the lean kernel (``lean._fp8_mm``; kitchen's ``int8_linear`` op; the
 16-bit ``linear`` ComfyUI's cast path ends in when the weight is already on the device in the
-input's dtype), so each layer's output is bit-identical to the eager one.  Taken only where
+input's dtype), so each layer's output is bit-identical to the eager one; a 16-bit Conv2d is
+``F.conv2d`` with its geometry, as torch's Conv2d calls it (Inductor may hand it another memory
+layout, so cuDNN may pick another algorithm: the compiled block is checked against eager's
+rounding noise as a whole, ``CompiledBlocks.validate``).  Taken only where
 nothing else can apply at call time: the layer's forward is the lean one (or the class's own for
 a 16-bit layer), no weight or bias function (LoRA patches), no cast flags, the weight on the
 device.  Any other layer - and any call from outside a compilation (another thread running the
@@ -90,10 +93,11 @@ def _traced(self, input, *args, **kwargs):
     if args or kwargs or not torch.compiler.is_compiling():
         return self._modelopt_untraced(input, *args, **kwargs)
     kind, weight, bias, extra = self._modelopt_traced
-    if input.device != weight.device or input.requires_grad or (kind == "linear" and input.dtype != weight.dtype):
+    sixteen_bit = kind in ("linear", "conv2d")
+    if input.device != weight.device or input.requires_grad or (sixteen_bit and input.dtype != weight.dtype):
         return self._modelopt_untraced(input)
     if bias is not None and bias.dtype != input.dtype:
-        if kind == "linear":  # the cast path would convert it: left to it
+        if sixteen_bit:  # the cast path would convert it: left to it
             return self._modelopt_untraced(input)
         bias = bias.to(input.dtype)
     if kind == "fp8":
@@ -103,6 +107,8 @@ def _traced(self, input, *args, **kwargs):
         scale, convrot, group = extra
         return torch.ops.comfy_kitchen.int8_linear(input.contiguous(), weight, scale, bias,
                                                    _lean._dtype_code(input.dtype), convrot, group)
+    if kind == "conv2d":
+        return torch.nn.functional.conv2d(input, weight, bias, *extra)
     return torch.nn.functional.linear(input, weight, bias)
 
 
@@ -132,6 +138,11 @@ def traced_forward(m, untraced):
         # a 16-bit ComfyUI Linear on its class's forward: with the weight on the device in the
         # input's dtype, its cast path hands this very weight to F.linear
         m._modelopt_traced = ("linear", _plain(w), bias, ())
+    elif (own is None and type(m).__name__ == "Conv2d" and hasattr(m, "weight_function") and w.dim() == 4
+          and getattr(m, "padding_mode", None) == "zeros"):
+        # a 16-bit ComfyUI Conv2d on its class's forward (a UNet's ResBlocks, downsamplers):
+        # uncast, it is torch's Conv2d.forward - F.conv2d with the module's geometry
+        m._modelopt_traced = ("conv2d", _plain(w), bias, (m.stride, m.padding, m.dilation, m.groups))
     else:
         return None
     m._modelopt_untraced = untraced

@@ -276,6 +276,12 @@ def test_compiled_blocks_trace_the_lean_layers(family, fmt):
     patcher, x, kw = _w8a8_lean(family, fmt)
     dm = patcher.model.diffusion_model
     t = torch.tensor([0.7], device=x.device)
+    convs = [m for m in dm.modules() if type(m).__name__ == "Conv2d"]
+    if x.device.type == "cpu":
+        # ComfyUI casts on a CPU (manual_cast classes); on a GPU whose compute dtype is the file's
+        # 16-bit dtype it picks the uncast ones, whose forward is torch's Conv2d
+        for m in convs:
+            m.comfy_cast_weights = False
     torch._dynamo.reset()
     counters.clear()
     with torch.inference_mode():
@@ -284,9 +290,14 @@ def test_compiled_blocks_trace_the_lean_layers(family, fmt):
         cb = CompiledBlocks(dm)
         ok = cb.validate(run, ref, lambda: patcher.model.apply_model(rounding_noise(x, torch.bfloat16), t, **kw))
         assert ok, cb.reason
-        reasons = [r for r in counters["graph_break"] if "Linear" in r or "make_lean" in r]
+        reasons = [r for r in counters["graph_break"] if "Linear" in r or "make_lean" in r or "Conv2d" in r]
         assert not reasons, reasons[0][:300]
         assert counters["stats"]["unique_graphs"] > 0
+        for conv in convs[:2]:  # a 16-bit convolution (a UNet's) is an operator too: F.conv2d, as eager
+            assert traced_forward(conv, conv.forward) is not None
+            kind, weight, bias, extra = conv._modelopt_traced
+            h = torch.randn(1, conv.in_channels, 8, 8, dtype=weight.dtype, device=weight.device)
+            assert kind == "conv2d" and torch.equal(torch.nn.functional.conv2d(h, weight, bias, *extra), conv(h))
 
         lin = next(m for m in dm.modules() if getattr(m, "_modelopt_lean_kernel", None))
         h = torch.randn(3, lin.weight.shape[1], dtype=torch.bfloat16).to(lin.weight.device)
