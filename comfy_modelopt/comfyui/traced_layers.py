@@ -120,7 +120,9 @@ def traced_forward(m, untraced):
     w, b = getattr(m, "weight", None), getattr(m, "bias", None)
     # nothing a call could still route elsewhere (lean's fast-path check less what only the
     # input decides - the traced forward checks that)
-    if not isinstance(w, torch.Tensor) or (b is not None and b.device != w.device) or not lean.unpatched(m):
+    if not isinstance(w, torch.Tensor) or (b is not None and b.device != w.device):
+        return None
+    if not lean.unpatched(m) and not (type(m).__name__ == "Conv2d" and _cast_by_class_only(m)):
         return None
     own = m.__dict__.get("forward")
     bias = _plain(b) if b is not None else None
@@ -141,12 +143,26 @@ def traced_forward(m, untraced):
     elif (own is None and type(m).__name__ == "Conv2d" and hasattr(m, "weight_function") and w.dim() == 4
           and getattr(m, "padding_mode", None) == "zeros"):
         # a 16-bit ComfyUI Conv2d on its class's forward (a UNet's ResBlocks, downsamplers):
-        # uncast, it is torch's Conv2d.forward - F.conv2d with the module's geometry
+        # uncast, or cast by its class with nothing to cast, it is torch's Conv2d._conv_forward
+        # with the layer's own weight - F.conv2d with the module's geometry
         m._modelopt_traced = ("conv2d", _plain(w), bias, (m.stride, m.padding, m.dilation, m.groups))
     else:
         return None
     m._modelopt_untraced = untraced
     return types.MethodType(_traced, m)
+
+
+def _cast_by_class_only(m) -> bool:
+    """A layer whose cast flag comes from its class alone: a quantized file's 16-bit layers are
+    ComfyUI's ``manual_cast`` ones (``MixedPrecisionOps`` derives from it).  Their cast path
+    (``cast_bias_weight``) hands over the layer's own weight and bias when both are on the
+    input's device in its dtype (``cast_to`` returns the tensor itself) - which the traced
+    forward checks at call time.  Not when ComfyUI's loader set the flag on the layer (lowvram or
+    dynamic loading: the weight lives elsewhere, ``_v`` its dynamic slot), or forces the cast, or a
+    patch (weight or bias function) applies."""
+    return (not getattr(m, "weight_function", None) and not getattr(m, "bias_function", None)
+            and not getattr(m, "comfy_force_cast_weights", False) and "comfy_cast_weights" not in m.__dict__
+            and not hasattr(m, "prev_comfy_cast_weights") and not hasattr(m, "_v"))
 
 
 def clear(m) -> None:

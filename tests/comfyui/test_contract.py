@@ -276,12 +276,8 @@ def test_compiled_blocks_trace_the_lean_layers(family, fmt):
     patcher, x, kw = _w8a8_lean(family, fmt)
     dm = patcher.model.diffusion_model
     t = torch.tensor([0.7], device=x.device)
+    # a quantized file's 16-bit convolutions are ComfyUI's manual_cast class (cast flag set by it)
     convs = [m for m in dm.modules() if type(m).__name__ == "Conv2d"]
-    if x.device.type == "cpu":
-        # ComfyUI casts on a CPU (manual_cast classes); on a GPU whose compute dtype is the file's
-        # 16-bit dtype it picks the uncast ones, whose forward is torch's Conv2d
-        for m in convs:
-            m.comfy_cast_weights = False
     torch._dynamo.reset()
     counters.clear()
     with torch.inference_mode():
@@ -298,6 +294,11 @@ def test_compiled_blocks_trace_the_lean_layers(family, fmt):
             kind, weight, bias, extra = conv._modelopt_traced
             h = torch.randn(1, conv.in_channels, 8, 8, dtype=weight.dtype, device=weight.device)
             assert kind == "conv2d" and torch.equal(torch.nn.functional.conv2d(h, weight, bias, *extra), conv(h))
+            conv.comfy_cast_weights = True  # as ComfyUI's lowvram loading flags a layer whose weight it moved
+            try:
+                assert traced_forward(conv, conv.forward) is None
+            finally:
+                del conv.comfy_cast_weights
 
         lin = next(m for m in dm.modules() if getattr(m, "_modelopt_lean_kernel", None))
         h = torch.randn(3, lin.weight.shape[1], dtype=torch.bfloat16).to(lin.weight.device)
