@@ -277,7 +277,7 @@ class ModelOptQuantizeUNet(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, format, weight_scale, input_scale, smoothing, gptq, convrot, static_nvfp4_input,
-                keep, runtime="lean", lowrank=0, conv="none", calibration=None,
+                keep, runtime=DEFAULT_RUNTIME, lowrank=0, conv="none", calibration=None,
                 dequant_cache_gib=0.0, budget=0.0, max_error=0.0, gptq_act_order=False) -> io.NodeOutput:
         try:
             recipe = Recipe(format=format, weight_scale=weight_scale, input_scale=input_scale, smoothing=smoothing,
@@ -382,7 +382,7 @@ class ModelOptUNetLoader(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, unet_name, runtime="lean", dequant_cache_gib=0.0) -> io.NodeOutput:
+    def execute(cls, unet_name, runtime=DEFAULT_RUNTIME, dequant_cache_gib=0.0) -> io.NodeOutput:
         try:
             path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         except FileNotFoundError:
