@@ -19,8 +19,8 @@ input's dtype), so each layer's output is bit-identical to the eager one; a 16-b
 layout, so cuDNN may pick another algorithm: the compiled block is checked against eager's
 rounding noise as a whole, ``CompiledBlocks.validate``).  Taken only where
 nothing else can apply at call time: the layer's forward is the lean one (or the class's own for
-a 16-bit layer), no weight or bias function (LoRA patches), no cast flags, the weight on the
-device.  Any other layer - and any call from outside a compilation (another thread running the
+a 16-bit layer), no weight or bias function (LoRA patches), no cast flags (but a convolution's
+own class's, ``_cast_by_class_only``), the weight on the device.  Any other layer - and any call from outside a compilation (another thread running the
 block eagerly) - runs its own forward, opaque to the compiler as before.
 """
 import logging
