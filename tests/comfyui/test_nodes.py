@@ -345,6 +345,22 @@ def test_lean_runtime_equals_stock(env, fmt):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback: this run has a GPU")
+def test_nodes_replay_cuda_graphs_by_default(env):
+    """Quantize Model and Load Quantized Model offer lean + CUDA graphs as their default runtime
+    (what an API workflow without the input gets too); it samples exactly what lean does (off a
+    GPU it runs eagerly, with that reason)."""
+    from comfy_modelopt.comfyui.runtime import DEFAULT_RUNTIME
+    assert DEFAULT_RUNTIME == "lean + cuda graphs"
+    for node in (env["nodes"].ModelOptQuantizeUNet, env["nodes"].ModelOptUNetLoader):
+        runtime = next(i for i in node.define_schema().inputs if i.id == "runtime")
+        assert runtime.default == DEFAULT_RUNTIME
+    graphs, text = quantize(env)
+    assert "CUDA graph replay" in text.split("\n\n")[0]
+    lean, text = quantize(env, runtime="lean")
+    assert "CUDA graph" not in text.split("\n\n")[0]
+    assert torch.equal(sample(env, graphs, 2, 1), sample(env, lean, 2, 1))
+
+
 def test_cuda_graphs_fall_back_off_gpu(env):
     clone, runner = env["nodes"].enable_cuda_graphs(env["model"])
     a, b = sample(env, clone, 2, 1), sample(env, env["model"], 2, 1)
