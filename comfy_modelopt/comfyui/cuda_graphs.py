@@ -591,10 +591,16 @@ def _walk_signature(v, flat: list) -> None:
 
 def enable_cuda_graphs(patcher, compile_blocks: bool = False):
     """A clone of ``patcher`` whose model evaluations are captured and replayed (over
-    Inductor-compiled blocks with ``compile_blocks``, validated against eager)."""
+    Inductor-compiled blocks with ``compile_blocks``, validated against eager).  A MODEL that
+    already replays through this runtime (Quantize Model's default) gets a fresh runner with
+    these options in place of its own; any other model function wrapper is refused."""
     clone = patcher.clone()
     existing = clone.model_options.get("model_function_wrapper")
-    if existing is not None:
+    if isinstance(existing, CudaGraphs):
+        del clone.model_options["model_function_wrapper"]
+        for call_type in (CallbacksMP.ON_CLEANUP, CallbacksMP.ON_DETACH):
+            clone.remove_callbacks_with_key(call_type, "comfy_modelopt_cuda_graphs")
+    elif existing is not None:
         raise ValueError("this MODEL already has a model function wrapper; CUDA graphs would bypass it")
     runner = CudaGraphs(clone, compile_blocks=compile_blocks)
     clone.set_model_unet_function_wrapper(runner)

@@ -359,6 +359,21 @@ def test_nodes_replay_cuda_graphs_by_default(env):
     lean, text = quantize(env, runtime="lean")
     assert "CUDA graph" not in text.split("\n\n")[0]
     assert torch.equal(sample(env, graphs, 2, 1), sample(env, lean, 2, 1))
+    # the CUDA Graphs node after it (compile_blocks on) replaces that runner with its own
+    from comfy.patcher_extension import CallbacksMP
+    CudaGraphs = sys.modules[env["nodes"].enable_cuda_graphs.__module__].CudaGraphs  # the pack as ComfyUI loaded it
+    again = env["nodes"].ModelOptCudaGraphs.execute(graphs, compile_blocks=True).args[0]
+    runner = again.model_options["model_function_wrapper"]
+    assert isinstance(runner, CudaGraphs) and runner is not graphs.model_options["model_function_wrapper"]
+    assert runner.compiled is not None  # the node's option, not the first runner's
+    for call_type in (CallbacksMP.ON_CLEANUP, CallbacksMP.ON_DETACH):
+        assert len(again.callbacks[call_type]["comfy_modelopt_cuda_graphs"]) == 1
+    assert torch.equal(sample(env, again, 2, 1), sample(env, lean, 2, 1))
+    foreign = lean.clone()
+    foreign.set_model_unet_function_wrapper(lambda apply_model, args: apply_model(args["input"], args["timestep"],
+                                                                                   **args["c"]))
+    with pytest.raises(Exception, match="already has a model function wrapper"):
+        env["nodes"].ModelOptCudaGraphs.execute(foreign)
 
 
 def test_cuda_graphs_fall_back_off_gpu(env):
