@@ -127,12 +127,12 @@ class CompiledBlocks:
             self.enabled, self.reason = False, "no blocks (nn.ModuleList) to compile"
             return
         # Dynamo keeps one cache entry per code object, shape and guard set.  Opaque layers (a
-        # cast or patched convolution, anything not traced as an operator) break the graph, so the frames
-        # that call them (a UNet's blocks, their attention) are compiled on their own; ComfyUI's
-        # per-block keys are kept out of them (_region_forward), but a model passing other
-        # per-block constants would still need one entry per module instance.  Past the limit
-        # Dynamo silently runs the frame eager -
-        # measured on SDXL (70 transformer blocks, limit 41): part of the model lost its fusion.
+        # cast or patched convolution, anything not traced as an operator) break the graph, so
+        # the frames that call them (a UNet's blocks, their attention) are compiled on their own;
+        # ComfyUI's per-block keys are kept out of them (_region_forward), but a model passing
+        # other per-block constants would still need one entry per module instance.  Past the
+        # limit Dynamo silently runs the frame eager - measured on SDXL (70 transformer blocks,
+        # limit 41): part of the model lost its fusion.
         cfg = torch._dynamo.config
         per_class = collections.Counter(type(m) for r in self.regions for m in r.modules()
                                         if not _is_weight_layer(m))

@@ -589,6 +589,9 @@ def _walk_signature(v, flat: list) -> None:
         raise TypeError(type(v).__name__)
 
 
+_CALLBACK_KEY = "comfy_modelopt_cuda_graphs"  # the patcher callbacks a runner installs
+
+
 def enable_cuda_graphs(patcher, compile_blocks: bool = False):
     """A clone of ``patcher`` whose model evaluations are captured and replayed (over
     Inductor-compiled blocks with ``compile_blocks``, validated against eager).  A MODEL that
@@ -599,15 +602,15 @@ def enable_cuda_graphs(patcher, compile_blocks: bool = False):
     if isinstance(existing, CudaGraphs):
         del clone.model_options["model_function_wrapper"]
         for call_type in (CallbacksMP.ON_CLEANUP, CallbacksMP.ON_DETACH):
-            clone.remove_callbacks_with_key(call_type, "comfy_modelopt_cuda_graphs")
+            clone.remove_callbacks_with_key(call_type, _CALLBACK_KEY)
     elif existing is not None:
         raise ValueError("this MODEL already has a model function wrapper; CUDA graphs would bypass it")
     runner = CudaGraphs(clone, compile_blocks=compile_blocks)
     clone.set_model_unet_function_wrapper(runner)
-    clone.add_callback_with_key(CallbacksMP.ON_CLEANUP, "comfy_modelopt_cuda_graphs", runner.end_run)
+    clone.add_callback_with_key(CallbacksMP.ON_CLEANUP, _CALLBACK_KEY, runner.end_run)
     # a clone's detach without unpatching keeps the graphs: the weights' addresses and patches are
     # checked before every replay anyway
-    clone.add_callback_with_key(CallbacksMP.ON_DETACH, "comfy_modelopt_cuda_graphs", release_on_detach(runner.release))
+    clone.add_callback_with_key(CallbacksMP.ON_DETACH, _CALLBACK_KEY, release_on_detach(runner.release))
     _release_on_partial_unload(clone, runner)
     return clone, runner
 

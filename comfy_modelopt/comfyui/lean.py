@@ -51,12 +51,23 @@ def native_formats(device) -> set:
             if not f.native_gate or getattr(mm, f.native_gate, lambda _d: False)(device)}
 
 
-def unpatched(module) -> bool:
+def unpatched(module, class_cast_ok: bool = False) -> bool:
     """No weight or bias functions (LoRA patches at run time) and no cast flags: the layer's own
-    kernel may run (also what compiled blocks ask before tracing a layer, ``traced_layers``)."""
-    return (not getattr(module, "weight_function", None) and not getattr(module, "bias_function", None)
-            and not getattr(module, "comfy_force_cast_weights", False)
-            and not getattr(module, "comfy_cast_weights", False))
+    kernel may run (also what compiled blocks ask before tracing a layer, ``traced_layers``).
+
+    ``class_cast_ok``: a cast flag that comes from the layer's class alone is no obstacle - a
+    quantized file's 16-bit layers are ComfyUI's ``manual_cast`` ones (``MixedPrecisionOps``
+    derives from it), whose cast path (``cast_bias_weight``) hands over the layer's own weight and
+    bias when both are on the input's device in its dtype (``cast_to`` returns the tensor itself;
+    the caller checks that at call time).  Not when ComfyUI's loader set the flag on the layer
+    (lowvram or dynamic loading: the weight lives elsewhere, ``_v`` its dynamic slot)."""
+    if (getattr(module, "weight_function", None) or getattr(module, "bias_function", None)
+            or getattr(module, "comfy_force_cast_weights", False)):
+        return False
+    if not getattr(module, "comfy_cast_weights", False):
+        return True
+    return (class_cast_ok and "comfy_cast_weights" not in module.__dict__
+            and not hasattr(module, "prev_comfy_cast_weights") and not hasattr(module, "_v"))
 
 
 def _fast_path_ok(module, x) -> bool:

@@ -20,8 +20,9 @@ layout, so cuDNN may pick another algorithm: the compiled block is checked again
 rounding noise as a whole, ``CompiledBlocks.validate``).  Taken only where
 nothing else can apply at call time: the layer's forward is the lean one (or the class's own for
 a 16-bit layer), no weight or bias function (LoRA patches), no cast flags (but a convolution's
-own class's, ``_cast_by_class_only``), the weight on the device.  Any other layer - and any call from outside a compilation (another thread running the
-block eagerly) - runs its own forward, opaque to the compiler as before.
+own class's: ``lean.unpatched``), the weight on the device.  Any other layer - and any call from
+outside a compilation (another thread running the block eagerly) - runs its own forward, opaque
+to the compiler as before.
 """
 import logging
 import types
@@ -120,9 +121,8 @@ def traced_forward(m, untraced):
     w, b = getattr(m, "weight", None), getattr(m, "bias", None)
     # nothing a call could still route elsewhere (lean's fast-path check less what only the
     # input decides - the traced forward checks that)
-    if not isinstance(w, torch.Tensor) or (b is not None and b.device != w.device):
-        return None
-    if not lean.unpatched(m) and not (type(m).__name__ == "Conv2d" and _cast_by_class_only(m)):
+    if (not isinstance(w, torch.Tensor) or (b is not None and b.device != w.device)
+            or not lean.unpatched(m, class_cast_ok=type(m).__name__ == "Conv2d")):
         return None
     own = m.__dict__.get("forward")
     bias = _plain(b) if b is not None else None
@@ -150,19 +150,6 @@ def traced_forward(m, untraced):
         return None
     m._modelopt_untraced = untraced
     return types.MethodType(_traced, m)
-
-
-def _cast_by_class_only(m) -> bool:
-    """A layer whose cast flag comes from its class alone: a quantized file's 16-bit layers are
-    ComfyUI's ``manual_cast`` ones (``MixedPrecisionOps`` derives from it).  Their cast path
-    (``cast_bias_weight``) hands over the layer's own weight and bias when both are on the
-    input's device in its dtype (``cast_to`` returns the tensor itself) - which the traced
-    forward checks at call time.  Not when ComfyUI's loader set the flag on the layer (lowvram or
-    dynamic loading: the weight lives elsewhere, ``_v`` its dynamic slot), or forces the cast, or a
-    patch (weight or bias function) applies."""
-    return (not getattr(m, "weight_function", None) and not getattr(m, "bias_function", None)
-            and not getattr(m, "comfy_force_cast_weights", False) and "comfy_cast_weights" not in m.__dict__
-            and not hasattr(m, "prev_comfy_cast_weights") and not hasattr(m, "_v"))
 
 
 def clear(m) -> None:
