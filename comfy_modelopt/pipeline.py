@@ -23,7 +23,7 @@ from .fileformat import (META_CALIBRATION, META_FAMILY, META_LOADER, META_PREFIX
 from .folding import Folds, plan_folds, read_rows_scaled
 from .plan import ConvPlan, Plan, make_plan
 from .planner import plan_budget
-from .quantize import kept_report, quantize_conv, quantize_layer
+from .quantize import FEW_ROWS, kept_report, quantize_conv, quantize_layer
 from .recipe import Recipe
 from .report import LayerReport, QuantReport
 from .safetensors_io import (FLOAT_DTYPES, ITEMSIZE, ST_DTYPES, TORCH_DTYPES, SafetensorsFile, StreamWriter,
@@ -371,6 +371,23 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
         progress(total, total, "")
     if nonfinite:
         report.notes.append(_nonfinite_note(nonfinite))
+    if recipe.gptq and writes:
+        note = gptq_rows_note(report)
+        if note:
+            report.notes.append(note)
+
+
+def gptq_rows_note(report: QuantReport) -> str:
+    """A line for the report when GPTQ rounded layers from fewer sampled rows than they have inputs
+    (their Hessian is rank-deficient), with what raises the rows; empty when none did."""
+    few = [l for l in report.layers if FEW_ROWS in (l.notes or "")]
+    if not few:
+        return ""
+    return (f"GPTQ rounded {len(few)} layers from fewer sampled input rows than the layer has inputs (e.g. "
+            f"{few[0].name}: {few[0].notes.split(FEW_ROWS + ': ')[1].split(']')[0]}): their Hessian is rank-deficient "
+            "and its damping stands in for the directions never sampled - keep more samples per layer "
+            "(Calibration Helper's samples_mib_per_layer, the launcher's --samples-mib-per-layer; rows = MiB * "
+            "2^20 / (2 * inputs)) and, where calibration saw fewer rows than that, sample more prompts")
 
 
 def _add_notes(plan: Plan, report: QuantReport, stats) -> None:

@@ -245,7 +245,7 @@ def encode(choice: LayerChoice, layer: LayerPlan, plan: Plan) -> tuple[dict[str,
             dampings = gptq.DAMPINGS if split is not None else gptq.DAMPINGS[:1]
             qs = gptq.gptq_dampings(ws, h, dampings, quantize_columns, act_order=plan.recipe.gptq_act_order)
             if split is None:
-                choice.notes.append("gptq")
+                choice.notes.append("gptq" + _few_rows(xs))
                 return encoded(qs[0])
             tried = [(encoded(q), d) for q, d in zip(qs, dampings)]
             errs = [_weight_out_err(qt, w, split.held) for (_tensors, qt), _d in tried]
@@ -260,12 +260,24 @@ def encode(choice: LayerChoice, layer: LayerPlan, plan: Plan) -> tuple[dict[str,
                 q = gptq.gptq(ws, gptq.damped(gptq.gram(x_all), tried[best][1]), quantize_columns,
                               act_order=plan.recipe.gptq_act_order)
                 choice.notes.append(f"gptq damp {tried[best][1]:g} (held-out {base:.4f}->{errs[best]:.4f}; "
-                                    f"then rounded from all {x_all.shape[0]} rows)")
+                                    f"then rounded from all {x_all.shape[0]} rows)" + _few_rows(x_all))
                 return encoded(q)
             choice.notes.append(f"gptq worse on held-out prompts ({errs[best]:.4f} vs {base:.4f}): plain rounding")
             return plain
         choice.notes.append(f"gptq n/a for {fmt.name}{'+convrot' if opts.get('convrot') else ''}")
     return fmt.encode(_clamped(w, choice), choice.clip.alpha, **opts)
+
+
+# what a layer's GPTQ note says when its Hessian X^T X came from fewer sampled rows than the layer
+# has inputs (rank-deficient: the damping stands in for what was never sampled); the report counts
+# these layers (pipeline.gptq_rows_note).  A 2 MiB reservoir holds 341 rows of a 3072-wide layer,
+# 85 of a 12288-wide one; on the real-weights benchmark GPTQ's gain grew with the calibration
+# rows (16 -> 160 prompts, docs/benchmarks.md 3a)
+FEW_ROWS = "fewer rows than inputs"
+
+
+def _few_rows(x: torch.Tensor) -> str:
+    return f" [{FEW_ROWS}: {x.shape[0]} < {x.shape[1]}]" if x.shape[0] < x.shape[1] else ""
 
 
 def _clamped(w: torch.Tensor, choice: LayerChoice) -> torch.Tensor:

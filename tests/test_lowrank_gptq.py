@@ -195,3 +195,29 @@ def test_block_clip_search_returns_the_weights_it_made():
     assert found is not None
     assert torch.equal(found.fake, fmt.fake_rows(scales.clamp_blocks(w, found.bound), amax=w.abs().max()))
     assert torch.equal(found.fake_absmax, fmt.fake_rows(w))
+
+
+def test_gptq_says_which_layers_it_rounded_from_fewer_rows_than_inputs():
+    # 6 calls x 16 rows = 96 sampled rows: enough for the 64-wide layer's Hessian, not for the
+    # 256-wide one's (rank-deficient) - that layer's note and the report's line say so
+    from comfy_modelopt import Recipe, quantize_module
+    from comfy_modelopt.calibrate import calibrate
+    from comfy_modelopt.modules import module_report
+    from comfy_modelopt.quantize import FEW_ROWS
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    xs = [torch.randn(16, 64) for _ in range(6)]
+    with torch.no_grad():
+        stats = calibrate(net, lambda m: [m(x) for x in xs])
+    report = module_report(quantize_module(net, Recipe(format="nvfp4", gptq=True, sensitivity=False), stats))
+    notes = {l.name: l.notes for l in report.layers}
+    assert FEW_ROWS not in notes["0"] and "gptq" in notes["0"]
+    assert f"{FEW_ROWS}: " in notes["2"] and "< 256]" in notes["2"], notes["2"]
+    line = [n for n in report.notes if n.startswith("GPTQ rounded")]
+    assert len(line) == 1 and "1 layers" in line[0] and "2: " in line[0] and "samples_mib_per_layer" in line[0]
+    # with every layer's rows at least its inputs there is no such line
+    with torch.no_grad():
+        stats = calibrate(net, lambda m: [m(torch.randn(64, 64)) for _ in range(6)])
+    report = module_report(quantize_module(net, Recipe(format="nvfp4", gptq=True, sensitivity=False), stats))
+    assert not any(FEW_ROWS in l.notes for l in report.layers)
+    assert not any(n.startswith("GPTQ rounded") for n in report.notes)

@@ -99,7 +99,9 @@ class ModelOptCalibrationHelper(io.ComfyNode):
                 io.Float.Input("guidance", default=3.5, min=0.0, max=100.0, step=0.1,
                                tooltip="Embedded guidance for guidance-distilled models (Flux); others ignore it."),
                 io.Float.Input("samples_mib_per_layer", default=2.0, min=0.0, max=256.0, step=0.5, advanced=True,
-                               tooltip="Input rows kept per layer for the activation-aware searches (bf16)."),
+                               tooltip="Input rows kept per layer for the activation-aware searches and GPTQ "
+                               "(bf16: rows = MiB * 2^20 / (2 * the layer's inputs)). With fewer rows than a layer has "
+                               "inputs its GPTQ Hessian is rank-deficient: the report names such layers."),
                 io.String.Input("save_name", default="", tooltip="If set, also save the statistics as "
                                 "models/modelopt_calibration/<save_name>.safetensors (for the CLI's --stats)."),
                 io.Latent.Input("latent", optional=True, tooltip="Sample this latent instead of an empty "
