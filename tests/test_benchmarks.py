@@ -114,3 +114,16 @@ def test_quality_real_floors_round_only_what_they_say():
         assert err(rotate=16) != plain and err(alpha=0.5) != plain
         assert torch.equal(model(x), ref)        # restored
         assert all("forward" not in m.__dict__ for m in model)
+
+
+def test_quality_real_more_calibration_is_fixed_and_never_held_out():
+    """--more-calibration's captions: the same for a seed, distinct enough to add rows, and never
+    one of the held-out prompts the errors are measured on."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("quality_real", os.path.join(ROOT, "benchmarks", "quality_real.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    more = mod.more_calibration(144)
+    assert more == mod.more_calibration(144) and more[:10] == mod.more_calibration(10)
+    assert more != mod.more_calibration(144, seed=1)
+    assert len(set(more)) > 130 and not set(more) & set(mod.HELD_OUT) and not set(more) & set(mod.CALIB)
