@@ -439,7 +439,22 @@ class ActivationStats:
         return {"forward_calls": self.forward_calls, "layers": len(self.fingerprint),
                 "layers_with_data": sum(1 for n in self.fingerprint if self.has(n)),
                 "never_ran": self.never_ran()[:20], "bytes": self.nbytes(),
-                "fingerprint": self.fingerprint_hash(), **self.info}
+                "fingerprint": self.fingerprint_hash(), **self.sampled_rows(), **self.info}
+
+    def sampled_rows(self) -> dict:
+        """The sampled rows per layer (fewest, most) and how many layers hold fewer rows than
+        they have inputs - where GPTQ's Hessian from them is rank-deficient - with one of them;
+        empty without samples."""
+        held = [(s.reservoir.shape[0], s.k, n) for n, s in self.layers.items() if s.has_sample()]
+        if not held:
+            return {}
+        few = sorted((r / k, n, r, k) for r, k, n in held if r < k)
+        out = {"sampled_rows_min": min(r for r, _k, _n in held), "sampled_rows_max": max(r for r, _k, _n in held),
+               "layers_fewer_rows_than_inputs": len(few)}
+        if few:
+            _ratio, name, r, k = few[0]
+            out["fewest_rows_per_input"] = f"{name}: {r} rows for {k} inputs"
+        return out
 
     def summary_json(self) -> str:
         return json.dumps(self.summary(), sort_keys=True)

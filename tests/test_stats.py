@@ -267,3 +267,20 @@ def test_calibrate_in_either_mode(outer, inner):
         assert torch.equal(st.layers[name].hist, ref.layers[name].hist)
         assert torch.equal(st.layers[name].channel_absmax, ref.layers[name].channel_absmax)
         assert st.layers[name].rows == ref.layers[name].rows
+
+
+def test_summary_names_layers_with_fewer_sampled_rows_than_inputs():
+    # 40 rows reach both layers; the reservoir keeps them all: the 64-wide input is short of rows
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    with torch.no_grad():
+        stats = calibrate(net, lambda m: [m(torch.randn(10, 16)) for _ in range(4)])
+    s = stats.summary()
+    assert (s["sampled_rows_min"], s["sampled_rows_max"]) == (40, 40)
+    assert s["layers_fewer_rows_than_inputs"] == 1 and s["fewest_rows_per_input"] == "2: 40 rows for 64 inputs"
+    with torch.no_grad():
+        stats = calibrate(net, lambda m: [m(torch.randn(80, 16)) for _ in range(2)])
+    s = stats.summary()
+    assert s["layers_fewer_rows_than_inputs"] == 0 and "fewest_rows_per_input" not in s
+    with torch.no_grad():  # no rows kept: nothing to say
+        stats = calibrate(net, lambda m: [m(torch.randn(10, 16))], CalibrationOptions(reservoir_bytes=0))
+    assert stats.sampled_rows() == {} and "sampled_rows_min" not in stats.summary()

@@ -183,6 +183,12 @@ def _stats_text(stats: ActivationStats) -> str:
     s = stats.summary()
     text = (f"calibrated {s['layers_with_data']}/{s['layers']} Linear layers over {s['forward_calls']} model "
             f"calls ({s.get('prompts')} prompts x {s.get('steps')} steps), statistics {s['bytes'] / 2**20:.1f} MiB")
+    if "sampled_rows_min" in s:
+        text += f"\nsampled input rows per layer: {s['sampled_rows_min']}-{s['sampled_rows_max']}"
+        if s["layers_fewer_rows_than_inputs"]:
+            text += (f"; {s['layers_fewer_rows_than_inputs']} layers hold fewer rows than they have inputs (GPTQ "
+                     f"would round them from a rank-deficient Hessian; fewest: {s['fewest_rows_per_input']}) - "
+                     "raise samples_mib_per_layer for GPTQ")
     if s["never_ran"]:
         text += f"\nlayers that never ran: {', '.join(s['never_ran'][:5])}"
     return text

@@ -93,6 +93,10 @@ def test_calibration_covers_the_trajectory(env):
     assert st.forward_calls == 2 * 3  # prompts x steps (cond and uncond batched per call)
     assert len(st.info["sigmas"]) == 4 and st.info["prompts"] == 2
     assert not st.never_ran() and "calibrated 80/80" in env["summary"]
+    # the summary says how many rows GPTQ would have per layer, and names a layer short of them
+    rows = st.sampled_rows()
+    assert f"sampled input rows per layer: {rows['sampled_rows_min']}-{rows['sampled_rows_max']}" in env["summary"]
+    assert (f"fewest: {rows['fewest_rows_per_input']}" in env["summary"]) == bool(rows["layers_fewer_rows_than_inputs"])
 
 
 def test_calibration_never_samples_through_cuda_graphs(env):
