@@ -4,6 +4,7 @@
     python benchmarks/quality_real.py --out DIR             # a few minutes on a CPU
     python benchmarks/quality_real.py --device cuda --dtype bfloat16 --out DIR   # + ModelOpt's CUDA rows
     python benchmarks/quality_real.py --more-calibration 144 --out DIR   # ~3,000 rows per layer
+    python benchmarks/quality_real.py --format nvfp4 --end-to-end-planner --out DIR   # + a planner diagnostic
 
 The model is all-MiniLM-L6-v2 (benchmarks/minilm.py): a trained sentence-embedding transformer
 whose 36 Linear layers are quantized by ``quantize_module`` and run exactly as ComfyUI runs the
@@ -189,6 +190,38 @@ def activations_only(model, stats, fmt_name: str, static: bool = False, rotate: 
     return lambda: [m.__dict__.pop("forward", None) for m in restore]
 
 
+def end_to_end_plan(model, tok, stats, calib: list[str], budget: float = 0.35) -> tuple[dict, float]:
+    """A diagnostic for the planner (not what it does today): every layer priced by the *whole
+    model's* output instead of its own - nvfp4 + GPTQ act-order everywhere, then each layer alone
+    swapped for its int8 + ConvRot + GPTQ act-order version and the embedding error on the
+    calibration prompts measured; the budget filled by gain per byte.  Returns the model with the
+    chosen layers swapped, row fields and its Linear bytes / 16-bit bytes."""
+    lo = quantize_module(model, Recipe(format="nvfp4", gptq=True, gptq_act_order=True, sensitivity=False), stats,
+                         native=True)
+    hi = quantize_module(model, Recipe(format="int8_tensorwise", convrot=True, gptq=True, gptq_act_order=True,
+                                       sensitivity=False), stats, native=True)
+    names = list(linear_layers(model))
+    lo_m, hi_m = dict(lo.named_modules()), dict(hi.named_modules())
+    lo_b = {l.name: l.bytes for l in module_report(lo).layers}
+    hi_b = {l.name: l.bytes for l in module_report(hi).layers}
+    b16 = sum(l.bytes_16bit for l in module_report(lo).layers)
+
+    def swap(up):
+        for n in names:
+            parent, _, leaf = n.rpartition(".")
+            setattr(lo.get_submodule(parent) if parent else lo, leaf, hi_m[n] if n in up else lo_m[n])
+        return lo
+    ref = embed(model, tok, calib)
+    base = errors(embed(swap(set()), tok, calib), ref)["rel_err"]
+    gain = {n: base - errors(embed(swap({n}), tok, calib), ref)["rel_err"] for n in names}
+    up, used = set(), sum(lo_b.values())
+    for n in sorted(names, key=lambda n: -gain[n] / (hi_b[n] - lo_b[n])):
+        if gain[n] > 0 and used + hi_b[n] - lo_b[n] <= budget * b16:
+            up.add(n)
+            used += hi_b[n] - lo_b[n]
+    return swap(up), {"layers_int8": len(up), "layers": len(names)}, used / b16
+
+
 def embed(model, tok, texts: list[str]) -> torch.Tensor:
     with torch.no_grad():
         return model(*tok.batch(texts)).float()
@@ -218,8 +251,11 @@ def errors(emb: torch.Tensor, ref: torch.Tensor) -> dict:
             "one_minus_cos": float(1 - torch.nn.functional.cosine_similarity(emb, ref, dim=-1).mean())}
 
 
+END_TO_END = "planner diagnostic: 0.35 priced end to end, gptq act-order"
+
+
 def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: str = "float32",
-        more: int = 0) -> dict:
+        more: int = 0, end_to_end: bool = False) -> dict:
     folder = minilm.extract(cache)
     model, tok = minilm.load(folder)
     dev = torch.device(device)
@@ -255,6 +291,15 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
         print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  1-cos {row['one_minus_cos']:.5f}  "
               f"vs naive {row['vs_naive']:.2f}x  bytes {row['bytes']:.3f}  ({len(quant)}/{len(rep.layers)} "
               f"layers, {seconds:.1f} s)", flush=True)
+    if end_to_end and (not only or "nvfp4" in only):
+        t0 = time.perf_counter()
+        q, fields, nbytes = end_to_end_plan(model, tok, stats, calib)
+        row = {"format": "nvfp4", "variant": END_TO_END, **fields, **errors(embed(q, tok, HELD_OUT), ref),
+               "bytes": nbytes, "seconds": round(time.perf_counter() - t0, 2), "compute": "native"}
+        row["vs_naive"] = row["rel_err"] / naive[("nvfp4", True)]
+        rows.append(row)
+        print(f"nvfp4            {END_TO_END:40s} rel_err {row['rel_err']:.4f}  vs naive {row['vs_naive']:.2f}x  "
+              f"bytes {nbytes:.3f}  ({fields['layers_int8']} int8 layers, {row['seconds']:.1f} s)", flush=True)
     for fmt, name, how in FLOORS:
         if only and fmt not in only:
             continue
@@ -317,9 +362,12 @@ def main(argv=None):
     ap.add_argument("--more-calibration", type=int, default=0, metavar="N",
                     help="N composed captions join the 16 calibration prompts (more rows per layer, as a "
                          "diffusion calibration gives; the held-out prompts stay the same)")
+    ap.add_argument("--end-to-end-planner", action="store_true",
+                    help="a diagnostic row: the 0.35 budget filled by each layer's effect on the whole model's "
+                         "output (nvfp4 vs int8 + ConvRot, GPTQ act-order) instead of its own output error")
     args = ap.parse_args(argv)
     doc = run(args.cache, set(args.format.split(",")) if args.format else None, args.device, args.dtype,
-              args.more_calibration)
+              args.more_calibration, args.end_to_end_planner)
     import comfy_kitchen  # noqa: F401  (version recorded below)
     from importlib.metadata import version
     doc["env"] = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,

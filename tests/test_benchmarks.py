@@ -127,3 +127,36 @@ def test_quality_real_more_calibration_is_fixed_and_never_held_out():
     assert more == mod.more_calibration(144) and more[:10] == mod.more_calibration(10)
     assert more != mod.more_calibration(144, seed=1)
     assert len(set(more)) > 130 and not set(more) & set(mod.HELD_OUT) and not set(more) & set(mod.CALIB)
+
+
+def test_quality_real_end_to_end_plan_honours_its_budget():
+    """The end-to-end planner diagnostic: within its byte budget, nothing swapped at nvfp4's own
+    bytes, and at a roomy budget every layer whose swap helps the whole model is int8."""
+    import importlib.util
+
+    import torch
+
+    from comfy_modelopt.calibrate import calibrate
+    spec = importlib.util.spec_from_file_location("quality_real", os.path.join(ROOT, "benchmarks", "quality_real.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    inputs = {f"p{i}": torch.randn(8, 64) * (1 + 8 * (torch.rand(64) > 0.9)) for i in range(6)}
+
+    class Tok:  # a "prompt" names its input rows
+        def batch(self, texts):
+            return [torch.cat([inputs[t] for t in texts])]
+    with torch.no_grad():
+        stats = calibrate(model, lambda m: [m(x) for x in inputs.values()])
+        texts = list(inputs)
+        lo, fields, lo_bytes = mod.end_to_end_plan(model, Tok(), stats, texts, budget=0.0)  # nvfp4's bytes
+        assert fields == {"layers_int8": 0, "layers": 2} and 0.25 < lo_bytes < 0.35
+        _, fields, nbytes = mod.end_to_end_plan(model, Tok(), stats, texts, budget=lo_bytes + 0.01)
+        assert fields["layers_int8"] == 0 and nbytes == lo_bytes  # no swap fits in 1% of the bytes
+        q, fields, nbytes = mod.end_to_end_plan(model, Tok(), stats, texts, budget=1.0)
+        assert fields["layers_int8"] >= 1 and lo_bytes < nbytes <= 1.0
+        ref = mod.embed(model, Tok(), texts)
+        lo, _, _ = mod.end_to_end_plan(model, Tok(), stats, texts, budget=0.0)
+        assert (mod.errors(mod.embed(q, Tok(), texts), ref)["rel_err"]
+                < mod.errors(mod.embed(lo, Tok(), texts), ref)["rel_err"])
