@@ -182,12 +182,22 @@ def _check_memory(source, key: str, float32_copies: int = 0) -> None:
 
 
 # ====================================================================== the pipeline
-def _fit(text: str, width: int) -> str:
-    """Pad ``text`` with JSON whitespace to ``width`` serialized characters (or fail)."""
-    have = len(json.dumps(text, ensure_ascii=False))
-    if have > width:
-        raise RuntimeError(f"report grew past its reserved header space ({have} > {width})")
-    return text + " " * (width - have)
+# the header's room for the report is reserved before the run, from a per-layer estimate; where
+# the layers' notes outgrow it (long GPTQ / block-clip notes on every layer), they are cut in the
+# header - shortest cut last - rather than failing a finished run (the whole notes stay in the
+# report object, ``--report``'s JSON and the node's text)
+_NOTES_CUTS = (240, 160, 100, 60, 0)
+
+
+def _fit(report: QuantReport, width: int) -> str:
+    """The report's header JSON padded with JSON whitespace to ``width`` serialized characters,
+    its layer notes cut where they would not fit (or fail)."""
+    for cut in (None,) + _NOTES_CUTS:
+        text = report.header_json(cut)
+        have = len(json.dumps(text, ensure_ascii=False))
+        if have <= width:
+            return text + " " * (width - have)
+    raise RuntimeError(f"report grew past its reserved header space ({have} > {width})")
 
 
 def output_metadata(plan: Plan, report: QuantReport, source_meta: dict, source_info: dict,
@@ -203,8 +213,7 @@ def output_metadata(plan: Plan, report: QuantReport, source_meta: dict, source_i
     meta[META_SOURCE] = json.dumps(source_info, sort_keys=True)
     if stats_summary is not None:
         meta[META_CALIBRATION] = stats_summary
-    text = report.header_json()
-    meta[META_REPORT] = text if report_width is None else _fit(text, report_width)
+    meta[META_REPORT] = report.header_json() if report_width is None else _fit(report, report_width)
     return meta
 
 

@@ -34,13 +34,17 @@ class LayerReport:
         """Parse ``header_json`` output (TypeError / ValueError when malformed)."""
         return _layer_from_json(name, json.loads(text))
 
-    def header_json(self) -> str:
-        # %.4e numbers: the header reserves room for the report, filled in after the run
+    def header_json(self, notes_limit: int | None = None) -> str:
+        # %.4e numbers: the header reserves room for the report, filled in after the run;
+        # ``notes_limit``: the notes cut to that many characters (QuantReport.header_json)
+        notes = self.notes
+        if notes_limit is not None and len(notes) > notes_limit:
+            notes = notes[:max(notes_limit - 3, 0)] + "..."
         return ("{" + f'"format":{json.dumps(self.format)},"bytes":{self.bytes},'
                 f'"bytes_16bit":{self.bytes_16bit},"rel_err":{_e(self.rel_err)},'
                 f'"out_err":{_e(self.out_err)},"held_err":{_e(self.held_err)},"alpha":{_e(self.alpha)},'
                 f'"input_scale":{_e(self.input_scale)},"weight_only":{json.dumps(self.weight_only)},'
-                f'"reason":{json.dumps(self.reason)},"notes":{json.dumps(self.notes)},'
+                f'"reason":{json.dumps(self.reason)},"notes":{json.dumps(notes)},'
                 f'"sensitivity":{json.dumps(self.sensitivity, sort_keys=True)}' + "}")
 
 
@@ -114,9 +118,11 @@ class QuantReport:
         return max((l.rel_err for l in self.quantized), default=0.0)
 
     # ------------------------------------------------------------------ serialisation
-    def header_json(self) -> str:
-        """Fixed-width JSON for the safetensors header (same length before and after the run)."""
-        body = ",".join(f"{json.dumps(l.name)}:{l.header_json()}" for l in self.layers)
+    def header_json(self, notes_limit: int | None = None) -> str:
+        """Fixed-width JSON for the safetensors header (same length before and after the run);
+        ``notes_limit`` cuts each layer's notes to that many characters (the whole notes stay in
+        this object and in ``--report``'s JSON)."""
+        body = ",".join(f"{json.dumps(l.name)}:{l.header_json(notes_limit)}" for l in self.layers)
         # no wall time here: the same input and options give a byte-identical file
         return ("{" + f'"family":{json.dumps(self.family)},'
                 f'"bytes":{self.total_bytes()},"bytes_16bit":{self.total_bytes_16bit()},'

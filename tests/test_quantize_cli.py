@@ -335,3 +335,26 @@ def test_quantize_on_cuda_matches_cpu(flux_file, tmp_path, fmt):
     eb = {l.name: l.rel_err for l in rb.layers if l.rel_err >= 0}
     assert ea.keys() == eb.keys() and ea
     assert all(abs(ea[n] - eb[n]) <= 0.02 * ea[n] + 1e-6 for n in ea), [(n, ea[n], eb[n]) for n in ea]
+
+
+def test_long_layer_notes_are_cut_in_the_header_not_fatal(flux_file, tmp_path, monkeypatch):
+    """The header's room for the report is reserved before the run from a per-layer estimate;
+    layers whose notes outgrow it (long GPTQ / block-clip notes on every layer) are cut in the
+    header - the run still writes its file, the whole notes stay in --report's JSON."""
+    from comfy_modelopt import pipeline
+    long = "x" * 2000
+    real = pipeline.quantize_layer
+
+    def noisy(*args, **kwargs):
+        tensors, rep = real(*args, **kwargs)
+        rep.notes = (rep.notes + "; " if rep.notes else "") + long
+        return tensors, rep
+    monkeypatch.setattr(pipeline, "quantize_layer", noisy)
+    out, rep = tmp_path / "o.safetensors", tmp_path / "r.json"
+    assert run("quantize", flux_file, "-o", out, "--format", "float8_e4m3fn", "--report", rep, "-q") == 0
+    header = json.loads(read_all(out)[1]["comfy_modelopt.report"])
+    whole = json.loads(rep.read_text())
+    assert sum(long in l["notes"] for l in whole["layers"].values()) == 13  # every quantized layer
+    cut = [l["notes"] for l in header["layers"].values() if l["notes"]]
+    assert cut and all(len(n) <= max(pipeline._NOTES_CUTS) for n in cut) and any(n.endswith("...") for n in cut)
+    assert inspect_file(str(out)).text()
