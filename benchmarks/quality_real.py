@@ -5,6 +5,7 @@
     python benchmarks/quality_real.py --device cuda --dtype bfloat16 --out DIR   # + ModelOpt's CUDA rows
     python benchmarks/quality_real.py --more-calibration 144 --out DIR   # ~3,000 rows per layer
     python benchmarks/quality_real.py --format nvfp4 --end-to-end-planner --out DIR   # + a planner diagnostic
+    python benchmarks/quality_real.py --format nvfp4 --block-search both --out DIR    # nvfp4 blocks clipped too
 
 The model is all-MiniLM-L6-v2 (benchmarks/minilm.py): a trained sentence-embedding transformer
 whose 36 Linear layers are quantized by ``quantize_module`` and run exactly as ComfyUI runs the
@@ -362,14 +363,20 @@ def main(argv=None):
     ap.add_argument("--more-calibration", type=int, default=0, metavar="N",
                     help="N composed captions join the 16 calibration prompts (more rows per layer, as a "
                          "diffusion calibration gives; the held-out prompts stay the same)")
+    ap.add_argument("--block-search", default="raise", choices=("raise", "both", "clip"),
+                    help="nvfp4's per-block scale search: raises only (the default), clipping and raises, or "
+                         "clipping only (scales.BLOCK_CLIP_GRIDS)")
     ap.add_argument("--end-to-end-planner", action="store_true",
                     help="a diagnostic row: the 0.35 budget filled by each layer's effect on the whole model's "
                          "output (nvfp4 vs int8 + ConvRot, GPTQ act-order) instead of its own output error")
     args = ap.parse_args(argv)
+    from comfy_modelopt import scales
+    scales.BLOCK_CLIP_GRID = scales.BLOCK_CLIP_GRIDS[args.block_search]
     doc = run(args.cache, set(args.format.split(",")) if args.format else None, args.device, args.dtype,
               args.more_calibration, args.end_to_end_planner)
     import comfy_kitchen  # noqa: F401  (version recorded below)
     from importlib.metadata import version
+    doc["nvfp4_block_search"] = args.block_search
     doc["env"] = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
                   "comfy_kitchen": version("comfy-kitchen"),
                   "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}

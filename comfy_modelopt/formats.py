@@ -26,6 +26,7 @@ import torch
 from comfy_kitchen.tensor import QuantizedTensor
 
 from . import gptq
+from .errors import QuantizeError
 
 
 def regular_hadamard(size: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
@@ -135,9 +136,14 @@ class Format:
         return self._kitchen(prepared, **{**self.layout_kwargs(**opts), **extra})
 
     def _kitchen(self, tensor: torch.Tensor, **kw) -> QuantizedTensor:
+        qdata, params = self._kitchen_raw(tensor, **kw)
+        return QuantizedTensor(qdata, self.layout, params)
+
+    def _kitchen_raw(self, tensor: torch.Tensor, **kw):
+        """kitchen's (qdata, params) of ``tensor`` in this format's layout."""
         with kitchen_reference():
             qdata, params = _KITCHEN_LAYOUTS[self.layout].quantize(tensor, **kw)
-        return QuantizedTensor(qdata, self.layout, params)
+        return qdata, params
 
     def encode(self, w: torch.Tensor, alpha: torch.Tensor | None = None,
                scale: torch.Tensor | None = None, **opts) -> tuple[dict[str, torch.Tensor], QuantizedTensor]:
@@ -473,6 +479,14 @@ def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
     return torch.copysign(torch.round(mag / step) * step, x)
 
 
+def clamp_blocks(w: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """``w`` [N, K] with each 16-value block clamped to +-its ``bound`` [N, K/16]."""
+    n, k = w.shape
+    b = bound.to(w.dtype).unsqueeze(-1)
+    blocks = w.reshape(n, k // 16, 16)
+    return torch.maximum(torch.minimum(blocks, b), -b).reshape(n, k)
+
+
 def _nvfp4_block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """The E4M3 scale of each 16-value block as kitchen derives it: block amax / 6 / global
     scale, at most 448, rounded to E4M3 (float32 result)."""
@@ -503,17 +517,80 @@ class NvFp4Format(Format):
     def _explicit(self, scale):
         return {"scale": scale.reshape(()).float()}
 
+    def quantize(self, w, alpha=None, scale=None, block_bound=None, **opts):
+        """As ``Format.quantize``; ``block_bound`` [N, K/16] (scales.search_block_clip) sets each
+        16-block's scale to the one kitchen derives from that magnitude instead of the block's
+        max: a bound below the max clips the block (it is clamped, and kitchen derives the scale
+        from the clamp), a bound above it *raises* the scale - the block's largest value then
+        lands below 6 on the E2M1 grid, where the grid is finer (4 -> 6 is its coarsest step;
+        "Four Over Six", Cook et al. 2025, scales blocks to 4 for this).  kitchen derives every
+        block scale from the block's largest value, so it cannot be asked for a raised one
+        directly: ``_raised`` encodes such blocks in two kitchen calls."""
+        if block_bound is None:
+            return super().quantize(w, alpha, scale, **opts)
+        g = self.global_scale(w, alpha) if scale is None else scale.reshape(()).float()
+        n, k = w.shape
+        bound = block_bound.float().to(w.device)
+        x = clamp_blocks(w.float(), bound)
+        raised = _nvfp4_block_scales(x.abs().reshape(n, k // 16, 16).amax(-1), g) != _nvfp4_block_scales(bound, g)
+        kw = {**self.layout_kwargs(**opts), **self._explicit(g)}
+        if not bool(raised.any()):
+            return self._kitchen(x, **kw)
+        return self._raised(x, bound, raised, g, kw)
+
+    def _raised(self, x, bound, raised, g, kw) -> QuantizedTensor:
+        """kitchen's encoding of ``x`` [N, K] with the blocks marked ``raised`` [N, K/16] scaled
+        from ``bound`` rather than from their own max.  Call A sets each raised block's largest
+        element to 6 x that scale, so kitchen derives the scale, and codes every other element
+        of the block against it; that element's own code is then wrong (6).  Call B sets another
+        element of the block, one in a different byte (two E2M1 codes share a byte), and codes
+        the largest one right.  The result takes call B's byte holding the largest element and
+        call A's everywhere else: every byte and every scale is kitchen's own, unchanged."""
+        n, k = x.shape
+        top = 6.0 * _nvfp4_block_scales(bound, g) * g          # kitchen derives exactly the scale from it
+        blocks = x.reshape(n, k // 16, 16)
+        arg = blocks.abs().argmax(-1, keepdim=True)
+        a, b = blocks.clone(), blocks.clone()
+        a.scatter_(-1, arg, torch.where(raised, top, a.gather(-1, arg).squeeze(-1)).unsqueeze(-1))
+        other = arg ^ 2                                        # same block, another byte
+        b.scatter_(-1, other, torch.where(raised, top, b.gather(-1, other).squeeze(-1)).unsqueeze(-1))
+        (qa, pa), (qb, pb) = self._kitchen_raw(a.reshape(n, k), **kw), self._kitchen_raw(b.reshape(n, k), **kw)
+        if not torch.equal(pa.block_scale.view(torch.uint8), pb.block_scale.view(torch.uint8)):
+            raise QuantizeError("nvfp4: kitchen derived different block scales for the two halves of a raised "
+                                "block's encoding")
+        pick = torch.zeros(n, k // 16, 8, dtype=torch.bool, device=x.device)
+        pick.scatter_(-1, arg // 2, raised.unsqueeze(-1))      # the byte of each raised block's largest value
+        pick = torch.nn.functional.pad(pick.reshape(n, k // 2),
+                                       (0, qa.shape[1] - k // 2, 0, qa.shape[0] - n))
+        return QuantizedTensor(torch.where(pick, qb, qa), self.layout, pa)
+
+    def fake_blocks(self, w: torch.Tensor, bound: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+        """Quantize -> dequantize of float ``w`` [N, K] (K % 16 == 0) with each 16-block's scale
+        derived from ``bound`` [N, K/16] (``quantize``'s ``block_bound``: clipped below the block's
+        max, raised above it); ``amax`` as in ``fake_rows``."""
+        n, k = w.shape
+        g = self.global_scale(w, None, amax)
+        total = (g * _nvfp4_block_scales(bound.float(), g)).unsqueeze(-1)
+        blocks = clamp_blocks(w.float(), bound).reshape(n, k // 16, 16)
+        safe = torch.where(total == 0, torch.ones_like(total), total)
+        scaled = torch.where(total == 0, torch.zeros_like(blocks), blocks / safe)
+        return (_round_e2m1(scaled.clamp(-F4_E2M1_MAX, F4_E2M1_MAX)) * total).reshape(n, k)
+
     def gptq_rounding(self, w, alpha, block_bound=None, **opts):
         # block scales fixed as kitchen derives them from the unrounded weight (E4M3 of
-        # block amax / 6 / global, at most 448) - or from the blocks clamped to ``block_bound``
-        # (scales.search_block_clip); each block's largest element anchored at +-6, its clamp
+        # block amax / 6 / global, at most 448) - or from ``block_bound`` (scales.search_block_clip);
+        # each block's largest element anchored at +-6 (its clamp, where the bound clips), except
+        # in raised blocks: ``quantize`` sets their scales whatever their largest value rounds to
         if w.shape[1] % 16:
             return None
         g = self.global_scale(w, alpha)
         n, k = w.shape
-        amax = w.abs().reshape(n, k // 16, 16).amax(dim=-1) if block_bound is None else block_bound.float()
-        total = _nvfp4_block_scales(amax, g) * g
-        return gptq.grid_column_quantizer(total, 16, gptq.anchors(w, 16), F4_E2M1_MAX, _round_e2m1), g
+        bmax = w.abs().reshape(n, k // 16, 16).amax(dim=-1)
+        scales = _nvfp4_block_scales(bmax if block_bound is None else block_bound.float(), g)
+        anchor = gptq.anchors(w, 16)
+        if block_bound is not None:
+            anchor &= (scales <= _nvfp4_block_scales(bmax, g)).repeat_interleave(16, dim=1)
+        return gptq.grid_column_quantizer(scales * g, 16, anchor, F4_E2M1_MAX, _round_e2m1), g
 
     def fake_act(self, x, input_scale=None, **opts):
         amax = None if input_scale is None else torch.tensor(input_scale * F8_E4M3_MAX * F4_E2M1_MAX)

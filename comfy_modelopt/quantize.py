@@ -23,7 +23,7 @@ from .report import LayerReport
 from .safetensors_io import entries_nbytes
 from .heldout import Split, rel, split_rows
 from .lowrank import LowRank, lowrank_split
-from .scales import (ClipChoice, choose_input_scale, choose_weight_clip, clamp_blocks, search_block_clip,
+from .scales import (ClipChoice, choose_input_scale, choose_weight_clip, search_block_clip,
                      squared_error)
 from .smoothing import choose_smoothing
 from .stats import histogram
@@ -180,7 +180,9 @@ def _block_clip(w, fmt: Format, x, split: Split | None, clip: ClipChoice, notes:
         if split is not None:
             notes.append("block clip worse on held-out prompts")
         return clip
-    notes.append(f"block clip ({found.share:.0%} of blocks)")
+    parts = [f"{share:.0%} {what}" for share, what in ((found.share - found.raised, "clipped"),
+                                                        (found.raised, "raised")) if share > 0]
+    notes.append(f"block scales ({', '.join(parts)})")
     return ClipChoice(None, 1.0, clip.objective, found.bound)
 
 
@@ -238,8 +240,8 @@ def encode(choice: LayerChoice, layer: LayerPlan, plan: Plan) -> tuple[dict[str,
             xs = fmt.search_space((split.fit if split else x).to(w.device), **opts)
             h = gptq.gram(xs)
 
-            def encoded(q):
-                return fmt.encode(fmt.search_space(q, **opts), scale=scale, **opts)  # rotated back
+            def encoded(q):  # rotated back
+                return fmt.encode(fmt.search_space(q, **opts), scale=scale, **bound, **opts)
             # GPTQ minimises the error on the rows it saw: where new prompts are held out, its
             # damping is chosen on them, and it is kept only where they agree
             dampings = gptq.DAMPINGS if split is not None else gptq.DAMPINGS[:1]
@@ -250,7 +252,7 @@ def encode(choice: LayerChoice, layer: LayerPlan, plan: Plan) -> tuple[dict[str,
             tried = [(encoded(q), d) for q, d in zip(qs, dampings)]
             errs = [_weight_out_err(qt, w, split.held) for (_tensors, qt), _d in tried]
             best = min(range(len(tried)), key=errs.__getitem__)
-            plain = fmt.encode(_clamped(w, choice), choice.clip.alpha, **opts)
+            plain = _encode_plain(fmt, w, choice, opts)
             base = _weight_out_err(plain[1], w, split.held)
             if errs[best] < base:
                 # chosen and checked on held-out prompts, then rounded once more from every
@@ -265,7 +267,7 @@ def encode(choice: LayerChoice, layer: LayerPlan, plan: Plan) -> tuple[dict[str,
             choice.notes.append(f"gptq worse on held-out prompts ({errs[best]:.4f} vs {base:.4f}): plain rounding")
             return plain
         choice.notes.append(f"gptq n/a for {fmt.name}{'+convrot' if opts.get('convrot') else ''}")
-    return fmt.encode(_clamped(w, choice), choice.clip.alpha, **opts)
+    return _encode_plain(fmt, w, choice, opts)
 
 
 # what a layer's GPTQ note says when its Hessian X^T X came from fewer sampled rows than the layer
@@ -280,9 +282,10 @@ def _few_rows(x: torch.Tensor) -> str:
     return f" [{FEW_ROWS}: {x.shape[0]} < {x.shape[1]}]" if x.shape[0] < x.shape[1] else ""
 
 
-def _clamped(w: torch.Tensor, choice: LayerChoice) -> torch.Tensor:
-    """The weight handed to kitchen: clamped to its blocks' clip bounds where it has them."""
-    return w if choice.clip.block_bound is None else clamp_blocks(w, choice.clip.block_bound)
+def _encode_plain(fmt: Format, w: torch.Tensor, choice: LayerChoice, opts: dict):
+    """Round-to-nearest encoding of the chosen clip (nvfp4: with its blocks' scale bounds)."""
+    bound = {} if choice.clip.block_bound is None else {"block_bound": choice.clip.block_bound}
+    return fmt.encode(w, choice.clip.alpha, **bound, **opts)
 
 
 def _weight_out_err(qt: QuantizedTensor, w: torch.Tensor, x: torch.Tensor) -> float:

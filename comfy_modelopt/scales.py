@@ -24,7 +24,7 @@ class ClipChoice:
     alpha: torch.Tensor | None   # None = absmax (alpha 1 everywhere)
     mean_alpha: float
     objective: str               # "weight" or "output"
-    block_bound: torch.Tensor | None = None  # nvfp4: each 16-block clipped to this |w| [N, K/16]
+    block_bound: torch.Tensor | None = None  # nvfp4: each 16-block scaled from this |w| [N, K/16] (search_block_clip)
 
 
 def squared_error(fmt: Format, x: torch.Tensor, alpha, amax=None, xs: torch.Tensor | None = None
@@ -174,33 +174,45 @@ def fp8_hist_error(values: torch.Tensor, counts: torch.Tensor, scale: float, fma
 
 
 # ====================================================================== nvfp4 block clipping
-BLOCK_CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+# A block's bound x its max: below 1 the block is clipped (its scale set by a bound under its max),
+# above 1 its scale is raised (its max lands below 6 on the E2M1 grid, where the grid is finer).
+# Measured (docs/benchmarks.md 3a, "Raised nvfp4 block scales"): on the real-weights model,
+# computed dequantized, clipping alone 0.1906, raises alone 0.1887, both 0.1769 (absmax 0.2137);
+# but in whole sampling runs of full-size Flux and SDXL (H200) raises alone are best - Flux
+# final latent 0.110 (both 0.114, clipping alone not run, absmax 0.150), SDXL 0.0248 (both 0.0273,
+# clipping alone 0.0336, absmax 0.0250): a clipped block's error shrinks its largest weights, which
+# adds up over layers and steps.  So the default searches raises only; "both" and "clip" stay for
+# the benchmarks (quality_real.py --block-search, block_scales_ab.py).
+_CLIPS, _RAISES = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7), (1.05, 1.1, 1.2, 1.3, 1.4, 1.5)
+BLOCK_CLIP_GRIDS = {"raise": (1.0,) + _RAISES, "both": (1.0,) + _CLIPS + _RAISES, "clip": (1.0,) + _CLIPS}
+BLOCK_CLIP_GRID = BLOCK_CLIP_GRIDS["raise"]
 BLOCK_CLIP_CHUNK = 1 << 22  # weight elements searched at once
 
 
 @dataclass
 class BlockClip:
-    """``search_block_clip``'s result: the bound of every block [N, K/16], the share of blocks it
-    clips, and the fake-quantized weights the search made anyway - with those bounds, and
-    unclipped (absmax, as ``fmt.fake_rows(w)``) - so that choosing between them costs no further
-    pass."""
+    """``search_block_clip``'s result: the bound of every block [N, K/16], the shares of blocks it
+    clips and raises, and the fake-quantized weights the search made anyway - with those
+    bounds, and unclipped (absmax, as ``fmt.fake_rows(w)``) - so that choosing between them costs
+    no further pass."""
     bound: torch.Tensor
-    share: float
+    share: float          # blocks clipped or raised
     fake: torch.Tensor
     fake_absmax: torch.Tensor
+    raised: float = 0.0   # blocks raised
 
 
 def search_block_clip(fmt: Format, w: torch.Tensor, xs: torch.Tensor | None) -> BlockClip | None:
-    """nvfp4: a clip bound for every 16-value block of float ``w`` [N, K] (K % 16 == 0), the one of
-    ``BLOCK_CLIP_GRID`` x the block's max that minimises the block's squared error weighted by
-    the energy of its input channels (mean x^2 over the sampled rows ``xs`` [m, K]; plain weight
-    MSE without them).  kitchen derives each block's scale from its largest value, so clamping a
-    block to its bound sets its scale to bound / 6: the E2M1 grid's coarse top (4 -> 6) then
-    falls on fewer values.  The block holding the tensor's max is never clipped, so the global
-    scale - and every other block's scale grid - stays.  Measured on the real-weights model
-    (benchmarks/quality_real.py, chosen per layer over the per-tensor clip by quantize._block_clip):
-    round-to-nearest nvfp4 0.2578 -> 0.2294 (0.89x), where a per-tensor clip gains nothing
-    (0.2576).  None where no block gains."""
+    """nvfp4: a scale bound for every 16-value block of float ``w`` [N, K] (K % 16 == 0), the one of
+    ``BLOCK_CLIP_GRID`` x the block's max (raises only by default: see above) that minimises the
+    block's squared error weighted by the energy of its input channels (mean x^2 over the sampled rows ``xs`` [m, K]; plain weight
+    MSE without them).  The block's scale is bound / 6 (E4M3-rounded, as kitchen derives it):
+    a bound under the max clips the block (``fmt.quantize`` clamps it), so the E2M1 grid's coarse
+    top (4 -> 6) falls on fewer values; a bound over it raises the scale, so the largest values
+    land on the finer grid below 6 (``NvFp4Format.quantize`` encodes those blocks).  The block
+    holding the tensor's max is never changed, so the global scale - and every other block's
+    scale grid - stays.  Chosen per layer over the per-tensor clip by quantize._block_clip.
+    None where no block gains."""
     n, k = w.shape
     h = (xs.float() ** 2).mean(dim=0) if xs is not None and xs.shape[0] else torch.ones(k, device=w.device)
     hb = h.to(w.device).reshape(k // 16, 16)
@@ -217,7 +229,7 @@ def search_block_clip(fmt: Format, w: torch.Tensor, xs: torch.Tensor | None) -> 
         best_err, best, best_q = None, bmax, None
         for c in BLOCK_CLIP_GRID:
             bound = torch.where(keep, bmax, bmax * c)
-            q = fmt.fake_rows(clamp_blocks(rows, bound), amax=amax).reshape(blocks.shape)
+            q = fmt.fake_blocks(rows, bound, amax=amax).reshape(blocks.shape)
             err = ((blocks - q) ** 2 * hb).sum(dim=-1)
             if best_err is None:
                 best_err, best_q = err, q
@@ -228,13 +240,8 @@ def search_block_clip(fmt: Format, w: torch.Tensor, xs: torch.Tensor | None) -> 
                 best_q = torch.where(better.unsqueeze(-1), q, best_q)
         out[r0:r0 + rows.shape[0]] = best
         fake[r0:r0 + rows.shape[0]] = best_q.reshape(rows.shape)
-    share = float((out < w.abs().reshape(n, k // 16, 16).amax(dim=-1)).float().mean())
-    return BlockClip(out, share, fake, fake_absmax) if share > 0 else None
+    bmax = w.abs().reshape(n, k // 16, 16).amax(dim=-1)
+    share, raised = float((out != bmax).float().mean()), float((out > bmax).float().mean())
+    return BlockClip(out, share, fake, fake_absmax, raised) if share > 0 else None
 
 
-def clamp_blocks(w: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    """``w`` [N, K] with each 16-value block clamped to +-its ``bound`` [N, K/16]."""
-    n, k = w.shape
-    b = bound.to(w.dtype).unsqueeze(-1)
-    blocks = w.reshape(n, k // 16, 16)
-    return torch.maximum(torch.minimum(blocks, b), -b).reshape(n, k)

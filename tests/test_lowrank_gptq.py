@@ -141,39 +141,93 @@ def test_dampings_batched_are_one_call_each(name, opts, act_order, monkeypatch):
 
 
 @pytest.mark.parametrize("act_order", [False, True])
-def test_nvfp4_block_clip_encodes_as_searched_and_through_gptq(act_order):
-    """nvfp4's per-block clip (scales.search_block_clip): never worse than the unclipped blocks on
-    its energy-weighted objective; kitchen, given the clamped weight, derives exactly the clipped
-    block scales the search assumed; GPTQ with those scales (blocks anchored at their bound) is
-    re-encoded by kitchen value for value, and beats plain rounding of the clipped blocks."""
-    from comfy_modelopt.scales import clamp_blocks, search_block_clip
+@pytest.mark.parametrize("n", [96, 37])  # 37 rows: kitchen pads the packed weight to 48
+def test_nvfp4_block_clip_encodes_as_searched_and_through_gptq(act_order, n, monkeypatch):
+    """nvfp4's per-block scale search (scales.search_block_clip) on its widest grid ("both"):
+    never worse than the unclipped blocks on its energy-weighted objective; it clips some blocks
+    and raises others; kitchen,
+    given the bounds (NvFp4Format.quantize), stores exactly the block scales the search assumed
+    - for raised blocks too, whose largest value kitchen alone would put at 6; GPTQ with those
+    scales (clipped blocks anchored at their bound) is re-encoded by kitchen value for value,
+    and beats plain rounding."""
+    from comfy_modelopt import scales
+    from comfy_modelopt.formats import clamp_blocks
+    from comfy_modelopt.scales import search_block_clip
+    monkeypatch.setattr(scales, "BLOCK_CLIP_GRID", scales.BLOCK_CLIP_GRIDS["both"])
     fmt = get_format("nvfp4")
     g = torch.Generator().manual_seed(1)
-    n, k = 96, 256
+    k = 256
     w = torch.randn(n, k, generator=g) / 16
     w[:, ::37] *= 6.0  # a few large weights: blocks worth clipping
     x = outlier_inputs(512, k, seed=4)
     found = search_block_clip(fmt, w, x)
-    assert found is not None and bool((found.bound < w.abs().reshape(n, k // 16, 16).amax(-1)).any())
+    bmax = w.abs().reshape(n, k // 16, 16).amax(-1)
     bound = found.bound
+    assert bool((bound < bmax).any()) and bool((bound > bmax).any()) and found.raised > 0
     h = (x ** 2).mean(0)
     werr = lambda wq: float((((wq - w) ** 2) * h).sum())  # noqa: E731
     amax = w.abs().max()
-    searched = fmt.fake_rows(clamp_blocks(w, bound), amax=amax)
+    searched = fmt.fake_blocks(w, bound, amax=amax)
+    assert torch.equal(searched, found.fake)
     assert werr(searched) < werr(fmt.fake_rows(w))
-    clipped, qt = fmt.encode(clamp_blocks(w, bound))
+    # where no block is raised, the bounds are a clamp kitchen derives the scales from
+    clip_only = torch.minimum(bound, bmax)
+    assert torch.equal(fmt.fake_blocks(w, clip_only, amax=amax), fmt.fake_rows(clamp_blocks(w, clip_only), amax=amax))
+    stored, qt = fmt.encode(w, block_bound=bound)
     with kitchen_reference():
         assert torch.equal(qt.dequantize().float(), searched)  # kitchen's scales are the searched ones
+        # a raised block's largest value is below 6 x its stored scale: kitchen alone, given the
+        # dequantized weight, derives a smaller scale for it
+        again = fmt.encode(qt.dequantize().float())[0]
+    assert not torch.equal(again["_scale"].view(torch.uint8), stored["_scale"].view(torch.uint8))
     quantize_columns, scale = fmt.gptq_rounding(w, None, block_bound=bound)
     q = gptq(w, hessian(x), quantize_columns, act_order=act_order)
-    rounded, qt = fmt.encode(q, scale=scale)
+    rounded, qt = fmt.encode(q, scale=scale, block_bound=bound)
     with kitchen_reference():
         deq = qt.dequantize().float()
     assert torch.equal(deq, q)
-    # GPTQ rounded on the clipped blocks' scales (unclipped ones would differ where bound < max)
-    assert torch.equal(rounded["_scale"].view(torch.uint8), clipped["_scale"].view(torch.uint8))
+    # GPTQ rounded on the searched blocks' scales (the weight's own would differ where bound != max)
+    assert torch.equal(rounded["_scale"].view(torch.uint8), stored["_scale"].view(torch.uint8))
     err = lambda wq: float((x @ (wq - w).T).norm() / (x @ w.T).norm())  # noqa: E731
-    assert err(deq) < 0.9 * err(searched), (err(deq), err(searched))
+    assert err(deq) < 0.95 * err(searched), (err(deq), err(searched))
+
+
+def test_nvfp4_raised_block_scales_lower_the_error(monkeypatch):
+    """Raising a block's scale (bound above its max) is a choice the search takes where it lowers
+    the energy-weighted error: the default grid (raises only) beats absmax and never clips, the
+    grid with clips and raises ends lower than the clip-only one, kitchen stores exactly what the
+    search assumed, and raised blocks keep their largest value below 6 on the E2M1 grid (kitchen's
+    own encoding puts it at 6)."""
+    from comfy_modelopt import scales
+    fmt = get_format("nvfp4")
+    g = torch.Generator().manual_seed(5)
+    n, k = 64, 128
+    w = torch.randn(n, k, generator=g) * (torch.rand(1, k, generator=g) + 0.2)
+    x = torch.randn(300, k, generator=g) * (torch.rand(k, generator=g) * 2 + 0.1)
+    h = (x ** 2).mean(0)
+    werr = lambda wq: float((((wq - w) ** 2) * h).sum())  # noqa: E731
+    assert scales.BLOCK_CLIP_GRID == scales.BLOCK_CLIP_GRIDS["raise"]
+    default = scales.search_block_clip(fmt, w, x)
+    bmax = w.abs().reshape(n, k // 16, 16).amax(-1)
+    assert default.raised > 0.05 and bool((default.bound >= bmax).all())  # nothing clipped
+    assert werr(default.fake) < 0.97 * werr(fmt.fake_rows(w))
+    monkeypatch.setattr(scales, "BLOCK_CLIP_GRID", scales.BLOCK_CLIP_GRIDS["clip"])
+    clip_only = scales.search_block_clip(fmt, w, x)
+    monkeypatch.setattr(scales, "BLOCK_CLIP_GRID", scales.BLOCK_CLIP_GRIDS["both"])
+    full = scales.search_block_clip(fmt, w, x)
+    assert clip_only.raised == 0 and full.raised > 0.05
+    assert werr(full.fake) < 0.97 * werr(clip_only.fake), (werr(full.fake), werr(clip_only.fake))
+    stored, qt = fmt.encode(w, block_bound=full.bound)
+    with kitchen_reference():
+        deq = qt.dequantize().float()
+    assert torch.equal(deq, full.fake)
+    from comfy_modelopt.formats import _nvfp4_block_scales
+    g2 = stored["_scale_2"].float()
+    raised = full.bound > w.abs().reshape(n, k // 16, 16).amax(-1)
+    scale = _nvfp4_block_scales(full.bound, g2) * g2
+    top = deq.reshape(n, k // 16, 16).abs().amax(-1)
+    # most raised blocks store their largest value below 6 x their scale (some round up to 6)
+    assert float((top[raised] < 6 * scale[raised]).float().mean()) > 0.5
 
 
 def test_block_clip_search_returns_the_weights_it_made():
@@ -193,7 +247,7 @@ def test_block_clip_search_returns_the_weights_it_made():
     finally:
         scales.BLOCK_CLIP_CHUNK = chunk
     assert found is not None
-    assert torch.equal(found.fake, fmt.fake_rows(scales.clamp_blocks(w, found.bound), amax=w.abs().max()))
+    assert torch.equal(found.fake, fmt.fake_blocks(w, found.bound, amax=w.abs().max()))
     assert torch.equal(found.fake_absmax, fmt.fake_rows(w))
 
 
