@@ -487,6 +487,15 @@ def clamp_blocks(w: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
     return torch.maximum(torch.minimum(blocks, b), -b).reshape(n, k)
 
 
+def _e2m1_blocks(blocks: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """16-value ``blocks`` [..., 16] rounded to E2M1 with each block's ``total`` scale [...] and
+    dequantized, as kitchen does (values past +-6 x scale clamped; a zero scale gives zeros)."""
+    total = total.unsqueeze(-1)
+    safe = torch.where(total == 0, torch.ones_like(total), total)
+    scaled = torch.where(total == 0, torch.zeros_like(blocks), blocks / safe)
+    return _round_e2m1(scaled.clamp(-F4_E2M1_MAX, F4_E2M1_MAX)) * total
+
+
 def _nvfp4_block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """The E4M3 scale of each 16-value block as kitchen derives it: block amax / 6 / global
     scale, at most 448, rounded to E4M3 (float32 result)."""
@@ -570,11 +579,8 @@ class NvFp4Format(Format):
         max, raised above it); ``amax`` as in ``fake_rows``."""
         n, k = w.shape
         g = self.global_scale(w, None, amax)
-        total = (g * _nvfp4_block_scales(bound.float(), g)).unsqueeze(-1)
         blocks = clamp_blocks(w.float(), bound).reshape(n, k // 16, 16)
-        safe = torch.where(total == 0, torch.ones_like(total), total)
-        scaled = torch.where(total == 0, torch.zeros_like(blocks), blocks / safe)
-        return (_round_e2m1(scaled.clamp(-F4_E2M1_MAX, F4_E2M1_MAX)) * total).reshape(n, k)
+        return _e2m1_blocks(blocks, g * _nvfp4_block_scales(bound.float(), g)).reshape(n, k)
 
     def gptq_rounding(self, w, alpha, block_bound=None, **opts):
         # block scales fixed as kitchen derives them from the unrounded weight (E4M3 of
@@ -607,11 +613,7 @@ class NvFp4Format(Format):
         x = torch.nn.functional.pad(w, (0, pad_k, 0, pad_n)) if pad_n or pad_k else w
         s = self.global_scale(w, alpha, amax)
         blocks = x.reshape(x.shape[0], -1, 16)
-        total = s * _nvfp4_block_scales(blocks.abs().amax(dim=-1), s)
-        safe = torch.where(total == 0, torch.ones_like(total), total).unsqueeze(-1)
-        scaled = torch.where(total.unsqueeze(-1) == 0, torch.zeros_like(blocks), blocks / safe)
-        q = _round_e2m1(scaled.clamp(-F4_E2M1_MAX, F4_E2M1_MAX))
-        deq = (q * total.unsqueeze(-1)).reshape(x.shape)
+        deq = _e2m1_blocks(blocks, s * _nvfp4_block_scales(blocks.abs().amax(dim=-1), s)).reshape(x.shape)
         return deq[:n, :k]
 
 
