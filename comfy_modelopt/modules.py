@@ -204,7 +204,7 @@ def module_family(module: torch.nn.Module, keep: tuple[str, ...] = ()) -> Family
 
 def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, family: str | Family | None = None,
                     inplace: bool = False, native: bool | None = None, progress=None,
-                    engine=None) -> torch.nn.Module:
+                    engine=None, evaluate=None) -> torch.nn.Module:
     """``module`` with every planned Linear layer replaced by a ``QuantLinear`` (and with
     ``recipe.conv="fp8"`` every planned convolution by a ``QuantConv2d``), computing exactly what
     ComfyUI computes for the file ``quantize_file`` would write from this module's weights.
@@ -219,13 +219,21 @@ def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, fami
     True computes what a GPU that runs the format natively computes (the activation quantized
     too), on kitchen's reference where this device has no kernel: measure quality with it on a
     CPU.  ``engine``: ModelOpt's calibration of this module (``modelopt_engine.modelopt_calibrate``)
-    used instead of the own searches.  The report is ``module_report(result)``.
+    used instead of the own searches.  ``evaluate`` (with ``recipe.budget`` or ``recipe.max_error``):
+    ``evaluate(model) -> float``, the whole model's error on inputs of your choosing (lower is
+    better; not the inputs you will judge the result on): the planner then prices each layer's
+    formats by that instead of the layer's own output error (``price_end_to_end``).
+    The report is ``module_report(result)``.
     Run the result under ``torch.no_grad()`` or ``torch.inference_mode()`` (inference only)."""
-    target = module if inplace else copy.deepcopy(module)
     if family is None:
-        family = module_family(target)
+        family = module_family(module)
+    prices = None
+    if evaluate is not None:
+        prices = price_end_to_end(module, recipe, stats, evaluate, family=family, native=native, progress=progress)
+    target = module if inplace else copy.deepcopy(module)
     sd = {k: v.detach() for k, v in target.state_dict().items()}
-    out, metadata, report = quantize(sd, recipe, stats, family=family, progress=progress, engine=engine)
+    out, metadata, report = quantize(sd, recipe, stats, family=family, progress=progress, engine=engine,
+                                     prices=prices)
     dtype_of = {k: v.dtype for k, v in sd.items()}
     device_of = {k: v.device for k, v in sd.items()}
     del sd
@@ -256,6 +264,78 @@ def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, fami
     setattr(target, _METADATA, dict(metadata))
     setattr(target, _REPORT, report)
     return target
+
+
+def price_end_to_end(module: torch.nn.Module, recipe: Recipe, stats, evaluate, *, family: str | Family | None = None,
+                     native: bool | None = None, progress=None) -> dict[str, dict[str, float]]:
+    """The planner's options priced by the whole model: {layer name: {format: error}}.
+
+    Each candidate format (``recipe.candidates``, default ``planner.DEFAULT_CANDIDATES``) is
+    applied to the whole module with the recipe's other choices (its scales, GPTQ, held-out
+    checks), so each layer's option is the layer that format's file would hold.  From a base
+    that gives every layer its smallest option, one layer at a time takes each of its other
+    options, 16-bit included, and ``evaluate`` measures the model; a format's price is the
+    model's error with it minus the model's error with that layer kept 16-bit (at least 0) -
+    each layer's own share of the error with everything else quantized, where the per-layer
+    planner knows only the layer's output.  Costs one quantization per candidate and one
+    evaluation per (layer, option); measured on real trained weights in
+    benchmarks/quality_real.py (the planner rows "priced end to end").  ``module`` is not changed."""
+    from dataclasses import replace
+
+    from .planner import resolve_candidates
+    from .recipe import CONVROT_FORMATS
+    if not recipe.planned:
+        raise QuantizeError("evaluate prices the planner's choices: give the recipe a budget or max_error")
+    if family is None:
+        family = module_family(module)
+    versions, size = {}, {}
+    for name in resolve_candidates(recipe):
+        one = replace(recipe, format=name, budget=0.0, max_error=0.0, candidates=(),
+                      convrot=recipe.convrot and name in CONVROT_FORMATS, sensitivity=False)
+        q = quantize_module(module, one, stats, family=family, native=native)
+        versions[name] = quantized_layers(q)
+        size[name] = {l.name: l.bytes for l in module_report(q).layers}
+    names = sorted({n for layers in versions.values() for n in layers})
+    options = {n: sorted((f for f in versions if n in versions[f]), key=lambda f: size[f][n]) for n in names}
+    frame = _frame(module, names)
+    base = {n: versions[options[n][0]][n] for n in names}
+    for n in names:
+        _set_submodule(frame, n, base[n])
+    originals = dict(module.named_modules())
+    total = sum(len(o) for o in options.values())
+    with torch.no_grad():
+        e_base, prices, done = float(evaluate(frame)), {}, 0
+        for n in names:
+            errs = {options[n][0]: e_base}
+            for alt in [None] + options[n][1:]:
+                if progress:
+                    progress(done, total, f"pricing {n} ({alt or '16-bit'})")
+                done += 1
+                _set_submodule(frame, n, originals[n] if alt is None else versions[alt][n])
+                errs[alt] = float(evaluate(frame))
+            _set_submodule(frame, n, base[n])
+            prices[n] = {f: max(errs[f] - errs[None], 0.0) for f in options[n]}
+    return prices
+
+
+def _frame(module: torch.nn.Module, names: list[str]) -> torch.nn.Module:
+    """A shallow copy of ``module`` whose modules on the way to ``names`` are shallow copies too
+    (each with its own child dict), so setting those submodules leaves ``module`` alone; every
+    tensor is shared."""
+    def shallow(m):
+        c = copy.copy(m)
+        c._modules = dict(m._modules)
+        return c
+    frame, copied = shallow(module), {""}
+    for n in names:
+        parts = n.split(".")
+        for i in range(1, len(parts)):
+            path = ".".join(parts[:i])
+            if path not in copied:
+                parent = frame.get_submodule(".".join(parts[:i - 1]))
+                setattr(parent, parts[i - 1], shallow(getattr(parent, parts[i - 1])))
+                copied.add(path)
+    return frame
 
 
 def _set_submodule(root: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
@@ -290,4 +370,4 @@ def quantized_layers(module: torch.nn.Module) -> dict[str, QuantLinear]:
 
 
 __all__ = ["QuantConv2d", "QuantLinear", "export_file", "export_state_dict", "module_family", "module_report",
-           "quantize_module", "quantized_layers"]
+           "price_end_to_end", "quantize_module", "quantized_layers"]

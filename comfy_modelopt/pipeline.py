@@ -220,14 +220,16 @@ def output_metadata(plan: Plan, report: QuantReport, source_meta: dict, source_i
 def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict | None = None,
                     progress: Progress | None = None, check_interrupt: Callable[[], None] | None = None,
                     family: str | Family = "auto", refuse_unknown: bool = False, shard=None,
-                    engine=None) -> QuantReport:
+                    engine=None, prices: dict | None = None) -> QuantReport:
     """Quantize ``source`` into ``sink`` layer by layer; returns the report.  ``family``: "auto"
     (detect; a file of no known family is refused with ``refuse_unknown``, else planned with the
     generic rules), "generic", or a family name (families.FAMILY_CHOICES).  ``shard``
     (``distributed.Shard``): every rank of a torch.distributed job calls this alike; the
     quantized layers are encoded across the ranks and rank 0 writes ``sink`` (others: NullSink).
     ``engine`` (``modelopt_engine.EngineResult``): ModelOpt's calibration choices (input ranges,
-    absmax weights, its smoothing folded where exact) instead of the own searches."""
+    absmax weights, its smoothing folded where exact) instead of the own searches.  ``prices``:
+    the planner's options priced by the caller (``planner.plan_budget``), with ``recipe.budget``
+    or ``recipe.max_error``."""
     t0 = time.perf_counter()
     _check_needs_stats(recipe, stats)
     if engine is not None and stats is None:
@@ -239,7 +241,9 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
         raise PlanError(f"ModelOpt's SVDQuant calibration has a rank-{engine.rank} 16-bit branch per layer: "
                         f"quantize with lowrank {engine.rank} (a file for comfy-modelopt's loader), not "
                         f"{recipe.lowrank}")
-    plan, report = _plan_and_report(source, recipe, stats, family, refuse_unknown, progress)
+    if prices is not None and not recipe.planned:
+        raise PlanError("prices are the planner's: give a budget or max_error too")
+    plan, report = _plan_and_report(source, recipe, stats, family, refuse_unknown, progress, prices)
     folds = Folds()
     plan.engine = engine
     given = {n: l.smooth for n, l in engine.layers.items() if l.smooth is not None} if engine is not None else {}
@@ -275,6 +279,11 @@ def _planner_note(summary: dict, report: QuantReport) -> str:
     note = (f"planner: {goal}, used {summary['fraction']:.3f} of the 16-bit Linear bytes: "
             f"{counts}; summed output error of the {summary['layers']} planned layers predicted "
             f"{summary['predicted']:.4f} (absmax scales), measured {measured:.4f} (chosen scales)")
+    if summary.get("priced") == "end to end":
+        note = (f"planner: {goal}, used {summary['fraction']:.3f} of the 16-bit Linear bytes: {counts}; "
+                f"{summary['layers']} layers priced end to end (the model's error with each layer's option "
+                f"alone swapped in), summed {summary['predicted']:.4g}; layers' own output error measured "
+                f"{measured:.4f}")
     return note + (f"; {summary['speed']}" if summary["speed"] else "")
 
 
@@ -288,7 +297,8 @@ def _check_needs_stats(recipe: Recipe, stats) -> None:
 
 
 def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto",
-                     refuse_unknown: bool = False, progress: Progress | None = None) -> tuple[Plan, QuantReport]:
+                     refuse_unknown: bool = False, progress: Progress | None = None,
+                     prices: dict | None = None) -> tuple[Plan, QuantReport]:
     """The plan, checked against the statistics, and the report it starts (every layer 16-bit)."""
     if isinstance(family, str):
         family = None if family == "auto" else family_named(family)
@@ -296,7 +306,7 @@ def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto
     if stats is not None:
         stats.check_model({l.rel: (l.n, l.k) for l in plan.layers})
     if recipe.planned:
-        plan.planner = plan_budget(plan, source, stats, recipe, progress)
+        plan.planner = plan_budget(plan, source, stats, recipe, progress, prices)
     report = QuantReport(plan.family.name, recipe.to_dict(), [kept_report(l) for l in plan.layers])
     for key, (dtype, shape) in plan.passthrough.items():
         nbytes = source.nbytes[key]
@@ -421,8 +431,8 @@ def _add_notes(plan: Plan, report: QuantReport, stats) -> None:
 
 
 def quantize(state_dict: dict[str, torch.Tensor], recipe: Recipe, stats=None, metadata: dict | None = None,
-             progress: Progress | None = None, family: str | Family = "auto", engine=None
-             ) -> tuple[dict[str, torch.Tensor], dict[str, str], QuantReport]:
+             progress: Progress | None = None, family: str | Family = "auto", engine=None,
+             prices: dict | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str], QuantReport]:
     """Quantize an in-memory state dict (a diffusion model's, any prefix ComfyUI knows):
     returns the output state dict (CPU tensors, ``state_dict`` itself untouched), the
     safetensors metadata a file of it needs, and the report.
@@ -435,7 +445,8 @@ def quantize(state_dict: dict[str, torch.Tensor], recipe: Recipe, stats=None, me
     stats = _stats_of(stats)
     sink = DictSink()
     report = quantize_source(DictSource.from_state_dict(state_dict, metadata), sink, recipe, stats,
-                             progress=progress, family=family, refuse_unknown=True, engine=engine)
+                             progress=progress, family=family, refuse_unknown=True, engine=engine,
+                             prices=prices)
     return sink.tensors, sink.metadata, report
 
 

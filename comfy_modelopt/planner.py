@@ -170,17 +170,38 @@ def _planned_bytes(layer, fmt: Format, opts: dict) -> int:
     return total + (4 if fmt.needs_input_scale or fmt.static_input_scale else 0)
 
 
-def plan_budget(plan, source, stats, recipe, progress=None) -> dict:
+def priced(layer, prices: dict, candidates: dict, planned_bytes) -> list[Option]:
+    """Every option of one layer with its error given in ``prices`` (format -> error; a format
+    the layer's shape refuses, or that has no price, is no option); kept 16-bit: no error."""
+    opts = [Option(KEEP, layer.n * layer.k * ITEMSIZE[layer.src_dtype], 0.0)]
+    for name, (fmt, fopts) in candidates.items():
+        lopts = fmt.layer_options(layer.n, layer.k, fopts)
+        if name in prices and not fmt.shape_problem(layer.n, layer.k, **lopts):
+            opts.append(Option(name, planned_bytes(layer, fmt, lopts), max(float(prices[name]), 0.0)))
+    return opts
+
+
+def plan_budget(plan, source, stats, recipe, progress=None, prices: dict | None = None) -> dict:
     """Reassign formats of ``plan``'s eligible, calibrated layers under ``recipe.budget``
-    (reads each weight once from ``source``); returns the summary the report shows."""
+    (reads each weight once from ``source``); returns the summary the report shows.
+
+    ``prices`` ({layer name as in the file: {format: error}}, e.g. from
+    ``modules.quantize_module(..., evaluate=...)``): the options' errors are these instead of
+    each layer's own output error, and no weight is read; the layers priced are the ones planned."""
     candidates = resolve_candidates(recipe)
-    chosen_layers = [l for l in plan.layers if l.eligible and stats is not None and stats.has(l.rel)
-                     and stats.layer(l.rel).has_sample()]
+    if prices is not None:
+        chosen_layers = [l for l in plan.layers if l.eligible and l.name in prices]
+    else:
+        chosen_layers = [l for l in plan.layers if l.eligible and stats is not None and stats.has(l.rel)
+                         and stats.layer(l.rel).has_sample()]
     ids = {id(l) for l in chosen_layers}
     fixed = sum(entries_nbytes(l.tensors) for l in plan.layers if id(l) not in ids)
     total16 = sum(l.n * l.k * 2 for l in plan.layers)
     choices = []
     for i, layer in enumerate(chosen_layers):
+        if prices is not None:
+            choices.append(Choice(layer, hull(priced(layer, prices[layer.name], candidates, _planned_bytes))))
+            continue
         if progress:
             progress(i, len(chosen_layers), "planning " + layer.rel)
         w = source.read(layer.name + ".weight").float()
@@ -209,4 +230,4 @@ def plan_budget(plan, source, stats, recipe, progress=None) -> dict:
         layer.predicted = o.error
     return {"budget": recipe.budget, "max_error": recipe.max_error, "fraction": (used + fixed) / total16 if total16 else 0.0,
             "counts": counts, "predicted": sum(c.chosen.error for c in choices), "layers": len(choices),
-            "speed": speed_note(counts)}
+            "speed": speed_note(counts), "priced": "end to end" if prices is not None else "per layer"}

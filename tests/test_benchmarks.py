@@ -127,9 +127,10 @@ def test_quality_real_more_calibration_is_fixed_and_never_held_out():
     assert len(set(more)) > 130 and not set(more) & set(mod.HELD_OUT) and not set(more) & set(mod.CALIB)
 
 
-def test_quality_real_end_to_end_plan_honours_its_budget():
-    """The end-to-end planner diagnostic: within its byte budget, nothing swapped at nvfp4's own
-    bytes, and at a roomy budget every layer whose swap helps the whole model is int8."""
+def test_quality_real_planner_floor_honours_its_budget():
+    """The planner's floor (weights exact, activations rounded per chosen format): no nvfp4 and
+    next to no error with room for everything, nothing but nvfp4 at nvfp4's own bytes, in between
+    a mix within the budget whose error lies between the two; the model's layers restored."""
     import torch
 
     from comfy_modelopt.calibrate import calibrate
@@ -143,13 +144,12 @@ def test_quality_real_end_to_end_plan_honours_its_budget():
             return [torch.cat([inputs[t] for t in texts])]
     with torch.no_grad():
         stats = calibrate(model, lambda m: [m(x) for x in inputs.values()])
-        texts = list(inputs)
-        lo, fields, lo_bytes = mod.end_to_end_plan(model, Tok(), stats, texts, budget=0.0)  # nvfp4's bytes
-        assert fields == {"layers_int8": 0, "layers": 2} and 0.25 < lo_bytes < 0.35
-        _, fields, nbytes = mod.end_to_end_plan(model, Tok(), stats, texts, budget=lo_bytes + 0.01)
-        assert fields["layers_int8"] == 0 and nbytes == lo_bytes  # no swap fits in 1% of the bytes
-        q, fields, nbytes = mod.end_to_end_plan(model, Tok(), stats, texts, budget=1.0)
-        assert fields["layers_int8"] >= 1 and lo_bytes < nbytes <= 1.0
-        ref = mod.embed(model, Tok(), texts)
-        assert (mod.errors(mod.embed(q, Tok(), texts), ref)["rel_err"]
-                < mod.errors(mod.embed(lo, Tok(), texts), ref)["rel_err"])
+        calib, held = list(inputs)[:3], list(inputs)[3:]
+        full = mod.planner_floor(model, Tok(), stats, calib, held, budget=1.0)
+        low = mod.planner_floor(model, Tok(), stats, calib, held, budget=0.28125)
+        mid = mod.planner_floor(model, Tok(), stats, calib, held, budget=0.4)
+    assert low["layers_by_format"] == {"nvfp4": 2} and low["rel_err"] > 0.05
+    assert full["rel_err"] < 0.1 * low["rel_err"] and "nvfp4" not in full["layers_by_format"]
+    assert mid["bytes"] <= 0.4 and mid["layers_by_format"] == {"nvfp4": 1, "int8_tensorwise": 1}
+    assert full["rel_err"] < mid["rel_err"] < low["rel_err"]
+    assert all(type(m).forward is torch.nn.Linear.forward and "forward" not in m.__dict__ for m in model[::2])

@@ -9,7 +9,7 @@ import torch
 
 from comfy_modelopt import Recipe, quantize
 from comfy_modelopt.calibrate import calibrate
-from comfy_modelopt.errors import PlanError
+from comfy_modelopt.errors import PlanError, QuantizeError
 from comfy_modelopt.fileformat import decode_comfy_quant
 from comfy_modelopt.planner import Choice, Option, hull, solve, solve_error
 
@@ -135,3 +135,65 @@ def test_error_budget_end_to_end():
     assert sizes[0] >= sizes[1] >= sizes[2] and sizes[0] > sizes[2]
     with pytest.raises(ValueError, match="not both"):
         Recipe(format="nvfp4", budget=0.4, max_error=0.1)
+
+
+class _TwoBranches(torch.nn.Module):
+    """Two same-shaped layers; ``loud`` has an outlier input in every 16-block that its weight
+    ignores (4-bit activations lose the rest of the block: a large error of its own) but reaches
+    the output scaled by 1e-3, ``quiet`` has plain inputs and reaches it whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.quiet, self.loud = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+        self.head_q, self.head_l = torch.nn.Linear(64, 8), torch.nn.Linear(64, 8)
+        self.register_buffer("outliers", 1 + 40 * (torch.arange(64) % 16 == 0).float())
+        with torch.no_grad():
+            self.loud.weight[:, ::16] = 0
+
+    def forward(self, x):
+        return self.head_q(self.quiet(x)) + 1e-3 * self.head_l(self.loud(x * self.outliers))
+
+
+def test_end_to_end_prices_spend_the_budget_where_the_model_output_moves():
+    """With room for one 8-bit layer, the per-layer planner upgrades the layer whose own output
+    errs most; priced by the whole model (``quantize_module(..., evaluate=)``) it upgrades the one
+    the model's output depends on, and the model's error is lower for it."""
+    from comfy_modelopt.modules import (export_state_dict, module_report, price_end_to_end, quantize_module,
+                                        quantized_layers)
+    torch.manual_seed(0)
+    model = _TwoBranches()
+    calib, check = torch.randn(256, 64), torch.randn(256, 64)
+    with torch.no_grad():
+        stats = calibrate(model, lambda m: [m(x) for x in calib.split(32)])
+        ref_c, ref_h = model(calib), model(check)
+
+    def evaluate(m):
+        return float((m(calib) - ref_c).norm() / ref_c.norm())
+    recipe = Recipe(format="int8_tensorwise", budget=0.6, keep=("head_*",), candidates=("nvfp4", "int8_tensorwise"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    per_layer = quantize_module(model, recipe, stats, native=True)
+    end_to_end = quantize_module(model, recipe, stats, native=True, evaluate=evaluate)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the model untouched
+    assert all(type(m) is torch.nn.Linear for m in (model.quiet, model.loud))
+
+    def formats(m):
+        return {n: q.conf["format"] for n, q in quantized_layers(m).items()}
+    assert formats(per_layer) == {"quiet": "nvfp4", "loud": "int8_tensorwise"}  # the loud layer's own error
+    assert formats(end_to_end) == {"quiet": "int8_tensorwise", "loud": "nvfp4"}
+    names = ["quiet", "loud", "head_q", "head_l"]
+    for m in (per_layer, end_to_end):  # both within the budget (of the 16-bit Linear weights' bytes)
+        assert _linear_bytes(export_state_dict(m)[0], names) <= 0.6 * sum(
+            getattr(model, n).weight.numel() * 2 for n in names)
+    with torch.no_grad():
+        err = {k: float((m(check) - ref_h).norm() / ref_h.norm()) for k, m in
+               (("per_layer", per_layer), ("end_to_end", end_to_end))}
+    assert err["end_to_end"] < 0.5 * err["per_layer"], err
+    note = next(n for n in module_report(end_to_end).notes if n.startswith("planner:"))
+    assert "priced end to end" in note
+    # a layer the planner keeps in a format is the layer that format's own file holds
+    uniform = quantized_layers(quantize_module(model, Recipe(format="int8_tensorwise", keep=("head_*",)), stats))
+    assert torch.equal(quantized_layers(end_to_end)["quiet"].weight.dequantize(), uniform["quiet"].weight.dequantize())
+    prices = price_end_to_end(model, recipe, stats, evaluate, native=True)
+    assert set(prices) == {"quiet", "loud"} and prices["quiet"]["nvfp4"] > prices["quiet"]["int8_tensorwise"] >= 0
+    with pytest.raises(QuantizeError, match="budget or max_error"):
+        quantize_module(model, Recipe(format="nvfp4"), stats, evaluate=evaluate)
