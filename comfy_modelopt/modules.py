@@ -17,6 +17,7 @@ The core stays ComfyUI-free: this module never imports ``comfy``.
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from comfy_kitchen.tensor import QuantizedTensor
@@ -304,7 +305,7 @@ def price_end_to_end(module: torch.nn.Module, recipe: Recipe, stats, evaluate, *
     originals = dict(module.named_modules())
     total = sum(len(o) for o in options.values())
     with torch.no_grad():
-        e_base, prices, done = float(evaluate(frame)), {}, 0
+        e_base, prices, done = _finite(evaluate(frame), "with every layer at its smallest format"), {}, 0
         for n in names:
             errs = {options[n][0]: e_base}
             for alt in [None] + options[n][1:]:
@@ -312,10 +313,18 @@ def price_end_to_end(module: torch.nn.Module, recipe: Recipe, stats, evaluate, *
                     progress(done, total, f"pricing {n} ({alt or '16-bit'})")
                 done += 1
                 _set_submodule(frame, n, originals[n] if alt is None else versions[alt][n])
-                errs[alt] = float(evaluate(frame))
+                errs[alt] = _finite(evaluate(frame), f"with {n} {alt or 'kept 16-bit'}")
             _set_submodule(frame, n, base[n])
             prices[n] = {f: max(errs[f] - errs[None], 0.0) for f in options[n]}
     return prices
+
+
+def _finite(value, what: str) -> float:
+    value = float(value)
+    if not math.isfinite(value):
+        raise QuantizeError(f"evaluate returned {value} {what}: it must give a finite error to price the planner's "
+                            f"options")
+    return value
 
 
 def _frame(module: torch.nn.Module, names: list[str]) -> torch.nn.Module:

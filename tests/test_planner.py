@@ -197,3 +197,6 @@ def test_end_to_end_prices_spend_the_budget_where_the_model_output_moves():
     assert set(prices) == {"quiet", "loud"} and prices["quiet"]["nvfp4"] > prices["quiet"]["int8_tensorwise"] >= 0
     with pytest.raises(QuantizeError, match="budget or max_error"):
         quantize_module(model, Recipe(format="nvfp4"), stats, evaluate=evaluate)
+    with pytest.raises(QuantizeError, match="evaluate returned nan with loud kept 16-bit"):
+        quantize_module(model, recipe, stats, evaluate=lambda m: float("nan") if type(m.loud) is torch.nn.Linear
+                        else 0.0)
