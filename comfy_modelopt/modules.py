@@ -278,8 +278,9 @@ def price_end_to_end(module: torch.nn.Module, recipe: Recipe, stats, evaluate, *
     options, 16-bit included, and ``evaluate`` measures the model; a format's price is the
     model's error with it minus the model's error with that layer kept 16-bit (at least 0) -
     each layer's own share of the error with everything else quantized, where the per-layer
-    planner knows only the layer's output.  Costs one quantization per candidate and one
-    evaluation per (layer, option); measured on real trained weights in
+    planner knows only the layer's output.  Costs one quantization per candidate, held in
+    memory together (one quantized copy of the model per candidate), and one evaluation per
+    (layer, option); measured on real trained weights in
     benchmarks/quality_real.py (the planner rows "priced end to end").  ``module`` is not changed."""
     from dataclasses import replace
 
