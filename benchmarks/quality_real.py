@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 import os
 import sys
 import time
@@ -236,10 +237,9 @@ def planner_floor(model, tok, stats, calib: list[str], held_out: list[str], budg
                                               for f, e in err.items()])))
         total16 = sum(m.weight.numel() * 2 for m in layers.values())
         used = solve(choices, int(budget * total16))
-        counts = {}
         for c in choices:
             use(layers[c.layer], c.chosen.fmt)
-            counts[c.chosen.fmt] = counts.get(c.chosen.fmt, 0) + 1
+        counts = dict(Counter(c.chosen.fmt for c in choices))
         out = errors(embed(model, tok, held_out), ref_h)
     finally:
         for m in layers.values():
@@ -334,9 +334,7 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
         t0 = time.perf_counter()
         q = quantize_module(model, Recipe(**fields), stats, native=True, evaluate=calibration_error)
         rep = module_report(q)
-        counts = {}
-        for l in rep.quantized:
-            counts[l.format] = counts.get(l.format, 0) + 1
+        counts = dict(Counter(l.format for l in rep.quantized))
         row = {"format": fmt, "variant": name, "recipe": fields, "calibrated": True,
                **errors(embed(q, tok, HELD_OUT), ref),
                "bytes": sum(l.bytes for l in rep.layers) / sum(l.bytes_16bit for l in rep.layers),

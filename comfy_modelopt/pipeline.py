@@ -276,14 +276,14 @@ def _planner_note(summary: dict, report: QuantReport) -> str:
     counts = ", ".join(f"{n} {f}" for f, n in sorted(summary["counts"].items(), key=lambda x: -x[1]))
     goal = (f"budget {summary['budget']:g} of the 16-bit Linear bytes" if summary["budget"] else
             f"max summed error {summary['max_error']:g}")
-    note = (f"planner: {goal}, used {summary['fraction']:.3f} of the 16-bit Linear bytes: "
-            f"{counts}; summed output error of the {summary['layers']} planned layers predicted "
-            f"{summary['predicted']:.4f} (absmax scales), measured {measured:.4f} (chosen scales)")
     if summary.get("priced") == "end to end":
-        note = (f"planner: {goal}, used {summary['fraction']:.3f} of the 16-bit Linear bytes: {counts}; "
-                f"{summary['layers']} layers priced end to end (the model's error with each layer's option "
+        errs = (f"{summary['layers']} layers priced end to end (the model's error with each layer's option "
                 f"alone swapped in), summed {summary['predicted']:.4g}; layers' own output error measured "
                 f"{measured:.4f}")
+    else:
+        errs = (f"summed output error of the {summary['layers']} planned layers predicted "
+                f"{summary['predicted']:.4f} (absmax scales), measured {measured:.4f} (chosen scales)")
+    note = f"planner: {goal}, used {summary['fraction']:.3f} of the 16-bit Linear bytes: {counts}; {errs}"
     return note + (f"; {summary['speed']}" if summary["speed"] else "")
 
 

@@ -56,26 +56,34 @@ class Choice:
         return self.options[self.at]
 
 
-def format_errors(w: torch.Tensor, x: torch.Tensor, amax: float | None, candidates: dict):
-    """(name, format, layer options, relative output error on ``x``) of every candidate
-    ``{name: (Format, recipe options)}`` the layer's shape allows: absmax scales, the calibrated
-    static input scale where the format has one.  The planner's options and the report's
-    sensitivity column are both this."""
-    n, k = w.shape
+def allowed(n: int, k: int, candidates: dict):
+    """(name, format, layer options) of every candidate ``{name: (Format, recipe options)}`` an
+    [n, k] layer's shape allows."""
     for name, (fmt, opts) in candidates.items():
         lopts = fmt.layer_options(n, k, opts)
-        if fmt.shape_problem(n, k, **lopts):
-            continue
+        if not fmt.shape_problem(n, k, **lopts):
+            yield name, fmt, lopts
+
+
+def format_errors(w: torch.Tensor, x: torch.Tensor, amax: float | None, candidates: dict):
+    """(name, format, layer options, relative output error on ``x``) of every candidate the
+    layer's shape allows: absmax scales, the calibrated static input scale where the format has
+    one.  The planner's options and the report's sensitivity column are both this."""
+    for name, fmt, lopts in allowed(*w.shape, candidates):
         yield name, fmt, lopts, output_error(fmt, w, x, None, amax if fmt.needs_input_scale else None, **lopts)
 
 
+def _kept(layer) -> Option:
+    """Kept 16-bit: the layer costs its source dtype's bytes and no error."""
+    return Option(KEEP, layer.n * layer.k * ITEMSIZE[layer.src_dtype], 0.0)
+
+
 def measure(layer, w: torch.Tensor, layer_stats, candidates: dict, planned_bytes) -> list[Option]:
-    """Every option of one layer: (format, bytes, relative output error on its sampled inputs);
-    kept, the layer costs its source dtype's bytes and no error."""
+    """Every option of one layer: (format, bytes, relative output error on its sampled inputs),
+    and kept 16-bit."""
     x = layer_stats.sample()[:SAMPLE_ROWS].to(w.device)
-    return [Option(KEEP, layer.n * layer.k * ITEMSIZE[layer.src_dtype], 0.0)] + [
-        Option(name, planned_bytes(layer, fmt, lopts), err)
-        for name, fmt, lopts, err in format_errors(w, x, layer_stats.amax_value(), candidates)]
+    return [_kept(layer)] + [Option(name, planned_bytes(layer, fmt, lopts), err)
+                             for name, fmt, lopts, err in format_errors(w, x, layer_stats.amax_value(), candidates)]
 
 
 def hull(options: list[Option]) -> list[Option]:
@@ -173,12 +181,8 @@ def _planned_bytes(layer, fmt: Format, opts: dict) -> int:
 def priced(layer, prices: dict, candidates: dict, planned_bytes) -> list[Option]:
     """Every option of one layer with its error given in ``prices`` (format -> error; a format
     the layer's shape refuses, or that has no price, is no option); kept 16-bit: no error."""
-    opts = [Option(KEEP, layer.n * layer.k * ITEMSIZE[layer.src_dtype], 0.0)]
-    for name, (fmt, fopts) in candidates.items():
-        lopts = fmt.layer_options(layer.n, layer.k, fopts)
-        if name in prices and not fmt.shape_problem(layer.n, layer.k, **lopts):
-            opts.append(Option(name, planned_bytes(layer, fmt, lopts), max(float(prices[name]), 0.0)))
-    return opts
+    return [_kept(layer)] + [Option(name, planned_bytes(layer, fmt, lopts), max(float(prices[name]), 0.0))
+                             for name, fmt, lopts in allowed(layer.n, layer.k, candidates) if name in prices]
 
 
 def plan_budget(plan, source, stats, recipe, progress=None, prices: dict | None = None) -> dict:

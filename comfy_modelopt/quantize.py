@@ -232,7 +232,7 @@ def encode(choice: LayerChoice, layer: LayerPlan, plan: Plan) -> tuple[dict[str,
     fmt, opts, w, x = FORMATS[layer.format], layer.opts, choice.w, choice.x
     if plan.recipe.gptq and x is not None:
         ws = fmt.search_space(w, **opts)  # where the format rounds (rotated for ConvRot)
-        bound = {"block_bound": choice.clip.block_bound} if choice.clip.block_bound is not None else {}
+        bound = _bound(choice)
         rounding = fmt.gptq_rounding(ws, choice.clip.alpha, **bound, **opts)
         if rounding is not None:
             quantize_columns, scale = rounding
@@ -282,10 +282,14 @@ def _few_rows(x: torch.Tensor) -> str:
     return f" [{FEW_ROWS}: {x.shape[0]} < {x.shape[1]}]" if x.shape[0] < x.shape[1] else ""
 
 
+def _bound(choice: LayerChoice) -> dict:
+    """The chosen nvfp4 block scale bounds as the encoder's keyword (none: empty)."""
+    return {} if choice.clip.block_bound is None else {"block_bound": choice.clip.block_bound}
+
+
 def _encode_plain(fmt: Format, w: torch.Tensor, choice: LayerChoice, opts: dict):
     """Round-to-nearest encoding of the chosen clip (nvfp4: with its blocks' scale bounds)."""
-    bound = {} if choice.clip.block_bound is None else {"block_bound": choice.clip.block_bound}
-    return fmt.encode(w, choice.clip.alpha, **bound, **opts)
+    return fmt.encode(w, choice.clip.alpha, **_bound(choice), **opts)
 
 
 def _weight_out_err(qt: QuantizedTensor, w: torch.Tensor, x: torch.Tensor) -> float:
