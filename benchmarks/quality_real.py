@@ -166,7 +166,7 @@ def activations_only(model, stats, fmt_name: str, static: bool = False, rotate: 
     """Every Linear of ``model`` computing with its input rounded to ``fmt_name`` and its weight
     exact (``FLOORS`` says what ``rotate``, ``alpha`` and ``rank`` change); call the result to
     restore the layers."""
-    from comfy_modelopt.formats import _hadamard_rotate
+    from comfy_modelopt.formats.int8 import _hadamard_rotate
     fmt = FORMATS[fmt_name]
     restore = []
     for name, m in linear_layers(model).items():

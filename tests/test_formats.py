@@ -127,7 +127,7 @@ def test_unknown_format_is_named():
 def test_e2m1_rounding_matches_kitchen_on_ties():
     from comfy_kitchen.float_utils import _f32_to_floatx_unpacked
 
-    from comfy_modelopt.formats import _round_e2m1
+    from comfy_modelopt.formats.nvfp4 import _round_e2m1
     x = torch.arange(-48, 49, dtype=torch.float32) / 8  # includes every tie: .25 .75 1.25 1.75 2.5 3.5 5
     codes = _f32_to_floatx_unpacked(x, 2, 1).long()
     lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -155,7 +155,7 @@ def test_encode_ignores_layouts_registered_by_name(monkeypatch):
 
 @pytest.mark.parametrize("group", [16, 64, 256])
 def test_hadamard_fallback_equals_kitchen(group):
-    """formats.py restates kitchen's private ConvRot helpers for when they move: same matrix,
+    """formats/int8.py restates kitchen's private ConvRot helpers for when they move: same matrix,
     same rotation."""
     from comfy_kitchen.tensor.int8_utils import _build_hadamard, _rotate_weight
 

@@ -221,7 +221,7 @@ def test_nvfp4_raised_block_scales_lower_the_error(monkeypatch):
     with kitchen_reference():
         deq = qt.dequantize().float()
     assert torch.equal(deq, full.fake)
-    from comfy_modelopt.formats import _nvfp4_block_scales
+    from comfy_modelopt.formats.nvfp4 import _nvfp4_block_scales
     g2 = stored["_scale_2"].float()
     raised = full.bound > w.abs().reshape(n, k // 16, 16).amax(-1)
     scale = _nvfp4_block_scales(full.bound, g2) * g2

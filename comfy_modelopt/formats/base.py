@@ -1,0 +1,240 @@
+"""The Format contract: one ComfyUI ``QUANT_ALGOS`` key, what it stores and how it rounds.
+
+Each format lives in a file of its own in this package (fp8.py, int8.py, convrot_w4a4.py,
+nvfp4.py, mxfp8.py) and is listed once in ``FORMATS`` (``__init__.py``).
+
+A Format is the only owner of what its format can do; no other module tests a format's name.
+It knows:
+- ``shape_problem``: whether a ``[N, K]`` Linear weight can use it (kernel and layout rules);
+- ``encode``: the on-disk tensors, produced by comfy-kitchen (never re-implemented here), and
+  ``conf``: its ``.comfy_quant`` fields;
+- ``fake_quant`` / ``fake_act``: a fast torch re-statement of the same rounding of weights and
+  activations, used only to *search* scales; the tests hold it equal to kitchen's round trip;
+- its capabilities: the recipe options it reads (``options``), its activation limit for a
+  static input scale (``input_fmax``) and how that scale is searched (``input_search``),
+  GPTQ (``gptq_rounding``), a low-rank branch (``lowrank``), whether one scale covers the
+  whole weight (``one_weight_scale``), and how ComfyUI runs it (``native_sm``, ``native_gate``,
+  ``lean_kernel``).
+
+A scale choice is a clip factor ``alpha`` (a 0-d tensor, or one value per output row) relative
+to the absmax scale: ``alpha == 1`` is the naive absmax encoding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import comfy_kitchen as ck
+import comfy_kitchen.tensor as ck_tensor
+import torch
+from comfy_kitchen.tensor import QuantizedTensor
+
+# kitchen's own layout classes, held directly: ComfyUI re-registers some layout names with its
+# subclasses (e.g. "TensorCoreFP8Layout" becomes its E4M3 class without a dtype argument), so
+# resolving by name inside a ComfyUI process would not run kitchen's encoder.
+_KITCHEN_LAYOUTS = {name: getattr(ck_tensor, name) for name in (
+    "TensorCoreFP8Layout", "TensorWiseINT8Layout", "TensorCoreMXFP8Layout", "TensorCoreNVFP4Layout",
+    "TensorCoreConvRotW4A4Layout")}
+
+F8_E4M3_MAX = 448.0
+F4_E2M1_MAX = 6.0
+
+@dataclass(frozen=True)
+class Format:
+    """A ComfyUI-native quantized Linear format."""
+
+    name: str                 # ComfyUI QUANT_ALGOS key, written into .comfy_quant
+    layout: str               # comfy-kitchen layout class name
+    native_sm: tuple          # NVIDIA compute capability from which ComfyUI computes it natively
+    static_input_scale: bool  # ComfyUI honours a stored input_scale (fp8, nvfp4)
+    needs_input_scale: bool   # without one ComfyUI would clip activations (fp8): store weight-only
+    free_scale: str           # "tensor", "row" or "" : what a clip factor applies to
+    k_multiple: int           # in_features must be a multiple of this (kernel rule)
+    n_multiple: int = 1       # out_features rule
+    options: tuple = ()       # Recipe fields this format reads (Recipe.format_options)
+    lowrank: bool = False     # can carry a 16-bit low-rank branch (comfy-modelopt's loader)
+    one_weight_scale: bool = False  # one scale for the whole weight (fp8): rescaling some rows
+    #                                 of it (a smoothing fold into a producer) costs precision
+    values_per_element: int = 1     # weight values packed into one stored element (4-bit: 2)
+    input_search: str = ""    # static input scale searched on the "histogram" or a "sample"
+    native_gate: str = ""     # comfy.model_management predicate for native compute ("": always)
+    lean_kernel: str = ""     # the lean runtime's direct kernel ("": dequantize, or stock)
+    w8a8_gemm: bool = True          # a quantized-activation GEMM exists for it (fp8 e5m2: no
+    #                                 e5m2 x e5m2 kernel - torch refuses it on Ada/Hopper)
+    quantize_input: bool = True     # ComfyUI quantizes the activation before the GEMM (its
+    #                                 QUANT_ALGOS "quantize_input"); False: kitchen's kernel does
+    block_clip: bool = False        # the encoder derives 16-block scales from each block's max:
+    #                                 clamping a block clips it (scales.search_block_clip)
+
+    # ---------------------------------------------------------------- rules
+    def shape_problem(self, n: int, k: int, **opts) -> str | None:
+        """Why a [n, k] weight cannot use this format with ``opts`` (its recipe options), or None."""
+        if k % self.k_multiple:
+            return f"{self.name} needs in_features % {self.k_multiple} == 0, got {k}"
+        if n % self.n_multiple:
+            return f"{self.name} needs out_features % {self.n_multiple} == 0, got {n}"
+        return None
+
+    def conf(self, weight_only: bool = False, convrot: bool = False, convrot_groupsize: int = 256,
+             linear_dtype: str = "int4") -> dict:
+        """The ``.comfy_quant`` JSON object for one layer."""
+        conf = {"format": self.name}
+        if weight_only:
+            conf["full_precision_matrix_mult"] = True
+        return conf
+
+    def layout_kwargs(self, convrot: bool = False, convrot_groupsize: int = 256,
+                      linear_dtype: str = "int4") -> dict:
+        return {}
+
+    def layer_options(self, n: int, k: int, opts: dict) -> dict:
+        """The options one [n, k] layer is encoded with: the recipe's, or a variant of them that
+        its shape allows (int8 ConvRot: a smaller rotation group).  ComfyUI reads them per layer
+        from ``.comfy_quant``."""
+        return opts
+
+    # ---------------------------------------------------------------- encode
+    def _prepare(self, w: torch.Tensor, alpha: torch.Tensor | None, opts: dict) -> tuple[torch.Tensor, dict]:
+        """Return (tensor handed to kitchen, extra quantize kwargs) for clip factor alpha."""
+        return w, {}
+
+    def _explicit(self, scale: torch.Tensor) -> dict:
+        """quantize kwargs for an explicit scale (formats whose scale kitchen takes as given)."""
+        raise ValueError(f"{self.name}: kitchen derives this format's scales itself")
+
+    def quantize(self, w: torch.Tensor, alpha: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None, **opts) -> QuantizedTensor:
+        """kitchen QuantizedTensor of a float32 [N, K] weight with clip factor alpha, or with an
+        explicit ``scale`` (fp8: the tensor scale; int8: per-row [N]) for pre-rounded weights."""
+        if scale is not None:
+            prepared, extra = w, self._explicit(scale)
+        else:
+            prepared, extra = self._prepare(w, alpha, opts)
+        return self._kitchen(prepared, **{**self.layout_kwargs(**opts), **extra})
+
+    def _kitchen(self, tensor: torch.Tensor, **kw) -> QuantizedTensor:
+        qdata, params = self._kitchen_raw(tensor, **kw)
+        return QuantizedTensor(qdata, self.layout, params)
+
+    def _kitchen_raw(self, tensor: torch.Tensor, **kw):
+        """kitchen's (qdata, params) of ``tensor`` in this format's layout."""
+        with kitchen_reference():
+            qdata, params = _KITCHEN_LAYOUTS[self.layout].quantize(tensor, **kw)
+        return qdata, params
+
+    def encode(self, w: torch.Tensor, alpha: torch.Tensor | None = None,
+               scale: torch.Tensor | None = None, **opts) -> tuple[dict[str, torch.Tensor], QuantizedTensor]:
+        """On-disk tensors by key suffix ('' is the weight itself) and the QuantizedTensor."""
+        qt = self.quantize(w, alpha, scale, **opts)
+        tensors = qt.state_dict("")
+        return {k: _storage(v) for k, v in tensors.items()}, qt
+
+    def planned(self, n: int, k: int, **opts) -> dict[str, tuple[torch.dtype, tuple]]:
+        """Dtype and shape of every encoded tensor, from kitchen run on a meta tensor."""
+        meta = torch.empty(n, k, dtype=torch.float32, device="meta")
+        qt = self._kitchen(meta, **self.layout_kwargs(**opts), **self._meta_extra(meta))
+        return {s: (_storage_dtype(t.dtype), tuple(t.shape)) for s, t in qt.state_dict("").items()}
+
+    def _meta_extra(self, meta: torch.Tensor) -> dict:
+        return {}
+
+    # ---------------------------------------------------------------- capabilities
+    def input_fmax(self) -> float | None:
+        """What ComfyUI divides the activation clip value by to get ``input_scale``; None when
+        the format cannot store a static input scale."""
+        return None
+
+    def gptq_rounding(self, w: torch.Tensor, alpha: torch.Tensor | None, **opts):
+        """GPTQ support for ``w`` in the search space: ``(quantize_columns, scale)`` - a column
+        rounder with the scales fixed by clip factor ``alpha``, and the explicit scale (or None:
+        the encoder's own) that re-encodes the rounded weight exactly once rotated back - or
+        None where error compensation cannot hold (gptq.py)."""
+        return None
+
+    # ---------------------------------------------------------------- search
+    def search_space(self, w: torch.Tensor, **opts) -> torch.Tensor:
+        """The basis in which the format rounds (rotated for ConvRot); norms are preserved."""
+        return w
+
+    def fake_rows(self, x: torch.Tensor, alpha: torch.Tensor | None = None,
+                  amax: torch.Tensor | None = None) -> torch.Tensor:
+        """Quantize -> dequantize in the search space, float32, for clip factor alpha.
+
+        ``amax`` overrides the tensor absmax of per-tensor formats, so a subset of rows can be
+        searched with the whole tensor's scale."""
+        raise NotImplementedError(self.name)
+
+    def fake_quant(self, w: torch.Tensor, alpha: torch.Tensor | None = None, **opts) -> torch.Tensor:
+        """kitchen's quantize -> dequantize round trip, restated in torch for fast scale search."""
+        return self.fake_rows(w, alpha)
+
+    def fake_act(self, x: torch.Tensor, input_scale: float | None = None, **opts) -> torch.Tensor:
+        """What ComfyUI does to a [M, K] activation before the GEMM (quantize -> dequantize), in
+        the weight's search space (rotated for ConvRot)."""
+        return x
+
+    def native_on(self, device: torch.device) -> bool:
+        """Whether ComfyUI computes this format natively on ``device``; where not, it lists the
+        format as emulated and dequantizes the weight (comfy/ops.py pick_operations: the
+        ``supports_*_compute`` predicates named by ``native_gate``)."""
+        if not self.native_gate:
+            return True
+        device = torch.device(device)
+        if device.type != "cuda" or torch.version.cuda is None:
+            return False
+        return torch.cuda.get_device_capability(device) >= self.native_sm
+
+    def quantize_activation(self, x: torch.Tensor, input_scale: torch.Tensor | None) -> QuantizedTensor:
+        """What ComfyUI's Linear makes of a 2-D activation before the GEMM,
+        ``QuantizedTensor.from_float(x, layout, scale=input_scale)``, on kitchen's backend for
+        ``x``'s device (its kernels where it has them)."""
+        qdata, params = _KITCHEN_LAYOUTS[self.layout].quantize(x, **self._activation_kwargs(x, input_scale))
+        return QuantizedTensor(qdata, self.layout, params)
+
+    def _activation_kwargs(self, x: torch.Tensor, input_scale: torch.Tensor | None) -> dict:
+        return {} if input_scale is None else {"scale": input_scale}
+
+    def clip_candidates(self) -> torch.Tensor:
+        """Clip factors tried by the MSE search (always includes 1.0 = absmax)."""
+        if not self.free_scale:
+            return torch.ones(1)
+        return torch.linspace(0.5, 1.0, 11)
+
+    def from_stored(self, tensors: dict[str, torch.Tensor], conf: dict, orig_shape: tuple,
+                    dtype: torch.dtype = torch.float32) -> QuantizedTensor:
+        """Rebuild kitchen's QuantizedTensor from stored tensors (suffix -> tensor) and the
+        .comfy_quant JSON, the way ComfyUI's loader does (ops._load_quantized_module)."""
+        params = _KITCHEN_LAYOUTS[self.layout].Params(
+            **self._stored_params(tensors, conf), orig_dtype=dtype, orig_shape=tuple(orig_shape))
+        return QuantizedTensor(tensors[""], self.layout, params)
+
+    def _stored_params(self, tensors: dict, conf: dict) -> dict:
+        return {"scale": tensors["_scale"]}
+
+
+def kitchen_reference():
+    """kitchen's eager (reference) backend: the encoder every test checks against, on any device
+    and for float32 inputs (its CUDA quantizers take only 16-bit inputs)."""
+    return ck.use_backend("eager")
+
+
+def _storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    # ComfyUI's DynamicVRAM loader has no F8_E8M0 entry: E8M0 block scales are stored as U8.
+    return torch.uint8 if dtype == torch.float8_e8m0fnu else dtype
+
+
+def _storage(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e8m0fnu else t
+
+
+def _row_alpha(alpha: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor | None:
+    if alpha is None:
+        return None
+    return alpha.reshape(-1, 1).to(w.dtype) if alpha.dim() else alpha.to(w.dtype)
+
+
+def _clip_rows(w: torch.Tensor, alpha: torch.Tensor | None) -> torch.Tensor:
+    """Clamp each row to alpha * its absmax, so kitchen's absmax scale becomes the clipped one."""
+    if alpha is None:
+        return w
+    bound = w.abs().amax(dim=-1, keepdim=True) * _row_alpha(alpha, w)
+    return torch.minimum(torch.maximum(w, -bound), bound)

@@ -1,0 +1,79 @@
+"""fp8 per-tensor formats: E4M3 (W8A8 with a calibrated static input scale, else weight-only)
+and E5M2 (weight-only)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import gptq
+from .base import Format
+
+_FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class Fp8Format(Format):
+    @property
+    def dtype(self) -> torch.dtype:
+        return _FP8_DTYPES[self.name]
+
+    def fmax(self) -> float:
+        return torch.finfo(self.dtype).max
+
+    def input_fmax(self):
+        return float(self.fmax())
+
+    def gptq_rounding(self, w, alpha, **opts):
+        scale = float(self.weight_scale(w, alpha))
+        return gptq.fp8_column_quantizer(scale, self.dtype), torch.tensor(scale)
+
+    def layout_kwargs(self, **opts) -> dict:
+        return {"dtype": _FP8_DTYPES[self.name]}
+
+    def weight_scale(self, w: torch.Tensor, alpha: torch.Tensor | None,
+                     amax: torch.Tensor | None = None) -> torch.Tensor:
+        scale = (w.abs().amax() if amax is None else amax).float() / self.fmax()
+        if alpha is not None:
+            scale = scale * alpha.float()
+        # an all-zero weight would give scale 0 and 0/0 in the encoder
+        return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+    def _prepare(self, w, alpha, opts):
+        return w, {"scale": self.weight_scale(w, alpha)}
+
+    def _explicit(self, scale):
+        return {"scale": scale.reshape(()).float()}
+
+    def _meta_extra(self, meta):
+        return {"scale": torch.ones((), device="meta")}
+
+    def _activation_kwargs(self, x, input_scale):
+        # ComfyUI's fp8 layouts (comfy/quant_ops.py) take a missing input_scale as 1.0, where
+        # kitchen's own would compute the activation's absmax
+        scale = torch.ones((), device=x.device) if input_scale is None else input_scale
+        return {"scale": scale, "dtype": self.dtype}
+
+    def fake_act(self, x, input_scale=None, **opts):
+        if input_scale is None:  # weight-only: the matmul runs in 16-bit
+            return x
+        fmax = self.fmax()
+        q = (x * (1.0 / input_scale)).clamp(-fmax, fmax).to(_FP8_DTYPES[self.name])
+        return q.to(torch.float32) * input_scale
+
+    def fake_rows(self, w, alpha=None, amax=None):
+        scale = self.weight_scale(w, alpha, amax)
+        fmax = self.fmax()
+        q = (w * (1.0 / scale)).clamp(-fmax, fmax).to(_FP8_DTYPES[self.name])
+        return q.to(torch.float32) * scale
+
+
+_FP8_KW = dict(layout="TensorCoreFP8Layout", native_sm=(8, 9), static_input_scale=True, needs_input_scale=True,
+            free_scale="tensor", k_multiple=16, n_multiple=16, one_weight_scale=True, input_search="histogram",
+            native_gate="supports_fp8_compute", lean_kernel="fp8_scaled_mm")
+# fp8 E4M3: per-tensor scale; W8A8 with a calibrated input_scale, else weight-only
+FLOAT8_E4M3FN = Fp8Format("float8_e4m3fn", **_FP8_KW)
+# fp8 E5M2: wider range, 2 mantissa bits; weight-only (an input_scale would make ComfyUI run an
+# e5m2 x e5m2 GEMM, which torch refuses on an H200: "Multiplication of two Float8_e5m2 matrices
+# is not supported")
+FLOAT8_E5M2 = Fp8Format("float8_e5m2", **_FP8_KW, w8a8_gemm=False)
