@@ -8,13 +8,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .families import detect_family, diffusion_prefix
-from .errors import CheckpointError
-from .fileformat import (COMFY_QUANT, LAYER_SUFFIXES, META_CALIBRATION, META_LOADER, META_RECIPE, META_REPORT, META_SOURCE,
-                         META_VERSION, QUANT_METADATA, decode_quantization_metadata, is_ours, json_meta,
-                         own_base, read_comfy_quant)
+from .fileformat import (LAYER_SUFFIXES, META_CALIBRATION, META_LOADER, META_RECIPE, META_REPORT, META_SOURCE,
+                         META_VERSION, is_ours, json_meta, own_base, read_comfy_quant)
 from .formats import values_per_element
 from .report import QuantReport
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile
+from .verify import Verification, verify
 
 OLD_PACK_SUFFIXES = ("weight_q", "block_scale", "tensor_scale", "svd_u", "svd_s", "svd_v", "use_svd")
 OLD_PACK_META = ("_model_config", "unet_config", "model_type", "latent_format_cls", "precision")
@@ -50,6 +49,11 @@ class InspectResult:
     ours: dict = field(default_factory=dict)               # our metadata, parsed
     notes: list = field(default_factory=list)
     tensor_bytes: int = 0                                  # the tensors alone (file minus header)
+    verification: Verification | None = None               # verify.py's findings (None: not run)
+
+    @property
+    def problems(self) -> list:
+        return self.verification.problems if self.verification is not None else []
 
     @property
     def description(self) -> str:
@@ -66,7 +70,8 @@ class InspectResult:
                 "tensor_bytes": self.tensor_bytes,
                 "bytes_16bit": self.bytes_16bit, "ratio_vs_16bit": round(self.ratio, 4),
                 "layers_by_format": self.layers_by_format, "bytes_by_format": self.bytes_by_format,
-                "comfy_modelopt": self.ours, "notes": self.notes}
+                "comfy_modelopt": self.ours, "notes": self.notes,
+                "verification": self.verification.to_dict() if self.verification is not None else None}
 
     def text(self) -> str:
         lines = [f"file:    {self.path}", f"kind:    {self.description}",
@@ -86,27 +91,42 @@ class InspectResult:
             if "summary" in self.ours:
                 lines.append("  " + self.ours["summary"].replace("\n", "\n  "))
         lines += [f"note: {n}" for n in self.notes]
+        if self.verification is not None:
+            lines.append(self.verification.summary())
+            shown = self.problems[:20]
+            lines += [f"  problem: {p}" for p in shown]
+            if len(self.problems) > len(shown):
+                lines.append(f"  ... and {len(self.problems) - len(shown)} more")
+            if self.problems:
+                lines.append("  this file would not load correctly: re-quantize it, or get an undamaged copy")
         return "\n".join(lines)
 
 
-def inspect_file(path: str) -> InspectResult:
-    """Describe the checkpoint at ``path`` without loading its tensors: its kind (``KINDS``),
-    model family, layers and bytes by format, size against 16 bits, and for comfy-modelopt
-    files the recipe, source and report stored in the header.  ``.text()`` is what
-    ``comfy-modelopt inspect`` prints, ``.to_dict()`` what ``--json`` prints.  Raises
-    ``CheckpointError`` (one line naming the file) for a file that is no valid safetensors."""
+def inspect_file(path: str, verify_values: bool = False, deep: bool = False) -> InspectResult:
+    """Describe the checkpoint at ``path``: its kind (``KINDS``), model family, layers and bytes
+    by format, size against 16 bits, for comfy-modelopt files the recipe, source and report
+    stored in the header, and ``verification``: every quantized layer checked against its
+    format's contract, quantization tensors without a layer, non-float weights without a
+    config, missing layers (verify.py) - from the header alone, or with ``verify_values`` reading
+    every scale and 16-bit tensor too (``deep``: the quantized weights' codes as well).
+    ``.text()`` is what ``comfy-modelopt inspect`` prints, ``.to_dict()`` what ``--json``
+    prints.  Raises ``CheckpointError`` (one line naming the file) for a file that is no valid
+    safetensors."""
     with SafetensorsFile(path) as f:
-        return _inspect(f)
+        return _inspect(f, verify_values, deep)
 
 
-def _inspect(f: SafetensorsFile) -> InspectResult:
+def _inspect(f: SafetensorsFile, verify_values: bool, deep: bool) -> InspectResult:
     keys = f.tensors
     prefix = diffusion_prefix(keys)
     rel = {k[len(prefix):]: t.shape for k, t in keys.items() if k.startswith(prefix)}
     fam = detect_family(rel)
     family = fam.name
     notes = []
-    layer_formats = _native_layers(f, notes)
+    entries = {k: (t.dtype, t.shape) for k, t in keys.items()}
+    checked = verify(entries, f.metadata, f.read, lambda key: read_comfy_quant(f, key), prefix,
+                     values=verify_values, deep=deep)
+    layer_formats = {name: _label(conf) for name, conf in checked.configs.items()}
     old_pack = [k for k in keys if k.rsplit(".", 1)[-1] in OLD_PACK_SUFFIXES[:4]]
     if is_ours(f.metadata):
         kind = "comfy_modelopt"
@@ -130,27 +150,9 @@ def _inspect(f: SafetensorsFile) -> InspectResult:
     if kind == "old_modelopt_pack":
         res.notes.append("its nvfp4/int4 payloads were stored unpacked or saturated by that pack; "
                          "the weights cannot be trusted")
-    missing = sorted(set(layer_formats) - {k[:-7] for k in keys if k.endswith(".weight")})
-    if kind in ("comfy_modelopt", "comfyui_native") and missing:
-        res.notes.append(f"{len(missing)} layers declared quantized have no weight, e.g. {missing[0]}")
+    if kind != "old_modelopt_pack":  # refused whatever it holds
+        res.verification = checked
     return res
-
-
-def _native_layers(f: SafetensorsFile, notes: list) -> dict:
-    """layer -> format from .comfy_quant tensors, else from _quantization_metadata (a malformed
-    one is reported in ``notes``: ComfyUI reads the per-layer tensors first)."""
-    layers = {}
-    for key in f.tensors:
-        if key.endswith(COMFY_QUANT):
-            layers[key[:-len(COMFY_QUANT)]] = _label(read_comfy_quant(f, key))
-    meta = f.metadata.get(QUANT_METADATA)
-    if meta:
-        try:
-            for name, conf in decode_quantization_metadata(meta, f.name).items():
-                layers.setdefault(name, _label(conf))
-        except CheckpointError as e:
-            notes.append(f"warning: {e}")
-    return layers
 
 
 def _label(conf: dict) -> str:

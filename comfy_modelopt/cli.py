@@ -94,6 +94,9 @@ def add_recipe_arguments(q: argparse.ArgumentParser) -> None:
                         "--convrot and --gptq apply to each)")
     q.add_argument("--keep", action="append", default=[], metavar="PATTERN",
                    help="glob of layer names (no .weight suffix) to keep 16-bit; repeatable")
+    q.add_argument("--allow-nonfinite", action="store_true",
+                   help="copy source tensors that hold NaN/Inf values as they are (noted in the report) "
+                        "instead of refusing the model")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -120,9 +123,15 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--table", action="store_true", help="print the per-layer table")
     q.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
-    i = sub.add_parser("inspect", help="describe a checkpoint: kind, family, formats, sizes")
+    i = sub.add_parser("inspect", help="describe a checkpoint: kind, family, formats, sizes, and check every "
+                                       "layer against its format (exit 1 when a problem is found)")
     i.add_argument("file")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--verify", action="store_true",
+                   help="also read every scale and 16-bit tensor and check its values (finite, scales > 0)")
+    i.add_argument("--deep", action="store_true",
+                   help="with --verify: also read every quantized weight and check for NaN codes (reads the "
+                        "whole file)")
 
     d = sub.add_parser("demo", help="build a small Flux-layout model, quantize it to every format, verify")
     d.add_argument("--out", help="folder for the files (default: a temporary folder, removed after)")
@@ -138,7 +147,8 @@ def recipe_of(a):
                   convrot=a.convrot,
                   convrot_groupsize=a.convrot_groupsize, linear_dtype=a.linear_dtype,
                   keep=tuple(a.keep), lowrank=a.lowrank, conv=a.conv, budget=a.budget, max_error=a.max_error,
-                  candidates=tuple(c.strip() for c in a.candidates.split(",") if c.strip()))
+                  candidates=tuple(c.strip() for c in a.candidates.split(",") if c.strip()),
+                  allow_nonfinite=a.allow_nonfinite)
 
 
 def _device(name: str):
@@ -226,9 +236,9 @@ def _quantize(a, device, shard) -> int:
 
 def cmd_inspect(a) -> int:
     from .checkpoint import inspect_file
-    res = inspect_file(a.file)
+    res = inspect_file(a.file, verify_values=a.verify or a.deep, deep=a.deep)
     print(json.dumps(res.to_dict(), indent=1) if a.json else res.text())
-    return 0
+    return 1 if res.problems else 0
 
 
 def cmd_demo(a) -> int:

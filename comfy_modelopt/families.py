@@ -31,6 +31,7 @@ class Family:
     not_linear: tuple[str, ...] = ()     # 2-D weights that are not Linear (embeddings)
     notes: str = ""
     prefix: str | None = None            # the state dict's key prefix (None: detected)
+    optional: tuple[str, ...] = ()       # layers some blocks have by design and others not (globs)
 
     def keep_reason(self, layer: str) -> str | None:
         for pat in self.keep:
@@ -72,6 +73,7 @@ def _flux(variant: str):
 
 
 _UNET_KEEP = ("time_embed.*", "label_emb.*", "*.attn2.to_k")
+_UNET_OPTIONAL = ("*.skip_connection",)  # a ResBlock has one where its channel count changes
 _FLUX_KEEP = ("img_in", "txt_in", "vector_in.*", "time_in.*", "guidance_in.*", "final_layer.*")
 
 FAMILIES: tuple[Family, ...] = (
@@ -97,8 +99,8 @@ FAMILIES: tuple[Family, ...] = (
             "img_emb.*", "head.*")),
     Family("qwen_image", "Qwen-Image", _has("txt_norm.weight", "img_in.weight"),
            ("img_in", "txt_in", "time_text_embed.*", "norm_out.*", "proj_out")),
-    Family("sdxl", "SDXL (UNet)", _unet(adm=True), _UNET_KEEP),
-    Family("sd15", "SD1.x / SD2.x (UNet)", _unet(adm=False), _UNET_KEEP),
+    Family("sdxl", "SDXL (UNet)", _unet(adm=True), _UNET_KEEP, optional=_UNET_OPTIONAL),
+    Family("sd15", "SD1.x / SD2.x (UNet)", _unet(adm=False), _UNET_KEEP, optional=_UNET_OPTIONAL),
 )
 
 GENERIC = Family(

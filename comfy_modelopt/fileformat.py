@@ -29,7 +29,8 @@ QUANT_METADATA_VERSION = "1.0"
 LAYER_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "comfy_quant",
                   "lowrank_up", "lowrank_down", "smooth_scale")
 # keys that mark a file as already quantized (ComfyUI native, legacy scaled fp8, old node pack)
-QUANT_MARKERS = (COMFY_QUANT, ".scale_weight", ".weight_q")
+QUANT_MARKERS = (COMFY_QUANT, ".scale_weight", ".weight_q", ".weight_scale", ".weight_scale_2", INPUT_SCALE,
+                 ".pre_quant_scale", ".lowrank_up", ".lowrank_down", ".smooth_scale")
 # a .comfy_quant config is a few dozen bytes; anything near this is not a config
 MAX_COMFY_QUANT_BYTES = 64 * 1024
 
@@ -75,10 +76,6 @@ def stock_conf(conf: dict) -> dict | None:
     if base is None:
         return None
     return dict({k: v for k, v in conf.items() if k != "rank"}, format=base)
-
-
-def conv_conf(shape) -> dict:
-    return {"format": CONV_FORMAT, "shape": [int(d) for d in shape]}
 
 
 # ---------------------------------------------------------------- .comfy_quant

@@ -17,7 +17,7 @@ import torch
 
 from . import __version__
 from .errors import ModelOptError, OutputError, PlanError, QuantizeError
-from .families import Family, family_named
+from .families import GENERIC, Family, family_named
 from .fileformat import (META_CALIBRATION, META_FAMILY, META_LOADER, META_PREFIX, META_RECIPE, META_REPORT,
                          META_SOURCE, META_VERSION, OWN_LOADER, QUANT_METADATA)
 from .folding import Folds, plan_folds, read_rows_scaled
@@ -29,6 +29,7 @@ from .report import LayerReport, QuantReport
 from .safetensors_io import (FLOAT_DTYPES, ITEMSIZE, ST_DTYPES, TORCH_DTYPES, SafetensorsFile, StreamWriter,
                              check_output_path)
 from .stats import ActivationStats
+from .verify import verify
 
 Progress = Callable[[int, int, str], None]
 
@@ -149,6 +150,15 @@ def _passthrough(source, key: str, folds: Folds, dtype: str, nonfinite: list | N
 
 
 _NONFINITE_NOTE_ROOM = 600
+
+
+def _refuse_nonfinite(found: list, recipe: Recipe) -> None:
+    """NaN/Inf in a tensor about to be copied into the output: an error unless the recipe allows
+    them (``allow_nonfinite``: copied and noted) - a sampler would turn them into a black image."""
+    if found and not recipe.allow_nonfinite:
+        key, count = found[0]
+        raise QuantizeError(f"{key}: holds {count} NaN/Inf values; the output would too - quantize from an "
+                            f"undamaged model, or pass --allow-nonfinite to copy them as they are")
 
 
 def _nonfinite_note(found: list) -> str:
@@ -303,6 +313,7 @@ def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto
     if isinstance(family, str):
         family = None if family == "auto" else family_named(family)
     plan = make_plan(source.tensors, recipe, stats=stats, refuse_unknown=refuse_unknown, family=family)
+    _check_source(source, plan.prefix, complete=family is not GENERIC)
     if stats is not None:
         stats.check_model({l.rel: (l.n, l.k) for l in plan.layers})
     if recipe.planned:
@@ -321,6 +332,20 @@ def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto
     return plan, report
 
 
+def _check_source(source, prefix: str, complete: bool) -> None:
+    """The 16-bit source through the verifier every reader uses (verify.py), from its header: a
+    quantization tensor (a stray scale, a partly converted file), a weight that is not a float (a
+    relabelled dtype), a layer missing from the model (``complete``; ``--family generic`` skips
+    it) are refused by key.  Its values are checked as they are copied (``_stream``)."""
+    def no_config(key):
+        raise PlanError(f"{key}: a quantization config in a 16-bit source")
+    problems = verify(source.tensors, {}, None, no_config, prefix, values=False, complete=complete).problems
+    if problems:
+        hint = (" (--family generic quantizes it without this check)" if "missing" in problems[0].rule else "")
+        more = f" ({len(problems) - 1} more like it)" if len(problems) > 1 else ""
+        raise PlanError(f"{problems[0]}{more}: quantize from an undamaged 16-bit model{hint}")
+
+
 def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, progress, check_interrupt,
             shard=None) -> None:
     """Every planned tensor from ``source`` into ``sink``: copies first, then one layer at a time.
@@ -333,6 +358,7 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
             break
         _check_memory(source, key)
         sink.write(key, _passthrough(source, key, folds, dtype, nonfinite))
+        _refuse_nonfinite(nonfinite, recipe)
     by_name = {l.name: i for i, l in enumerate(plan.layers)}
     total = len(plan.layers) + len(plan.convs)  # convolutions count toward the bar too
     items = plan.layers + plan.convs
@@ -361,6 +387,7 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
             if writes:
                 _check_memory(source, key)
                 sink.write(key, _passthrough(source, key, folds, layer.tensors[key][0], nonfinite))
+                _refuse_nonfinite(nonfinite, recipe)
             continue
         elif shard is not None and owner[layer.name] != shard.rank:
             if not writes:
@@ -424,6 +451,11 @@ def _add_notes(plan: Plan, report: QuantReport, stats) -> None:
             n = sum(1 for l in plan.quantized if l.weight_only)
             report.notes.append(f"{n} layers never ran during calibration: written weight-only")
     if stats is not None:
+        bad = sorted(((n, s.nonfinite) for n, s in stats.layers.items() if s.nonfinite), key=lambda x: -x[1])
+        if bad:
+            report.notes.append(f"warning: the statistics recorded NaN/Inf activations in {len(bad)} layers (e.g. "
+                                f"{bad[0][0]}: {bad[0][1]} values; calibrated with nonfinite='ignore'): their scales "
+                                f"come from the finite values - check the model, the prompts and the sampler")
         never = [l.rel for l in plan.quantized if not stats.has(l.rel)]
         if never and not fmt.needs_input_scale:
             report.notes.append(f"{len(never)} layers never ran during calibration (weight-only "
@@ -488,9 +520,10 @@ def quantize_file(src: str | os.PathLike, out: str | os.PathLike, recipe: Recipe
             return quantize_source(source, FileSink(out, overwrite) if writes else NullSink(), recipe, stats, info,
                                    progress, family=family, refuse_unknown=True, shard=shard)
         except ModelOptError as e:
-            if f.name in str(e):
+            name = os.path.basename(out) if isinstance(e, OutputError) else f.name  # whose file it is about
+            if name in str(e):
                 raise
-            raise type(e)(f"{f.name}: {e}") from None
+            raise type(e)(f"{name}: {e}") from None
 
 
 def _stats_of(stats):

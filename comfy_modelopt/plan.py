@@ -12,9 +12,10 @@ from typing import Mapping
 
 from .families import GENERIC, Family, detect_family, diffusion_prefix, looks_like
 from .errors import PlanError
-from .fileformat import (COMFY_QUANT, INPUT_SCALE, LOWRANK_DOWN, LOWRANK_UP, QUANT_MARKERS, SMOOTH_SCALE, SUFFIX_KEYS, conv_conf,
+from .fileformat import (COMFY_QUANT, INPUT_SCALE, LOWRANK_DOWN, LOWRANK_UP, QUANT_MARKERS, SMOOTH_SCALE, SUFFIX_KEYS,
                          encode_comfy_quant, encode_quantization_metadata, own_format)
 from .formats import Format, get_format
+from .formats.conv_fp8 import CONV_FP8
 from .recipe import Recipe
 from .report import kept_by_kind
 from .safetensors_io import FLOAT_DTYPES, ST_DTYPES
@@ -106,10 +107,9 @@ def _conv_plan(key: str, rel: str, dtype: str, shape: tuple, recipe: Recipe, fam
     name = rel[:-7]
     if any(fnmatch.fnmatchcase(name, p) for p in CONV_KEEP + recipe.keep) or family.keep_reason(name):
         return None
-    conv = ConvPlan(key[:-7], name, tuple(shape), dtype, conv_conf(shape))
-    o = shape[0]
-    conv.tensors = {key: ("F8_E4M3", (o, conv.k)), conv.name + ".weight_scale": ("F32", (o,)),
-                    conv.name + COMFY_QUANT: ("U8", (len(encode_comfy_quant(conv.conf)),))}
+    conv = ConvPlan(key[:-7], name, tuple(shape), dtype, CONV_FP8.conf(shape))
+    conv.tensors = {conv.name + suffix: entry for suffix, entry in CONV_FP8.planned(shape).items()}
+    conv.tensors[conv.name + COMFY_QUANT] = ("U8", (len(encode_comfy_quant(conv.conf)),))
     return conv
 
 
@@ -124,7 +124,8 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
     """
     marked = [k for k in source if k.endswith(QUANT_MARKERS) or k == "scaled_fp8"]
     if marked:
-        raise PlanError(f"already quantized (e.g. {marked[0]}): quantize from the 16-bit model")
+        raise PlanError(f"{marked[0]}: a quantization tensor - this model is already quantized (or a partly "
+                        f"converted file): quantize from the 16-bit model")
     prefix = family.prefix if family is not None and family.prefix is not None else diffusion_prefix(source)
     rel_shapes = {k[len(prefix):]: v[1] for k, v in source.items() if k.startswith(prefix)}
     if not rel_shapes:

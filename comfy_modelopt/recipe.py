@@ -45,6 +45,7 @@ class Recipe:
     budget: float = 0.0                # > 0: mixed precision, Linear bytes <= budget x 16-bit (planner.py)
     candidates: tuple[str, ...] = field(default_factory=tuple)  # the planner's formats (empty: default)
     max_error: float = 0.0             # > 0: the planner's smallest file with summed predicted error <= this
+    allow_nonfinite: bool = False      # copy source tensors holding NaN/Inf (noted) instead of refusing them
 
     def __post_init__(self):
         if self.format not in FORMATS:

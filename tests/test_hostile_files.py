@@ -7,6 +7,7 @@ More fuzz cases: COMFY_MODELOPT_FUZZ=20000 scripts/test.sh tests/test_hostile_fi
 import json
 import os
 import random
+import re
 import resource
 import struct
 import time
@@ -21,6 +22,7 @@ from comfy_modelopt.pipeline import quantize_file
 from comfy_modelopt.recipe import Recipe
 from comfy_modelopt.safetensors_io import SafetensorsFile, write_file
 from comfy_modelopt.stats import ActivationStats
+from comfy_modelopt.verify import verify_file
 
 FUZZ_CASES = int(os.environ.get("COMFY_MODELOPT_FUZZ", "2000"))
 CASE_SECONDS = 2.0
@@ -145,18 +147,20 @@ def _set_conf(value):
 ])
 def test_bad_comfy_quant_named(tmp_path, flux_file, payload, match):
     bad = _rewrite(_q_file(tmp_path, flux_file), tmp_path / "bad.safetensors", _set_conf(payload))
+    problems = [str(p) for p in inspect_file(bad).problems]  # reported, with the rest of the file
+    assert any(".comfy_quant: " in p and re.search(match, p) for p in problems), problems
     with pytest.raises(CheckpointError, match=match) as e:
-        inspect_file(bad)
+        verify_file(bad).raise_for(os.path.basename(bad))
     assert_our_error(e.value, bad)
     assert ".comfy_quant" in str(e.value)
 
 
-def test_malformed_quantization_metadata_is_a_reported_warning(tmp_path, flux_file):
+def test_malformed_quantization_metadata_is_a_problem(tmp_path, flux_file):
     def change(meta):
         meta["_quantization_metadata"] = "{not json"
     bad = _rewrite(_q_file(tmp_path, flux_file), tmp_path / "bad.safetensors", change_meta=change)
-    r = inspect_file(bad)
-    assert any("_quantization_metadata is not JSON" in n for n in r.notes), r.notes
+    r = inspect_file(bad)  # ComfyUI parses it before the layers' own configs: a problem, not a note
+    assert [str(p) for p in r.problems][0].startswith("_quantization_metadata: is not JSON"), r.problems
 
 
 @pytest.mark.parametrize("key, value", [
@@ -176,13 +180,15 @@ def _source(tmp_path, flux_file, change):
     return _rewrite(flux_file, tmp_path / "src.safetensors", change)
 
 
-def test_stray_weight_scale_in_source_named(tmp_path, flux_file):
+@pytest.mark.parametrize("part", ["weight_scale", "weight_scale_2", "smooth_scale", "input_scale", "lowrank_up"])
+def test_stray_quantization_tensor_in_source_named(tmp_path, flux_file, part):
     def change(t):
         name = next(k for k in t if k.endswith("img_attn.qkv.weight"))[:-7]
-        t[name + ".weight_scale"] = torch.ones(16, dtype=torch.bfloat16)
+        t[f"{name}.{part}"] = torch.ones(16, dtype=torch.bfloat16)
     src = _source(tmp_path, flux_file, change)
-    with pytest.raises(PlanError, match=r"img_attn\.qkv\.weight_scale: the source already has"):
+    with pytest.raises(PlanError, match=rf"img_attn\.qkv\.{part}: a quantization tensor") as e:
         quantize_file(src, str(tmp_path / "o.safetensors"), Recipe("float8_e4m3fn"))
+    assert_our_error(e.value, src)
     assert not (tmp_path / "o.safetensors").exists()
 
 
@@ -195,7 +201,7 @@ def test_empty_linear_weight_kept_with_reason(tmp_path, flux_file):
     assert kept[0].reason.startswith("empty weight")
 
 
-def test_nonfinite_copied_tensors_reported_by_key(tmp_path, flux_file):
+def test_nonfinite_source_tensors_refused_or_copied_by_key(tmp_path, flux_file):
     def change(t):
         bias = next(k for k in t if k.endswith("img_attn.qkv.bias"))
         t[bias] = t[bias].clone()
@@ -203,8 +209,12 @@ def test_nonfinite_copied_tensors_reported_by_key(tmp_path, flux_file):
         kept = next(k for k in t if k.endswith("final_layer.linear.weight"))
         t[kept] = t[kept].clone()
         t[kept][0, :2] = float("nan")
-    rep = quantize_file(_source(tmp_path, flux_file, change), str(tmp_path / "o.safetensors"),
-                        Recipe("float8_e4m3fn"))
+    src = _source(tmp_path, flux_file, change)
+    with pytest.raises(ModelOptError, match=r"img_attn\.qkv\.bias: holds 1 NaN/Inf values.*--allow-nonfinite") as e:
+        quantize_file(src, str(tmp_path / "o.safetensors"), Recipe("float8_e4m3fn"))  # refused by default
+    assert_our_error(e.value, src)
+    assert not (tmp_path / "o.safetensors").exists() and not any(p.endswith(".partial") for p in os.listdir(tmp_path))
+    rep = quantize_file(src, str(tmp_path / "o.safetensors"), Recipe("float8_e4m3fn", allow_nonfinite=True))
     note = next(n for n in rep.notes if "NaN/Inf" in n)
     assert "img_attn.qkv.bias (1)" in note and "final_layer.linear.weight (2)" in note
     with SafetensorsFile(str(tmp_path / "o.safetensors")) as f:  # the note is in the file too

@@ -381,7 +381,9 @@ class ModelOptUNetLoader(io.ComfyNode):
             display_name="Load Quantized Model (ModelOpt)",
             category=CATEGORY,
             description="Loads a quantized diffusion model (diffusion_models or the older modelopt_unet "
-                        "folder), checks its comfy-modelopt metadata and shows its report.",
+                        "folder) after checking it: every layer against its format (tensors, dtypes, "
+                        "shapes, scales finite and > 0), every 16-bit value finite, no layer missing; "
+                        "a damaged file is refused naming the key at fault. Shows its report.",
             inputs=[io.Combo.Input("unet_name", options=_unet_files()),
                     io.Combo.Input("runtime", options=list(RUNTIMES), default=DEFAULT_RUNTIME, tooltip=RUNTIME_TOOLTIP),
                     io.Float.Input("dequant_cache_gib", default=0.0, min=0.0, max=1024.0, step=0.5, advanced=True,
@@ -398,9 +400,10 @@ class ModelOptUNetLoader(io.ComfyNode):
         info = inspect_file(path)
         if info.kind == "old_modelopt_pack":
             raise NodeError(f"{unet_name}: {info.description}")
-        patcher = ownloader.load_file(path)
+        patcher = ownloader.load_file(path)  # verifies every layer and value first (refuses a damaged file)
         if patcher is None:
             raise NodeError(f"{unet_name}: ComfyUI could not detect the model in this file")
+        info.verification = patcher.modelopt_verification  # what the loader checked, values included
         patcher, note = apply_runtime(patcher, runtime, dequant_cache_gib)
         return io.NodeOutput(patcher, info.text() + "\n" + note)
 

@@ -22,19 +22,34 @@ smoothed layer lives in the smoothed basis (``W / smooth_scale`` per input colum
 fp8 convolution in its scaled basis (``W / scale`` per output channel).  The patcher this loader
 returns maps every delta on such a layer into that basis, so the layer's output changes exactly
 as for a 16-bit model (up to re-quantization).
+
+Nothing it reads is trusted: ``load_file`` checks the header (sizes, counts, layout), every
+tensor's size against the memory there is, and every layer against its format's contract with
+every scale and 16-bit value read (verify.py) before ComfyUI sees a tensor; an error inside
+ComfyUI's own loader comes back as one line naming the file; and the model ComfyUI built is
+compared with what the file gave it - a parameter the file does not hold (which ComfyUI would
+leave uninitialised) or a layer the model does not have is an error naming it.
 """
 from __future__ import annotations
 
+import os
 import types
 
 import torch
 
+import comfy.model_detection
 import comfy.model_management
+import comfy.quant_ops
 import comfy.sd
 import comfy.utils
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, one_line
+from ..families import diffusion_prefix
+from ..formats import FORMATS
+from ..formats.conv_fp8 import CONV_FP8
+from ..pipeline import available_memory
 from ..safetensors_io import SafetensorsFile
+from ..verify import Verification, read_conf_of, state_dict_entries, verify
 from ..fileformat import (COMFY_QUANT, CONV_FORMAT, LOWRANK_PREFIX, LOWRANK_SUFFIXES, QUANT_METADATA,
                           comfy_quant_tensor, decode_comfy_quant, decode_quantization_metadata,
                           encode_quantization_metadata, needs_own_loader, stock_conf)
@@ -54,7 +69,7 @@ def split_state_dict(sd: dict, metadata: dict | None) -> tuple[dict, dict, dict]
         conf = decode_comfy_quant(sd[key], key)
         layer = key[: -len(COMFY_QUANT)]
         if conf.get("format") == CONV_FORMAT:
-            shape = tuple(conf["shape"])
+            shape = CONV_FP8.stored_options(conf)
             del sd[key]
             try:
                 q, scale = sd.pop(layer + ".weight"), sd.pop(layer + ".weight_scale")
@@ -94,30 +109,85 @@ def _relative(name: str) -> str:
     return name
 
 
-def load_state_dict(sd: dict, metadata: dict | None = None, rebuildable: bool = False, **load_options):
+def load_state_dict(sd: dict, metadata: dict | None = None, rebuildable: bool = False, where: str = "state dict",
+                    **load_options):
     """A MODEL from a diffusion-model state dict: ComfyUI's own loader, which our layers then
     join when the file has any (options go to ComfyUI's loader; ``sd`` itself is not changed).
-    Returns None when ComfyUI cannot detect the model.
+    Returns None when ComfyUI cannot detect the model.  An error inside ComfyUI's loader, a
+    parameter of the built model that ``sd`` does not hold, or a layer of ``sd`` the model does
+    not have is a ``CheckpointError`` naming ``where`` (``verify_state_dict`` checks the tensors
+    themselves before this).
 
     ``rebuildable``: register this call as the patcher's ``cached_patcher_init`` - ComfyUI
     rebuilds a model through it when it needs a non-dynamic copy (hooks in the conditioning on
     a dynamic-VRAM model) or one per GPU (multi-GPU); without it ComfyUI refuses those, and
     through its own loader it would rebuild our layers without their extras.  Keeps ``sd``
     alive as long as the patcher."""
-    patcher = _load(dict(sd), metadata, **load_options)
+    patcher = _load(dict(sd), metadata, where, **load_options)
     if patcher is not None and rebuildable:
-        patcher.cached_patcher_init = (load_state_dict, (sd, metadata, True))  # rebuildable again
+        patcher.cached_patcher_init = (load_state_dict, (sd, metadata, True, where))  # rebuildable again
     return patcher
 
 
-def _load(sd: dict, metadata: dict | None, **load_options):
+def _comfy_load(sd: dict, metadata: dict | None, where: str, **load_options):
+    """ComfyUI's loader on ``sd`` (which it consumes); its errors and a model that does not
+    match the tensors become one-line CheckpointErrors naming ``where``."""
+    prefix = comfy.model_detection.unet_prefix_from_state_dict(sd)
+    given = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)} or dict(sd)
+    try:
+        patcher = comfy.sd.load_diffusion_model_state_dict(sd, metadata=metadata, **load_options)
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        raise CheckpointError(f"{where}: ComfyUI could not build the model from it: {one_line(e)[:300]}") from None
+    if patcher is not None:
+        _check_matches(patcher, given, where)
+    return patcher
+
+
+def _check_matches(patcher, given: dict, where: str) -> None:
+    """The model ComfyUI built holds every parameter from ``given`` (its loader leaves a missing
+    one uninitialised, or a quantized Linear without a weight) and ``given`` holds no layer the
+    model lacks (its tensors would be dropped)."""
+    model = patcher.model.diffusion_model
+    keys = set(patcher.model.model_config.process_unet_state_dict(dict(given)))
+    missing = [n for n, _ in model.named_parameters() if n not in keys]
+    missing += [n + ".weight" for n, m in model.named_modules() if hasattr(m, "in_features")
+                and getattr(m, "weight", 0) is None]
+    if missing:
+        raise CheckpointError(f"{where}: {missing[0]}: missing - the model ComfyUI detected needs it "
+                              f"({len(missing)} tensors missing in all; ComfyUI would run them uninitialised)")
+    modules = dict(model.named_modules())
+    for name, m in modules.items():  # ComfyUI's mixed-precision Linear takes any weight shape it is given
+        w = getattr(m, "weight", None)
+        if w is None or not hasattr(m, "in_features"):
+            continue
+        q = getattr(w, "_qdata", None)
+        if q is None:
+            fits = tuple(w.shape) == (m.out_features, m.in_features)
+        else:  # kitchen pads the rows of some formats (to 16 or 32)
+            fmt = FORMATS.get(getattr(m, "quant_format", None))
+            per = fmt.values_per_element if fmt is not None else 1
+            fits = q.dim() == 2 and q.shape[1] * per == m.in_features and m.out_features <= q.shape[0] < m.out_features + 32
+        if not fits:
+            stored = list((w if q is None else q).shape)
+            raise CheckpointError(f"{where}: {name}.weight: stored {stored} does not fit the "
+                                  f"[{m.out_features}, {m.in_features}] layer of the model ComfyUI detected")
+    extra = sorted(k for k in keys if k.endswith(".weight") and k[:-7] not in modules)
+    if extra:
+        raise CheckpointError(f"{where}: {extra[0]}: a layer the model ComfyUI detected does not have "
+                              f"({len(extra)} such tensors; a file of another model variant, or damaged)")
+
+
+def _load(sd: dict, metadata: dict | None, where: str, **load_options):
     if not needs_own_loader(metadata, sd):
-        return comfy.sd.load_diffusion_model_state_dict(sd, metadata=metadata, **load_options)
+        return _comfy_load(sd, metadata, where, **load_options)
     stock_sd, meta, extras = split_state_dict(sd, metadata)
-    patcher = comfy.sd.load_diffusion_model_state_dict(stock_sd, metadata=meta, **load_options)
+    patcher = _comfy_load(stock_sd, meta, where, **load_options)
     if patcher is None:
         return None
-    attach(patcher, extras)
+    try:
+        attach(patcher, extras)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from None
     # what a weight delta is divided by to land in the stored basis, shaped to broadcast
     divisors = {}
     for name, ex in extras.items():
@@ -134,15 +204,46 @@ def _load(sd: dict, metadata: dict | None, **load_options):
     return patcher
 
 
-def load_file(path: str, **load_options):
-    """A MODEL from a file; ComfyUI rebuilds copies by reading the file again."""
-    with SafetensorsFile(path):  # header and layout checked first: names an interrupted write, a bad key
-        pass
+def load_file(path: str, deep: bool = False, **load_options):
+    """A MODEL from a file, verified first (``verify_state_dict``; ``deep``: the quantized
+    weights' codes too); ComfyUI rebuilds copies by reading the file again.  The verification
+    is on ``patcher.modelopt_verification``; a file ComfyUI detects no model in is a
+    CheckpointError."""
+    where = os.path.basename(path)
+    with SafetensorsFile(path) as f:  # header and layout checked first: names an interrupted write, a bad key
+        _check_fits_memory(f)
     sd, metadata = comfy.utils.load_torch_file(path, safe_load=True, return_metadata=True)
-    patcher = load_state_dict(sd, metadata, **load_options)
-    if patcher is not None:
-        patcher.cached_patcher_init = (load_file, (path,))
+    checked = verify_state_dict(sd, metadata, where, deep)
+    patcher = load_state_dict(sd, metadata, where=where, **load_options)
+    if patcher is None:
+        raise CheckpointError(f"{where}: ComfyUI detects no diffusion model in it (a layer its detection reads is "
+                              f"missing or has another shape, or it is no diffusion model)")
+    patcher.cached_patcher_init = (load_file, (path, deep))
+    patcher.modelopt_verification = checked
     return patcher
+
+
+def verify_state_dict(sd: dict, metadata: dict | None, where: str, deep: bool = False) -> Verification:
+    """Every layer of ``sd`` against its format's contract, every scale and 16-bit value of the
+    diffusion model read (verify.py); formats ComfyUI knows beyond comfy-modelopt's are left to
+    ComfyUI.  Raises the first problem as a CheckpointError naming ``where``."""
+    checked = verify(state_dict_entries(sd), metadata or {}, sd.__getitem__, read_conf_of(sd, where),
+                     diffusion_prefix(sd), values=True, deep=deep,
+                     runtime_formats=tuple(comfy.quant_ops.QUANT_ALGOS))
+    checked.raise_for(where)
+    return checked
+
+
+def _check_fits_memory(f: SafetensorsFile) -> None:
+    """A tensor larger than the memory left is refused before anything is read (a header may
+    claim a 10^12-element tensor in a sparse file as large as it says)."""
+    have = available_memory()
+    if have is None:
+        return
+    big = max(f.tensors.values(), key=lambda t: t.nbytes, default=None)
+    if big is not None and big.nbytes > have:
+        raise CheckpointError(f"{f.name}: {big.name}: {big.dtype}{list(big.shape)} needs "
+                              f"{big.nbytes / 2**30:.1f} GiB of memory, only {have / 2**30:.1f} GiB is available")
 
 
 def attach(patcher, extras: dict) -> int:
@@ -153,15 +254,24 @@ def attach(patcher, extras: dict) -> int:
         module = model.get_submodule(name)
         if "conv_weight" in ex:
             if not isinstance(module, torch.nn.Conv2d):
-                raise ValueError(f"{name}: {CONV_FORMAT} needs a Conv2d, the model has {type(module).__name__}")
+                raise CheckpointError(f"{name}: {CONV_FORMAT} needs a Conv2d, the model has {type(module).__name__}")
             if tuple(ex["conv_weight"].shape) != tuple(module.weight.shape):
-                raise ValueError(f"{name}: fp8 weight {tuple(ex['conv_weight'].shape)} does not fit the "
-                                 f"model's {tuple(module.weight.shape)}")
+                raise CheckpointError(f"{name}.weight: fp8 weight {list(ex['conv_weight'].shape)} does not fit the "
+                                      f"model's {list(module.weight.shape)}")
             module.weight = torch.nn.Parameter(ex["conv_weight"], requires_grad=False)
             module.register_buffer("weight_scale", ex["conv_scale"])
             module.forward = types.MethodType(_conv_fp8_forward, module)
             module._modelopt_conv_fp8 = True
             continue
+        if not hasattr(module, "in_features"):
+            raise CheckpointError(f"{name}: a low-rank layer needs a Linear, the model has {type(module).__name__}")
+        want = {"lowrank_up": (module.out_features, None), "lowrank_down": (None, module.in_features),
+                "smooth_scale": (module.in_features,)}
+        for buf, shape in want.items():  # the verifier saw the file's shapes; this is the model's
+            t = ex.get(buf)
+            if t is not None and any(w is not None and w != d for w, d in zip(shape, t.shape)):
+                raise CheckpointError(f"{name}.{buf}: {list(t.shape)} does not fit the [{module.out_features}, "
+                                      f"{module.in_features}] layer of the model ComfyUI detected")
         for buf in ("lowrank_up", "lowrank_down", "smooth_scale"):
             t = ex.get(buf)
             if t is not None and buf != "smooth_scale":

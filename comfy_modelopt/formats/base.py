@@ -64,6 +64,7 @@ class Format:
     #                                 QUANT_ALGOS "quantize_input"); False: kitchen's kernel does
     block_clip: bool = False        # the encoder derives 16-block scales from each block's max:
     #                                 clamping a block clips it (scales.search_block_clip)
+    block: int = 0                  # values per stored block scale (ComfyUI's "group_size"); 0: none
 
     # ---------------------------------------------------------------- rules
     def shape_problem(self, n: int, k: int, **opts) -> str | None:
@@ -209,6 +210,95 @@ class Format:
 
     def _stored_params(self, tensors: dict, conf: dict) -> dict:
         return {"scale": tensors["_scale"]}
+
+    # ---------------------------------------------------------------- the stored contract (verify.py)
+    def stored_options(self, conf: dict) -> dict:
+        """The encoding options a stored layer's ``.comfy_quant`` config names, read as ComfyUI
+        reads them (a field, or the same field under ``params``), each checked against its
+        domain: raises ValueError naming the field.  What ``planned`` takes for that layer."""
+        check_common_fields(conf, self.name, self.block)
+        return {}
+
+    def value_problem(self, suffix: str, t: torch.Tensor) -> str | None:
+        """Why stored tensor ``suffix`` ('' the weight, '_scale', '_scale_2': kitchen's
+        ``state_dict`` suffixes) holds values ComfyUI must not compute with, or None.  Scales must
+        be finite and > 0 (a zero or NaN scale gives a zero or NaN layer); weights hold no value
+        that is not a number, except where a format says otherwise."""
+        return positive_problem(t) if suffix else None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _shown(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _float_dtype_name(v) -> bool:
+    name = v[len("torch."):] if isinstance(v, str) and v.startswith("torch.") else v
+    return isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype) \
+        and getattr(torch, name).is_floating_point
+
+
+def check_common_fields(conf: dict, name: str, block: int = 0) -> None:
+    """The fields any layer config may carry, in their domains (ValueError naming the field)."""
+    params = conf.get("params", {})
+    if not isinstance(params, dict):
+        raise ValueError(f"'params' must be a JSON object, got {_shown(params)}")
+    for field_name, ok, want in (
+            ("full_precision_matrix_mult", lambda v: isinstance(v, bool), "true or false"),
+            ("group_size", lambda v: _is_int(v) and v == (block or v) and v > 0,
+             f"{block} for {name}" if block else "a positive integer"),
+            ("orig_dtype", _float_dtype_name, "the name of a float dtype")):
+        for where in (conf, params):
+            if field_name in where and not ok(where[field_name]):
+                raise ValueError(f"'{field_name}' must be {want}, got {_shown(where[field_name])}")
+
+
+def option(conf: dict, name: str, default):
+    """A layer config field as ComfyUI reads it: the field, else the same field under 'params'."""
+    params = conf.get("params", {})
+    return conf.get(name, params.get(name, default) if isinstance(params, dict) else default)
+
+
+def positive_problem(t: torch.Tensor) -> str | None:
+    """Why a stored scale is not finite and > 0 everywhere (naming the first bad value), or None."""
+    if not t.is_floating_point():
+        return f"must be a float scale, is {t.dtype}"
+    bad = ~(torch.isfinite(t) & (t > 0))
+    if not bool(bad.any()):
+        return None
+    value = float(t.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]])
+    return f"must be finite and > 0, holds {value:g} ({int(bad.sum())} of {t.numel()} values)"
+
+
+# The byte codes an 8-bit stored value must not hold, as (mask, value) pairs over the byte, and
+# the same as bounds on the byte read as int8 and as uint8 (two reductions - read at memory speed
+# - find whether any is there; the codes are then counted for the message).
+E4M3_NAN = ((0x7F, 0x7F),)                 # float8_e4m3fn: S.1111.111 is NaN (it has no Inf)
+E5M2_NAN = ((0x7C, 0x7C),)                 # float8_e5m2: exponent 11111 is Inf or NaN
+E4M3_NAN_OR_NEGATIVE = E4M3_NAN + ((0x80, 0x80),)
+E8M0_NAN = ((0xFF, 0xFF),)                 # E8M0 scales: 0xFF is NaN, every other byte a power of 2
+_BOUNDS = {E4M3_NAN: (-128, 126, 254), E5M2_NAN: (-128, 123, 251), E4M3_NAN_OR_NEGATIVE: (0, 126, 255),
+           E8M0_NAN: (-128, 127, 254)}     # (lowest int8, highest int8, highest uint8) a clean byte has
+
+
+def nan_code_problem(t: torch.Tensor, codes: tuple, what: str) -> str | None:
+    """Why 8-bit stored values hold a code ``codes`` forbids (``what`` names it), or None."""
+    b = t.reshape(-1).view(torch.uint8)
+    if not b.numel():
+        return None
+    low, high, high_u8 = _BOUNDS[codes]
+    lo, hi = torch.aminmax(b.view(torch.int8))
+    if int(lo) >= low and int(hi) <= high and int(b.max()) <= high_u8:
+        return None
+    bad = torch.zeros_like(b, dtype=torch.bool)
+    for mask, value in codes:
+        bad |= (b & mask) == value
+    n = int(bad.sum())
+    return f"holds {n} {what} codes (of {b.numel()} values)" if n else None
 
 
 def kitchen_reference():

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .int8 import RowwiseIntFormat, _anchored_rows
+from .base import _shown, option
+from .int8 import RowwiseIntFormat, _anchored_rows, rotation_group
 
 
 @dataclass(frozen=True)
@@ -14,8 +15,14 @@ class ConvRotW4A4Format(RowwiseIntFormat):
         return _anchored_rows(self, w, alpha)
 
     def _stored_params(self, tensors, conf):
-        return {"scale": tensors["_scale"], "convrot_groupsize": int(conf.get("convrot_groupsize", 256)),
-                "quant_group_size": 64, "linear_dtype": conf.get("linear_dtype", "int4")}
+        return {"scale": tensors["_scale"], "quant_group_size": 64, **self.stored_options(conf)}
+
+    def stored_options(self, conf):
+        super().stored_options(conf)
+        linear_dtype = option(conf, "linear_dtype", "int4")
+        if linear_dtype not in ("int4", "int8"):
+            raise ValueError(f"'linear_dtype' must be 'int4' or 'int8', got {_shown(linear_dtype)}")
+        return {"convrot_groupsize": rotation_group(conf), "linear_dtype": linear_dtype}
 
     def layout_kwargs(self, convrot_groupsize=256, linear_dtype="int4", **opts):
         return {"convrot_groupsize": convrot_groupsize, "linear_dtype": linear_dtype}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import gptq
-from .base import Format
+from .base import E4M3_NAN, E5M2_NAN, Format, nan_code_problem
 
 _FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
@@ -60,6 +60,11 @@ class Fp8Format(Format):
         fmax = self.fmax()
         q = (x * (1.0 / input_scale)).clamp(-fmax, fmax).to(_FP8_DTYPES[self.name])
         return q.to(torch.float32) * input_scale
+
+    def value_problem(self, suffix, t):
+        if suffix:
+            return super().value_problem(suffix, t)
+        return nan_code_problem(t, E4M3_NAN if self.dtype == torch.float8_e4m3fn else E5M2_NAN, "NaN/Inf")
 
     def fake_rows(self, w, alpha=None, amax=None):
         scale = self.weight_scale(w, alpha, amax)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import gptq
-from .base import Format, _clip_rows, _row_alpha
+from .base import Format, _clip_rows, _row_alpha, _shown, option
 
 
 def regular_hadamard(size: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
@@ -31,6 +31,16 @@ try:  # private in kitchen 0.2.x: the ConvRot rotation its encoder applies
     from comfy_kitchen.tensor.int8_utils import _build_hadamard, _rotate_weight
 except ImportError:  # pragma: no cover - other kitchen versions
     _build_hadamard, _rotate_weight = regular_hadamard, rotate_groups
+
+
+def rotation_group(conf: dict) -> int:
+    """A stored layer's ConvRot group as ComfyUI reads it (default 256), checked against what
+    kitchen's rotation takes: a power of 4."""
+    group = option(conf, "convrot_groupsize", 256)
+    if not (isinstance(group, int) and not isinstance(group, bool) and group >= 4 and group & (group - 1) == 0
+            and group.bit_length() % 2 == 1):
+        raise ValueError(f"'convrot_groupsize' must be a power of 4 (kitchen's rotation), got {_shown(group)}")
+    return group
 
 
 def _hadamard_rotate(w: torch.Tensor, group: int) -> torch.Tensor:
@@ -125,10 +135,14 @@ class Int8Format(RowwiseIntFormat):
         return torch.tensor([0.6, 0.75, 0.85, 0.9, 0.95, 1.0])
 
     def _stored_params(self, tensors, conf):
-        params = {"scale": tensors["_scale"]}
-        if conf.get("convrot"):
-            params.update(convrot=True, convrot_groupsize=int(conf.get("convrot_groupsize", 256)))
-        return params
+        return {"scale": tensors["_scale"], **self.stored_options(conf)}
+
+    def stored_options(self, conf):
+        super().stored_options(conf)
+        convrot = option(conf, "convrot", False)
+        if not isinstance(convrot, bool):
+            raise ValueError(f"'convrot' must be true or false, got {_shown(convrot)}")
+        return {"convrot": True, "convrot_groupsize": rotation_group(conf)} if convrot else {}
 
     def layout_kwargs(self, convrot=False, convrot_groupsize=256, **opts):
         kw = {"per_channel": True}

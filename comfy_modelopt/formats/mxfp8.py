@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import gptq
-from .base import F8_E4M3_MAX, Format
+from .base import E4M3_NAN, E8M0_NAN, F8_E4M3_MAX, Format, nan_code_problem
 
 
 def _mxfp8_block_scales(block_amax: torch.Tensor) -> torch.Tensor:
@@ -24,6 +24,11 @@ class MxFp8Format(Format):
 
     def _stored_params(self, tensors, conf):
         return {"scale": tensors["_scale"].view(torch.float8_e8m0fnu)}
+
+    def value_problem(self, suffix, t):
+        if suffix == "_scale":  # E8M0 block scales: 0xFF is NaN, every other byte a power of two
+            return nan_code_problem(t, E8M0_NAN, "NaN (E8M0 0xFF) block-scale")
+        return nan_code_problem(t, E4M3_NAN, "NaN")
 
     def fake_act(self, x, input_scale=None, **opts):
         return self.fake_rows(x)
@@ -53,4 +58,4 @@ class MxFp8Format(Format):
 
 # MXFP8: E4M3 values with one E8M0 scale per 32; dynamic activations
 MXFP8 = MxFp8Format("mxfp8", "TensorCoreMXFP8Layout", (10, 0), False, False, "", 32, 1,
-                    native_gate="supports_mxfp8_compute")
+                    native_gate="supports_mxfp8_compute", block=32)

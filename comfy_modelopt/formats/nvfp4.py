@@ -9,7 +9,7 @@ from comfy_kitchen.tensor import QuantizedTensor
 
 from .. import gptq
 from ..errors import QuantizeError
-from .base import F4_E2M1_MAX, F8_E4M3_MAX, Format
+from .base import E4M3_NAN_OR_NEGATIVE, F4_E2M1_MAX, F8_E4M3_MAX, Format, nan_code_problem
 
 
 def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -51,6 +51,11 @@ class NvFp4Format(Format):
 
     def _stored_params(self, tensors, conf):
         return {"scale": tensors["_scale_2"], "block_scale": tensors["_scale"].view(torch.float8_e4m3fn)}
+
+    def value_problem(self, suffix, t):
+        if suffix == "_scale":  # E4M3 block scales: >= 0 (zero for an all-zero block), never NaN
+            return nan_code_problem(t, E4M3_NAN_OR_NEGATIVE, "NaN or negative block-scale")
+        return super().value_problem(suffix, t)
 
     def global_scale(self, w: torch.Tensor, alpha: torch.Tensor | None,
                      amax: torch.Tensor | None = None) -> torch.Tensor:
@@ -161,4 +166,4 @@ class NvFp4Format(Format):
 # NVFP4: E2M1 values, E4M3 scale per 16, fp32 global scale; dynamic or static activations
 NVFP4 = NvFp4Format("nvfp4", "TensorCoreNVFP4Layout", (10, 0), True, False, "tensor", 32, 1, lowrank=True,
                     values_per_element=2, input_search="sample", native_gate="supports_nvfp4_compute",
-                    block_clip=True)
+                    block_clip=True, block=16)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import statistics
 import sys
 import types
@@ -246,6 +247,15 @@ def test_save_and_reload_identical(env):
     stock = comfy.sd.load_diffusion_model(path)
     ours, text = nodes.ModelOptUNetLoader.execute(unet_name="test/sd15-fp8.safetensors").args
     assert "comfy-modelopt checkpoint" in text
+    assert re.search(r"verified 71 quantized layers and \d+ tensors .*; values of \d+ tensors read .*: no problem", text)
+    # a damaged copy (a NaN scale) is refused before ComfyUI builds anything, naming the key and the rule
+    with SafetensorsFile(path) as f:
+        tensors, meta = {k: f.read(k) for k in f.keys()}, dict(f.metadata)
+    key = sorted(k for k in tensors if k.endswith(".weight_scale"))[3]
+    tensors[key] = torch.tensor(float("nan"))
+    write_file(os.path.join(os.path.dirname(path), "sd15-nan.safetensors"), tensors, meta, overwrite=True)
+    with pytest.raises(Exception, match=rf"^sd15-nan\.safetensors: {re.escape(key)}: must be finite and > 0, holds nan"):
+        nodes.ModelOptUNetLoader.execute(unet_name="test/sd15-nan.safetensors")
     for m in (stock, ours):
         n = sum(isinstance(getattr(x, "weight", None), QuantizedTensor) for x in m.model.diffusion_model.modules())
         assert n == 71

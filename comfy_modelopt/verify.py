@@ -1,0 +1,483 @@
+"""What a model file holds, checked before anything builds a model from it.
+
+One verifier, three users: Load Quantized Model (``comfyui/ownloader.py``) runs it on every file
+before ComfyUI sees a tensor, ``inspect`` reports what it finds (``--verify`` reads the values
+too), and ``quantize`` checks its 16-bit source with the same rules.  It takes names, dtypes and
+shapes (a safetensors header, or a state dict) and a ``read(key)`` for the values:
+
+- each quantized layer against its format's contract (``Format.stored_options``, ``planned``,
+  ``value_problem``: the config's fields in their domains, every stored tensor present with the
+  dtype and shape kitchen lays out for the weight, scales finite and > 0, no NaN codes), and the
+  layer config ComfyUI will use (``_quantization_metadata`` overrides ``.comfy_quant``);
+- every other tensor: a weight that is not a float needs a quantization config (else ComfyUI
+  casts its raw codes), a scale needs a quantized layer, 16-bit values are finite;
+- completeness: a layer with some of its tensors but no weight, and a layer missing from one
+  of a run of identical blocks (``missing_layers``), are named.
+
+Every problem is one line: the key and the rule it breaks.
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+import time
+from collections import Counter, defaultdict
+from functools import lru_cache
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+
+from .errors import CheckpointError
+from .fileformat import (COMFY_QUANT, CONV_FORMAT, INPUT_SCALE, LOWRANK_DOWN, LOWRANK_UP, QUANT_METADATA, SMOOTH_SCALE,
+                         SUFFIX_KEYS, decode_comfy_quant, decode_quantization_metadata, own_base, stock_conf)
+from .families import detect_family
+from .formats import FORMATS
+from .formats.base import _is_int, positive_problem
+from .formats.conv_fp8 import CONV_FP8
+from .safetensors_io import FLOAT_DTYPES, ST_DTYPES
+
+Entries = Mapping[str, tuple]          # key -> (safetensors dtype, shape)
+Reader = Callable[[str], torch.Tensor]
+
+# the kitchen suffix ("" weight, "_scale", "_scale_2") behind each stored key suffix
+PARTS = {key: suffix for suffix, key in SUFFIX_KEYS.items()}
+# key suffixes that only a quantized layer carries
+QUANT_PARTS = (".weight_scale", ".weight_scale_2", INPUT_SCALE, ".pre_quant_scale", LOWRANK_UP, LOWRANK_DOWN,
+               SMOOTH_SCALE, COMFY_QUANT)
+# a scale stored in one byte may be kept as its float8 type or as raw bytes (ComfyUI views both)
+_BYTE_SCALES = {"F8_E4M3": {"F8_E4M3", "U8"}, "U8": {"U8", "F8_E8M0"}}
+_LEGACY = ("scaled_fp8",)          # legacy scaled-fp8 files: ComfyUI converts them itself
+
+
+@dataclass(frozen=True)
+class Problem:
+    key: str
+    rule: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.rule}"
+
+
+@dataclass
+class Verification:
+    """What ``verify`` found: ``problems`` (empty: none), and what it read and how long it took."""
+    problems: list = field(default_factory=list)
+    layers: int = 0                # quantized layers checked
+    tensors: int = 0               # tensors checked
+    values_read: int = 0           # tensors whose values were read
+    bytes_read: int = 0
+    seconds: float = 0.0
+    values: bool = False
+    configs: dict = field(default_factory=dict)  # layer -> the config ComfyUI will use
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def error(self, where: str) -> CheckpointError:
+        more = len(self.problems) - 1
+        tail = (f" (and {more} more problem{'s' if more > 1 else ''}; `comfy-modelopt inspect --verify` lists "
+                f"them)") if more else ""
+        return CheckpointError(f"{where}: {self.problems[0]}{tail}")
+
+    def raise_for(self, where: str) -> None:
+        if self.problems:
+            raise self.error(where)
+
+    def summary(self) -> str:
+        read = (f"; values of {self.values_read} tensors read ({self.bytes_read / 2**20:.1f} MiB)" if self.values
+                else "; values not read (--verify reads them)")
+        verdict = "no problem" if self.ok else f"{len(self.problems)} problem{'s' * (len(self.problems) > 1)}"
+        return (f"verified {self.layers} quantized layers and {self.tensors} tensors in {self.seconds:.2f}s"
+                f"{read}: {verdict}")
+
+    def to_dict(self) -> dict:
+        return {"problems": [str(p) for p in self.problems], "layers": self.layers, "tensors": self.tensors,
+                "values_read": self.values_read, "bytes_read": self.bytes_read, "seconds": round(self.seconds, 4),
+                "values": self.values}
+
+
+# ====================================================================== layer configs
+def layer_configs(entries: Entries, metadata: Mapping[str, str], read_conf: Callable[[str], dict],
+                  problems: list) -> dict[str, dict]:
+    """layer -> the config ComfyUI will use: ``_quantization_metadata``'s entry where the header
+    has one (ComfyUI writes it over the layer's ``.comfy_quant`` tensor), else the tensor's.
+    ``read_conf(key)`` decodes a ``.comfy_quant`` tensor (raising CheckpointError)."""
+    confs: dict[str, dict] = {}
+    for key in entries:
+        if key.endswith(COMFY_QUANT):
+            try:
+                confs[key[:-len(COMFY_QUANT)]] = read_conf(key)
+            except CheckpointError as e:
+                problems.append(Problem(key, _rule(e, key)))
+    text = metadata.get(QUANT_METADATA)
+    if text is None:
+        return confs
+    try:
+        declared = decode_quantization_metadata(text, QUANT_METADATA)
+    except CheckpointError as e:
+        problems.append(Problem(QUANT_METADATA, _rule(e, QUANT_METADATA)))
+        return confs
+    for name, conf in declared.items():
+        if name in confs and confs[name] != conf:
+            problems.append(Problem(name + COMFY_QUANT, f"differs from the layer's entry in {QUANT_METADATA} "
+                                    f"({_brief(conf)} there), which ComfyUI would use"))
+        confs[name] = conf
+    return confs
+
+
+def _rule(e: Exception, key: str) -> str:
+    """An error's message without the 'file: key:' it starts with."""
+    text = str(e)
+    at = text.find(key + ": ")
+    text = text[at + len(key) + 2:] if at >= 0 else text
+    return text[len(key) + 1:] if text.startswith(key + " ") else text
+
+
+def _brief(conf: dict) -> str:
+    text = ", ".join(f"{k}={v!r}" for k, v in conf.items())
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# ====================================================================== one quantized layer
+def layer_problems(name: str, conf: dict, entries: Entries, read: Reader | None, deep: bool = False,
+                   runtime_formats: tuple = ()) -> tuple[list, list]:
+    """The problems of quantized layer ``name`` (config ``conf``) and the tensors whose values
+    were read (scales always when ``read`` is given; the weight's codes too when ``deep``).
+    ``runtime_formats``: format names the runtime that will load the file knows beyond ours
+    (their layers are left to it)."""
+    fmt_name = conf["format"]
+    cq = name + COMFY_QUANT
+    if fmt_name == CONV_FORMAT:
+        return _conv_problems(name, conf, entries, read, deep)
+    base = own_base(fmt_name)
+    fmt = FORMATS.get(base if base is not None else fmt_name)
+    if fmt is None:
+        if fmt_name in runtime_formats:
+            return [], []
+        known = ", ".join(FORMATS)
+        return [Problem(cq, f"unknown format {fmt_name!r} (ComfyUI's formats: {known})")], []
+    try:
+        opts = fmt.stored_options(stock_conf(conf) or conf)
+    except ValueError as e:
+        return [Problem(cq, f"{fmt.name} config: {e}")], []
+    weight = entries.get(name + ".weight")
+    if weight is None:
+        return [Problem(name + ".weight", f"missing: the layer's config says {fmt_name} but the file has no "
+                                          f"weight for it")], []
+    dtype, shape = weight
+    if len(shape) != 2:
+        return [Problem(name + ".weight", f"a {fmt.name} weight is 2-D, this one is {dtype}{list(shape)}")], []
+    n, k = shape[0], shape[1] * fmt.values_per_element
+    try:
+        planned = _planned(fmt, n, k, tuple(sorted(opts.items())))
+    except (ValueError, RuntimeError) as e:
+        return [Problem(cq, f"{fmt.name} cannot lay out a [{n}, {k}] weight with {opts or 'its defaults'} "
+                            f"({' '.join(str(e).split())[:120]})")], []
+    problems = _stored_problems(name, fmt.name, planned, entries)
+    problems += _stray_parts(name, fmt, planned, entries, lowrank=base is not None)
+    problems += _bias_problems(name, n, lambda b: _planned(fmt, b, k, tuple(sorted(opts.items()))) == planned,
+                               entries)
+    if base is not None:
+        problems += _lowrank_problems(name, conf, n, k, fmt, opts, entries)
+    if problems or read is None:
+        return problems, []
+    checks = [(k, lambda t, s=PARTS[k]: fmt.value_problem(s, t)) for k in planned if deep or k != ".weight"]
+    checks += [(p, positive_problem) for p in (INPUT_SCALE, SMOOTH_SCALE) if name + p in entries]
+    checks += [(p, _finite_problem) for p in (LOWRANK_UP, LOWRANK_DOWN) if name + p in entries]
+    return _read_values(name, checks, read)
+
+
+@lru_cache(maxsize=1024)
+def _planned(fmt, n: int, k: int, opts: tuple) -> dict:
+    """The stored tensors of a [n, k] weight by key suffix: (safetensors dtype, shape), as kitchen
+    lays them out (``Format.planned``; kitchen run on a meta tensor, so cached)."""
+    return {SUFFIX_KEYS[s]: (ST_DTYPES[d], tuple(sh)) for s, (d, sh) in fmt.planned(n, k, **dict(opts)).items()}
+
+
+def _read_values(name: str, checks: list, read: Reader) -> tuple[list, list]:
+    """Run each (key suffix, rule) on the stored values; the problems and the tensors read."""
+    problems, seen = [], []
+    for key_suffix, rule in checks:
+        t = read(name + key_suffix)
+        seen.append(t)
+        found = rule(t)
+        if found:
+            problems.append(Problem(name + key_suffix, found))
+    return problems, seen
+
+
+def _finite_problem(t: torch.Tensor) -> str | None:
+    if not t.is_floating_point() or not t.numel():
+        return None
+    # the least and the greatest value are finite when every value is (a NaN or an Inf becomes
+    # one of them), found in one pass at memory speed; only then are the bad ones counted
+    if bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):
+        return None
+    bad = int((~torch.isfinite(t)).sum())
+    return f"holds {bad} NaN/Inf values (of {t.numel()})" if bad else None
+
+
+def _stored_problems(name: str, fmt_name: str, planned: dict, entries: Entries) -> list:
+    """Each planned tensor present with the dtype and shape kitchen lays out for the weight."""
+    problems = []
+    for key_suffix, (dtype, shape) in planned.items():
+        key = name + key_suffix
+        if key not in entries:
+            problems.append(Problem(key, f"missing ({fmt_name} layers store it)"))
+            continue
+        got_dtype, got_shape = entries[key][0], tuple(entries[key][1])
+        allowed = _BYTE_SCALES.get(dtype, {dtype}) if key_suffix != ".weight" else {dtype}
+        if got_dtype not in allowed:
+            problems.append(Problem(key, f"is {got_dtype}, a {fmt_name} layer stores {dtype} here"))
+        elif got_shape != shape and not (shape == () and got_shape == (1,)):
+            problems.append(Problem(key, f"has shape {list(got_shape)}, a {fmt_name} layer of this weight stores "
+                                         f"{list(shape)}"))
+    return problems
+
+
+def _bias_problems(name: str, n: int, fits, entries: Entries) -> list:
+    """A quantized layer's bias: one value per output (``fits(b)``: b outputs lay out as the
+    stored weight does - kitchen pads some formats' rows)."""
+    if name + ".bias" not in entries:
+        return []
+    dtype, shape = entries[name + ".bias"]
+    if dtype not in FLOAT_DTYPES or len(shape) != 1 or not (0 < shape[0] <= n and (shape[0] == n or fits(shape[0]))):
+        return [Problem(name + ".bias", f"is {dtype}{list(shape)}, the layer's weight has {n} outputs")]
+    return []
+
+
+def _stray_parts(name: str, fmt, planned: dict, entries: Entries, lowrank: bool) -> list:
+    """Quantization tensors a layer of this format does not carry (ComfyUI would ignore them)."""
+    allowed = set(planned) | {COMFY_QUANT}
+    if fmt.static_input_scale:
+        allowed.add(INPUT_SCALE)
+    if lowrank:
+        allowed |= {LOWRANK_UP, LOWRANK_DOWN, SMOOTH_SCALE}
+    problems = []
+    for part in QUANT_PARTS:
+        if part not in allowed and name + part in entries:
+            problems.append(Problem(name + part, f"not part of a {fmt.name} layer{' with a low-rank branch' * lowrank}"))
+    if INPUT_SCALE in allowed and name + INPUT_SCALE in entries:
+        dtype, shape = entries[name + INPUT_SCALE]
+        if dtype not in FLOAT_DTYPES or tuple(shape) not in ((), (1,)):
+            problems.append(Problem(name + INPUT_SCALE, f"must be one float scale, is {dtype}{list(shape)}"))
+    return problems
+
+
+def _lowrank_problems(name: str, conf: dict, n: int, k: int, fmt, opts: dict, entries: Entries) -> list:
+    """A low-rank layer's branch: up [n, r], down [r, k] (16-bit), r the config's rank; an optional
+    smooth_scale [k]."""
+    up, down = entries.get(name + LOWRANK_UP), entries.get(name + LOWRANK_DOWN)
+    missing = [name + p for p, e in ((LOWRANK_UP, up), (LOWRANK_DOWN, down)) if e is None]
+    if missing:
+        return [Problem(missing[0], "missing (a low-rank layer stores its branch)")]
+    rank = conf.get("rank")
+    problems = []
+    for key, (dtype, shape) in ((name + LOWRANK_UP, up), (name + LOWRANK_DOWN, down)):
+        if dtype not in FLOAT_DTYPES or len(shape) != 2:
+            problems.append(Problem(key, f"must be a 2-D 16-bit matrix, is {dtype}{list(shape)}"))
+    if problems:
+        return problems
+    (_, (n_up, r_up)), (_, (r_down, k_down)) = up, down
+    key = tuple(sorted(opts.items()))
+    try:
+        logical_ok = 0 < n_up <= n and _planned(fmt, n_up, k, key) == _planned(fmt, n, k, key)
+    except (ValueError, RuntimeError):
+        logical_ok = False
+    if not (_is_int(rank) and rank == r_up == r_down and k_down == k and logical_ok):
+        problems.append(Problem(name + LOWRANK_UP, f"branch up {list(up[1])} / down {list(down[1])} does not fit a "
+                                                   f"[{n}, {k}] weight with rank {rank!r}"))
+    if name + SMOOTH_SCALE in entries:
+        dtype, shape = entries[name + SMOOTH_SCALE]
+        if dtype not in FLOAT_DTYPES or tuple(shape) != (k,):
+            problems.append(Problem(name + SMOOTH_SCALE, f"must be {k} float scales, is {dtype}{list(shape)}"))
+    return problems
+
+
+def _conv_problems(name: str, conf: dict, entries: Entries, read: Reader | None, deep: bool) -> tuple[list, list]:
+    cq = name + COMFY_QUANT
+    try:
+        shape = CONV_FP8.stored_options(conf)
+    except ValueError as e:
+        return [Problem(cq, f"{CONV_FORMAT} config: {e}")], []
+    planned = CONV_FP8.planned(shape)
+    problems = _stored_problems(name, CONV_FORMAT, planned, entries)
+    problems += _bias_problems(name, shape[0], lambda b: b == shape[0], entries)
+    problems += [Problem(name + p, f"not part of a {CONV_FORMAT} layer") for p in QUANT_PARTS
+                 if p not in planned and p != COMFY_QUANT and name + p in entries]
+    if problems or read is None:
+        return problems, []
+    return _read_values(name, [(k, lambda t, s=k: CONV_FP8.value_problem(s, t)) for k in planned
+                               if deep or k != ".weight"], read)
+
+
+# ====================================================================== completeness
+_PART_RE = re.compile(r"^(.*)\.(weight|bias|weight_scale|weight_scale_2|input_scale|comfy_quant|lowrank_up|"
+                      r"lowrank_down|smooth_scale)$")
+_BLOCK_RE = re.compile(r"^(.*?\.)?(\d+)\.(.+)$")
+
+
+def missing_layers(keys, prefix: str = "", optional: tuple = ()) -> list:
+    """Layers that are evidently missing from a model's keys (relative to ``prefix``):
+
+    - a layer with a bias, a scale or a config but no weight;
+    - a layer missing from one block of a run of blocks that are otherwise the same: block i of
+      ``<run>.<i>.`` lacks layers that blocks i-1 and i+1 both have and holds nothing they do not
+      (the first or last block: when it differs from its neighbour by that one layer alone);
+    - a layer missing from one of the blocks of the same kind (the same name with the block
+      numbers ignored, e.g. a UNet's ``input_blocks.#.1.transformer_blocks.#``): the only block
+      of its kind with its set of layers, one layer short of a set two or more others have.
+    Blocks that differ by design (a UNet's input blocks, SD3's last joint block, a ResBlock with
+    or without its skip connection) hold layers their neighbours do not, differ by more than one
+    layer, or share their set with another block, and pass: none of ComfyUI's model classes
+    (tests/data/keysets) gives a false alarm.  Top-level layers (embedders, the final layer) are
+    not covered: Load Quantized Model checks them against the model ComfyUI builds.  ``optional``:
+    globs of layers the family's blocks have or not by design (``Family.optional``)."""
+    keys = [k[len(prefix):] for k in keys if k.startswith(prefix)]
+    parts = defaultdict(set)
+    for k in keys:
+        m = _PART_RE.match(k)
+        if m:
+            parts[m.group(1)].add(m.group(2))
+    problems = [Problem(prefix + layer + ".weight", f"missing: the file has this layer's {', '.join(sorted(p))} "
+                                                    f"but no weight")
+                for layer, p in sorted(parts.items()) if "weight" not in p and p & {"bias", "comfy_quant",
+                                                                                   "weight_scale", "lowrank_up"}]
+    runs: dict = defaultdict(lambda: defaultdict(set))  # run prefix -> index -> layer suffixes
+    kinds: dict = defaultdict(lambda: defaultdict(set))  # block kind -> innermost block -> layers
+    for layer in parts:
+        if any(fnmatch.fnmatchcase(layer, pat) for pat in optional):
+            continue
+        levels = list(_iter_blocks(layer))
+        for head, i, rest in levels:
+            runs[head][i].add(rest)
+        if levels:
+            head, i, rest = levels[-1]
+            kinds[re.sub(r"\.\d+(?=\.|$)", ".#", f"{head}{i}")][f"{head}{i}"].add(rest)
+    for run, blocks in runs.items():
+        indices = sorted(blocks)
+        if len(indices) < 3 or indices != list(range(indices[0], indices[-1] + 1)):
+            continue
+        for pos, i in enumerate(indices):
+            problems += [Problem(f"{prefix}{run}{i}.{layer}.weight", f"missing: block {run}{i} has no layer {layer}, "
+                                 f"which the blocks beside it in {run}{indices[0]}..{indices[-1]} have")
+                         for layer in _hole(blocks, indices, pos)]
+    named = {p.key for p in problems}
+    return problems + [p for p in _odd_blocks_out(kinds, prefix) if p.key not in named]
+
+
+def _odd_blocks_out(kinds: dict, prefix: str) -> list:
+    problems = []
+    for blocks in kinds.values():
+        counts = Counter(frozenset(v) for v in blocks.values())
+        for block, layers in blocks.items():
+            layers = frozenset(layers)
+            if counts[layers] != 1:
+                continue
+            for ref, c in counts.items():
+                if c >= 2 and layers < ref and len(ref - layers) == 1:
+                    layer = next(iter(ref - layers))
+                    problems.append(Problem(f"{prefix}{block}.{layer}.weight", f"missing: block {block} has no layer "
+                                            f"{layer}, which {c} other blocks of its kind have"))
+    return problems
+
+
+def _iter_blocks(layer: str):
+    """(run prefix, block index, rest) for each numbered level of a layer name."""
+    start = 0
+    while True:
+        m = _BLOCK_RE.match(layer[start:])
+        if not m:
+            return
+        head = layer[:start] + (m.group(1) or "")
+        yield head, int(m.group(2)), m.group(3)
+        start = len(head) + len(m.group(2)) + 1
+
+
+def _hole(blocks: dict, indices: list, pos: int) -> list:
+    mine = blocks[indices[pos]]
+    if 0 < pos < len(indices) - 1:
+        before, after = blocks[indices[pos - 1]], blocks[indices[pos + 1]]
+        if before == after and mine < before:
+            return sorted(before - mine)
+        return []
+    near, far = (1, 2) if pos == 0 else (-2, -3)
+    a, b = blocks[indices[pos + near]], blocks[indices[pos + far]]
+    if a == b and mine < a and len(a - mine) == 1:
+        return sorted(a - mine)
+    return []
+
+
+# ====================================================================== the whole file
+def verify(entries: Entries, metadata: Mapping[str, str], read: Reader | None, read_conf: Callable[[str], dict],
+           prefix: str = "", values: bool = True, deep: bool = False, complete: bool = True,
+           runtime_formats: tuple = ()) -> Verification:
+    """Check a model's tensors (``entries``: key -> (safetensors dtype, shape)); with ``values``
+    read scales and 16-bit tensors through ``read`` (``deep``: the quantized weights' codes too).
+    ``prefix``: the diffusion model's key prefix (its 16-bit tensors are the ones checked);
+    ``complete``: name missing layers (``missing_layers``)."""
+    t0 = time.perf_counter()
+    result = Verification(values=values)
+    problems = result.problems
+    confs = result.configs = layer_configs(entries, metadata, read_conf, problems)
+    reader = read if values else None
+    for name, conf in confs.items():
+        found, seen = layer_problems(name, conf, entries, reader, deep, runtime_formats)
+        problems += found
+        result.layers += 1
+        result.values_read += len(seen)
+        result.bytes_read += sum(t.numel() * t.element_size() for t in seen)
+    layer_keys = {name + part for name in confs for part in QUANT_PARTS + (".weight",)}
+    legacy = any(k.endswith(m) for k in entries for m in _LEGACY)
+    for key, (dtype, shape) in entries.items():
+        if key in layer_keys:
+            continue
+        layer, dot, part = key.rpartition(".")
+        if "." + part in QUANT_PARTS[:-1] and not legacy:
+            problems.append(Problem(key, f"a quantization tensor, but layer {layer} has no quantization config"))
+            continue
+        if not key.startswith(prefix):
+            continue
+        if dtype not in FLOAT_DTYPES and not legacy:
+            problems.append(Problem(key, f"is {dtype}: a diffusion model's tensors are 16/32-bit float unless a "
+                                         f"quantization config says otherwise (ComfyUI would cast the raw values)"))
+        elif values and read is not None and dtype in FLOAT_DTYPES:
+            t = read(key)
+            result.values_read += 1
+            result.bytes_read += t.numel() * t.element_size()
+            found = _finite_problem(t)
+            if found:
+                problems.append(Problem(key, found))
+    if complete:
+        family = detect_family({k[len(prefix):]: tuple(s) for k, (_, s) in entries.items() if k.startswith(prefix)})
+        problems += missing_layers(entries, prefix, family.optional)
+    result.tensors = len(entries)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def verify_file(path: str, values: bool = True, deep: bool = False, complete: bool = True) -> Verification:
+    """``verify`` a .safetensors file, reading one tensor at a time (bounded memory)."""
+    from .families import diffusion_prefix
+    from .fileformat import read_comfy_quant
+    from .safetensors_io import SafetensorsFile
+    with SafetensorsFile(path) as f:
+        entries = {k: (t.dtype, t.shape) for k, t in f.tensors.items()}
+        return verify(entries, f.metadata, f.read, lambda key: read_comfy_quant(f, key), diffusion_prefix(entries),
+                      values, deep, complete)
+
+
+def state_dict_entries(sd: Mapping[str, torch.Tensor]) -> dict:
+    """``verify``'s entries for an in-memory state dict."""
+    return {k: (ST_DTYPES.get(v.dtype, str(v.dtype)), tuple(v.shape)) for k, v in sd.items()}
+
+
+def read_conf_of(sd: Mapping[str, torch.Tensor], where: str) -> Callable[[str], dict]:
+    """``verify``'s config decoder for an in-memory state dict (the same caps as a file's)."""
+    return lambda key: decode_comfy_quant(sd[key], f"{where}: {key}")
+
+
+__all__ = ["Problem", "Verification", "verify", "verify_file", "layer_problems", "layer_configs", "missing_layers",
+           "state_dict_entries", "read_conf_of"]
