@@ -255,6 +255,7 @@ def test_semantic_mutations_are_reported(written, tmp_path):
             with pytest.raises(ModelOptError) as e:
                 verify_file(path).raise_for(os.path.basename(path))
             assert "\n" not in str(e.value) and str(e.value).startswith(os.path.basename(path) + ": ")
+    print(f"\n{FUZZ_CASES} mutations: {dict(outcomes)}; damaging ones reported as clean: {len(silent)}")
     assert not silent, f"{len(silent)} damaging mutations reported as a clean file, e.g. {silent[:5]}"
     assert outcomes["reported"] > FUZZ_CASES // 2, outcomes
 
