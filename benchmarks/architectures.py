@@ -108,10 +108,31 @@ CONFIGS = {
 }
 
 
+# Architectures ComfyUI loads that comfy-modelopt has no family for: recognised as diffusion
+# models by their structure (families.diffusion_structure) and quantized with the generic rules.
+KANDINSKY5_FULL = {"image_model": "kandinsky5", "model_dim": 1792, "axes_dims": (16, 24, 24), "time_dim": 512,
+                   "ff_dim": 7168, "visual_embed_dim": 132, "num_text_blocks": 2, "num_visual_blocks": 32}
+KANDINSKY5_SMALL = dict(KANDINSKY5_FULL, model_dim=256, ff_dim=1024, time_dim=128, num_text_blocks=1,
+                        num_visual_blocks=2)
+COSMOS_PREDICT2_FULL = {"image_model": "cosmos_predict2", "max_img_h": 240, "max_img_w": 240, "max_frames": 128,
+                        "in_channels": 16, "out_channels": 16, "patch_spatial": 2, "patch_temporal": 1,
+                        "model_channels": 2048, "num_blocks": 28, "num_heads": 16, "concat_padding_mask": True,
+                        "crossattn_emb_channels": 1024, "pos_emb_cls": "rope3d", "pos_emb_learnable": True,
+                        "pos_emb_interpolation": "crop", "min_fps": 1, "max_fps": 30, "use_adaln_lora": True,
+                        "adaln_lora_dim": 256}
+# ComfyUI's detection sets the block and head counts only for its real widths (2048, 5120): a
+# narrower model keeps the class defaults, 10 blocks of 16 heads
+COSMOS_PREDICT2_SMALL = dict(COSMOS_PREDICT2_FULL, model_channels=256, num_blocks=10)
+UNKNOWN_CONFIGS = {
+    "kandinsky5": {"full": KANDINSKY5_FULL, "small": KANDINSKY5_SMALL},
+    "cosmos_predict2": {"full": COSMOS_PREDICT2_FULL, "small": COSMOS_PREDICT2_SMALL},
+}
+
+
 def model_config(family: str, size: str = "small"):
     setup_comfy()
     import comfy.model_detection as md
-    cfg = dict(CONFIGS[family][size])
+    cfg = dict({**CONFIGS, **UNKNOWN_CONFIGS}[family][size])
     mc = md.model_config_from_unet_config(cfg)
     if mc is None:
         raise RuntimeError(f"ComfyUI matched no model for the {family}/{size} config")
@@ -139,6 +160,30 @@ def build(family: str, size: str = "small", device: str = "cpu", seed: int = 0,
         else:
             sd[k] = torch.zeros(v.shape, dtype=v.dtype, device=weights_device)
     return model, sd
+
+
+def sd_vae_state_dict(seed: int = 0, dtype=torch.bfloat16, decoder_ch: int = 32) -> dict:
+    """The SD1.x/SDXL VAE (ComfyUI's AutoencoderKL: full-size encoder, a decoder of ``decoder_ch``
+    base channels - ComfyUI reads the width from ``decoder.conv_in``; 128 is the real one) with
+    deterministic random weights, keyed as in a checkpoint's first_stage_model."""
+    setup_comfy()
+    from comfy.ldm.models.autoencoder import AutoencoderKL
+    from comfy_modelopt.synthetic import tensor_for
+    ddconfig = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+                "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+    with torch.device("meta"):
+        vae = AutoencoderKL(ddconfig=ddconfig, embed_dim=4, decoder_ddconfig=dict(ddconfig, ch=decoder_ch))
+    return {k: tensor_for(k, tuple(v.shape), seed, dtype) for k, v in vae.state_dict().items()}
+
+
+def sd15_checkpoint(seed: int = 0, dtype=torch.float16) -> dict:
+    """An SD1.x all-in-one checkpoint as users download it (the small UNet config, the real CLIP-L,
+    the VAE above): what CheckpointLoaderSimple loads."""
+    _, unet = build("sd15", "small", seed=seed, dtype=dtype)
+    out = {"model.diffusion_model." + k: v for k, v in unet.items()}
+    out.update({"cond_stage_model.transformer." + k: v.to(dtype) for k, v in clip_l_state_dict(seed).items()})
+    out.update({"first_stage_model." + k: v for k, v in sd_vae_state_dict(seed, dtype).items()})
+    return out
 
 
 def clip_l_state_dict(seed: int = 0, dtype=torch.bfloat16) -> dict:

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tables  # noqa: E402
 
-quantize = importlib.import_module("comfy_modelopt.quantize")  # the module (the package exports a function of that name)
+quantize = importlib.import_module("comfy_modelopt.layer")  # one layer: choose -> encode -> measure
 from comfy_modelopt.formats import FORMATS  # noqa: E402
 from comfy_modelopt.recipe import Recipe  # noqa: E402
 

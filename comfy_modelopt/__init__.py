@@ -11,11 +11,20 @@ comfy-kitchen and never imports ComfyUI.
 """
 __version__ = "0.1.0"
 
-from .formats import FORMATS, Format, get_format  # noqa: E402
-from .recipe import Recipe  # noqa: E402
-from .pipeline import quantize, quantize_file  # noqa: E402
-from .checkpoint import inspect_file  # noqa: E402
-from .modules import export_file, export_state_dict, quantize_module  # noqa: E402
+# imported on first use, so the command line (its --help) starts without torch
+_FROM = {"formats": ("FORMATS", "Format", "get_format"), "recipe": ("Recipe",),
+         "pipeline": ("quantize", "quantize_file"), "checkpoint": ("inspect_file",),
+         "modules": ("export_file", "export_state_dict", "quantize_module")}
 
-__all__ = ["FORMATS", "Format", "Recipe", "get_format", "quantize", "quantize_file", "inspect_file",
-           "quantize_module", "export_state_dict", "export_file", "__version__"]
+
+def __getattr__(name: str):
+    for module, names in _FROM.items():
+        if name in names:
+            import importlib
+            value = getattr(importlib.import_module(f".{module}", __name__), name)
+            globals()[name] = value
+            return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [n for names in _FROM.values() for n in names] + ["__version__"]

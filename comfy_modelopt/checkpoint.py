@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 
 from .families import detect_family, diffusion_prefix
 from .fileformat import (LAYER_SUFFIXES, META_CALIBRATION, META_LOADER, META_RECIPE, META_REPORT, META_SOURCE,
@@ -79,13 +79,14 @@ class InspectResult:
                  f"size:    {self.tensor_bytes / 2**20:.1f} MiB of tensors vs {self.bytes_16bit / 2**20:.1f} MiB "
                  f"at 16-bit ({self.ratio:.3f}x); file {self.file_bytes / 2**20:.1f} MiB with its header",
                  "layers by format (16-bit: Linear layers left unquantized):"]
+        width = max(map(len, [*self.layers_by_format, *self.bytes_by_format, ""]))
         for fmt, n in sorted(self.layers_by_format.items(), key=lambda x: -x[1]):
-            lines.append(f"  {fmt:22s} {n:6d} layers")
+            lines.append(f"  {fmt:{width}s} {n:6d} layers")
         lines.append("bytes by format:")
         for fmt, b in sorted(self.bytes_by_format.items(), key=lambda x: -x[1]):
-            lines.append(f"  {fmt:22s} {b / 2**20:10.1f} MiB")
+            lines.append(f"  {fmt:{width}s} {b / 2**20:10.1f} MiB")
         if self.ours:
-            lines.append(f"comfy-modelopt {self.ours.get('version', '?')}: recipe {self.ours.get('recipe')}")
+            lines.append(f"comfy-modelopt {self.ours.get('version', '?')}: recipe {recipe_text(self.ours.get('recipe'))}")
             if "source" in self.ours:
                 lines.append(f"  source: {self.ours['source']}")
             if "summary" in self.ours:
@@ -100,6 +101,21 @@ class InspectResult:
             if self.problems:
                 lines.append("  this file would not load correctly: re-quantize it, or get an undamaged copy")
         return "\n".join(lines)
+
+
+def recipe_text(recipe) -> str:
+    """A stored recipe as ``field=value`` for the fields not at their defaults (the format always)."""
+    if not isinstance(recipe, dict):
+        return str(recipe)
+    from dataclasses import fields
+    from .recipe import Recipe
+    defaults = {f.name: (f.default if f.default_factory is MISSING else f.default_factory()) for f in fields(Recipe)}
+    shown = [f"format={recipe.get('format')}"]
+    for name, value in recipe.items():
+        default = defaults.get(name, MISSING)
+        if name != "format" and (default is MISSING or value != (list(default) if isinstance(default, tuple) else default)):
+            shown.append(f"{name}={','.join(map(str, value)) if isinstance(value, list) else value}")
+    return ", ".join(shown)
 
 
 def inspect_file(path: str, verify_values: bool = False, deep: bool = False) -> InspectResult:

@@ -7,44 +7,17 @@ import os
 import signal
 import sys
 import threading
-import time
 
 from . import __version__
 from .errors import ModelOptError, OutputError, one_line
 from .families import FAMILY_CHOICES
+from .progress import Progress
 from .recipe import (CONV_CHOICES, CONVROT_GROUPSIZES, DEFAULT_CONVROT_GROUPSIZE, DEFAULT_FORMAT, FORMAT_CHOICES,
                      INPUT_SCALE_METHODS, LINEAR_DTYPES, SMOOTHING_METHODS, WEIGHT_SCALE_METHODS)
 
 
-class _Progress:
-    """A one-line progress bar on stderr with an ETA (a line per 10% when not a terminal)."""
-
-    def __init__(self, label: str, quiet: bool = False):
-        self.label, self.quiet, self.t0, self.last = label, quiet, time.perf_counter(), -1
-        self.tty = sys.stderr.isatty()
-
-    def __call__(self, done: int, total: int, name: str) -> None:
-        if self.quiet or total == 0:
-            return
-        frac = done / total
-        elapsed = time.perf_counter() - self.t0
-        eta = f"ETA {_duration(elapsed / frac * (1 - frac))}" if 0 < frac < 1 else ""
-        if self.tty:
-            bar = "#" * int(30 * frac)
-            sys.stderr.write(f"\r{self.label} [{bar:30s}] {done}/{total} {_duration(elapsed):>6s} {eta:>10s} "
-                             f"{name[:40]:40s}")
-            if done == total:
-                sys.stderr.write("\n")
-        elif int(frac * 10) != self.last:
-            self.last = int(frac * 10)
-            sys.stderr.write(f"{self.label}: {done}/{total} layers, {_duration(elapsed)}"
-                             f"{', ' + eta if eta else ''}\n")
-        sys.stderr.flush()
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+STATS_HOW = ("needs --stats: statistics come from Calibrate Model in ComfyUI (save_name), or without "
+             "the UI from `python -m comfy_modelopt.comfyui.launch --comfyui PATH --unet MODEL --clip ... -o NAME`")
 
 
 def add_recipe_arguments(q: argparse.ArgumentParser) -> None:
@@ -60,11 +33,11 @@ def add_recipe_arguments(q: argparse.ArgumentParser) -> None:
                    help="with --stats: how static activation scales are chosen")
     q.add_argument("--percentile", type=float, default=99.99, help="with --input-scale percentile: which one")
     q.add_argument("--smoothing", default="none", choices=SMOOTHING_METHODS,
-                   help="SmoothQuant/AWQ where it folds exactly into the file (needs --stats)")
+                   help="SmoothQuant/AWQ where it folds exactly into the file; " + STATS_HOW)
     q.add_argument("--smooth-alpha", type=float, default=0.5, help="SmoothQuant migration strength")
     q.add_argument("--gptq", action="store_true",
                    help="error-compensated rounding, kept per layer where it wins on held-out prompts "
-                        "(every format; needs --stats)")
+                        "(every format); " + STATS_HOW)
     q.add_argument("--gptq-act-order", action="store_true",
                    help="with --gptq: round the columns by decreasing input energy (act-order)")
     q.add_argument("--lowrank", type=int, default=0, metavar="R",
@@ -80,18 +53,18 @@ def add_recipe_arguments(q: argparse.ArgumentParser) -> None:
                    help="ConvRot rotation group: int8_tensorwise takes the largest of 1024/256/64/16 up to this that "
                         "divides each layer's in_features; convrot_w4a4 needs in_features a multiple of it")
     q.add_argument("--linear-dtype", default="int4", choices=LINEAR_DTYPES,
-                   help="convrot_w4a4 activation dtype")
+                   help="convrot_w4a4: what its GEMM quantizes the (rotated) activations to - int4 (W4A4, the "
+                        "int4 tensor-core kernel) or int8 (W4A8: finer activations, int8 kernel)")
     q.add_argument("--budget", type=float, default=0.0, metavar="FRACTION",
                    help="mixed precision: each Linear layer gets the candidate format (or 16-bit) that buys "
                         "the most accuracy per byte, all Linear weights within FRACTION x their 16-bit bytes "
-                        "(e.g. 0.35; needs --stats; 0: one format)")
+                        "(e.g. 0.35; 0: one format); " + STATS_HOW)
     q.add_argument("--max-error", type=float, default=0.0, metavar="E",
                    help="mixed precision the other way round: the smallest file whose summed predicted "
                         "relative output error over the planned layers stays within E (needs --stats)")
     q.add_argument("--candidates", default="", metavar="FMT,FMT",
-                   help="with --budget / --max-error: the formats to choose from (default "
-                        "nvfp4,float8_e4m3fn,int8_tensorwise; "
-                        "--convrot and --gptq apply to each)")
+                   help="with --budget / --max-error: the formats to choose from (default: "
+                        "nvfp4,float8_e4m3fn,int8_tensorwise%(default).0s; --convrot and --gptq apply to each)")
     q.add_argument("--keep", action="append", default=[], metavar="PATTERN",
                    help="glob of layer names (no .weight suffix) to keep 16-bit; repeatable")
     q.add_argument("--allow-nonfinite", action="store_true",
@@ -111,8 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--family", default="auto", choices=FAMILY_CHOICES,
                    help="model family: auto detects it and refuses files of none it knows (LoRA, text "
                         "encoder, VAE); generic applies generic rules to an unknown architecture")
-    q.add_argument("--stats", help="activation statistics (.safetensors from calibration): "
-                                   "static input scales (fp8 W8A8) and activation-aware searches")
+    q.add_argument("--stats", help="activation statistics (.safetensors from calibration): static input scales "
+                                   "(fp8 W8A8) and activation-aware searches. Made by Calibrate Model in ComfyUI "
+                                   "(save_name: models/modelopt_calibration/NAME.safetensors), or without the UI by "
+                                   "`python -m comfy_modelopt.comfyui.launch --comfyui PATH --unet MODEL --clip "
+                                   "ENCODER -o NAME` (its --help)")
     add_recipe_arguments(q)
     q.add_argument("--device", default="cpu",
                    help="where the quantization math runs: cpu, cuda, cuda:N, or auto (a CUDA GPU if there is "
@@ -216,7 +192,7 @@ def _quantize(a, device, shard) -> int:
         stats = ActivationStats.load(a.stats)
     where = f"{device or 'cpu'}" + (f", {shard.world} processes" if shard is not None else "")
     report = quantize_file(a.src, a.output, recipe, stats=stats, overwrite=a.overwrite,
-                           hash_source=a.hash, progress=_Progress(f"quantizing on {where}", a.quiet or not lead),
+                           hash_source=a.hash, progress=None if a.quiet or not lead else Progress(f"quantizing on {where}"),
                            device=device, family=a.family, shard=shard)
     if not lead:
         return 0

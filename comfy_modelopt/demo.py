@@ -17,14 +17,14 @@ import torch
 from .fileformat import COMFY_QUANT, META_REPORT, SUFFIX_KEYS, read_comfy_quant
 from .formats import FORMATS, get_format
 from .pipeline import quantize_file
-from .recipe import CONVROT_FORMATS, Recipe
+from .recipe import Recipe, convrot_formats
 from .safetensors_io import SafetensorsFile
 from .synthetic import flux_layout, tensor_for, write_checkpoint
 
 DEMO_LAYOUT = dict(hidden=256, depth=2, depth_single=2, context_in=512, vec_in=256)
 # every format, and the ConvRot variant of those that offer one
 DEMO_RECIPES = tuple(r for name in FORMATS for r in (
-    (Recipe(name), Recipe(name, convrot=True)) if name in CONVROT_FORMATS else (Recipe(name),)))
+    (Recipe(name), Recipe(name, convrot=True)) if name in convrot_formats() else (Recipe(name),)))
 
 
 def verify_file(path: str, source: dict[str, torch.Tensor]) -> tuple[int, float, float]:
@@ -67,9 +67,10 @@ def run_demo(out_dir: str | None = None, keep_files: bool = False) -> list[dict]
     print(f"built {src} ({len(layout)} tensors, {src_bytes / 2**20:.1f} MiB, Flux.1 key layout, "
           f"hidden {DEMO_LAYOUT['hidden']})")
     rows = []
-    for recipe in DEMO_RECIPES:
+    for i, recipe in enumerate(DEMO_RECIPES):
         name = recipe.format + ("+convrot" if recipe.convrot else "")
         out = os.path.join(out_dir, f"demo-flux-{name}.safetensors")
+        print(f"[{i + 1}/{len(DEMO_RECIPES)}] {name}: quantizing and verifying ...", flush=True)
         t0 = time.perf_counter()
         report = quantize_file(src, out, recipe, overwrite=True)
         seconds = time.perf_counter() - t0

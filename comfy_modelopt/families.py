@@ -12,6 +12,7 @@ What stays 16-bit, and why:
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -122,6 +123,48 @@ _NOT_A_DIFFUSION_MODEL = (
     ("a VAE", ("encoder.down.0.block", "decoder.up.0.block", "encoder.down_blocks.0", "decoder.up_blocks.0",
                "post_quant_conv", "decoder.conv_out", "encoder.conv_in")),
 )
+
+
+_BLOCK_LEVEL = re.compile(r"^(.*?)(\d+)\.(.+)$")
+
+
+def _tokens(name: str) -> list[str]:
+    return re.split(r"[._]", name.lower())
+
+
+def _is_attention(name: str) -> bool:
+    return any("attn" in t or "attention" in t for t in _tokens(name))
+
+
+def _is_mlp(name: str) -> bool:
+    return any(t in ("mlp", "ff", "ffn", "feed", "forward", "mlps") or t.startswith("mlp") for t in _tokens(name))
+
+
+def _is_timestep(key: str) -> bool:
+    t = _tokens(key)
+    return any(x.startswith("time") or x == "temb" for x in t) or \
+        any(a == "t" and b.startswith("embed") for a, b in zip(t, t[1:]))  # t_embedder, t_embedding
+
+
+def diffusion_structure(keys) -> str | None:
+    """Why keys of no known family look like a diffusion model, or None: a run of numbered blocks
+    (two or more) each holding attention and MLP layers, beside a timestep embedding - what every
+    diffusion transformer and UNet ComfyUI loads has, and text encoders (no timestep), VAEs (no MLP
+    blocks) and LoRAs (refused by ``looks_like`` first) do not."""
+    runs: dict = {}
+    for key in keys:
+        m = _BLOCK_LEVEL.match(key)
+        if m:
+            flags = runs.setdefault(m.group(1), {}).setdefault(int(m.group(2)), [False, False])
+            flags[0] |= _is_attention(m.group(3))
+            flags[1] |= _is_mlp(m.group(3))
+    time = next((k for k in keys if _is_timestep(k)), None)
+    found = [(sum(a and b for a, b in blocks.values()), run) for run, blocks in runs.items()]
+    n, run = max(found, default=(0, ""))
+    if time is None or n < 2:
+        return None
+    return (f"{n} numbered blocks ({run}#) with attention and MLP layers, and a timestep embedding "
+            f"({time.rsplit('.', 1)[0]})")
 
 
 def looks_like(keys) -> str | None:

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-# dampings a layer's GPTQ tries when held-out calibration prompts can choose (quantize.encode):
+# dampings a layer's GPTQ tries when held-out calibration prompts can choose (layer.encode):
 # on the real-weights benchmark a stronger one helped most layers (fp8 and nvfp4 alike), but
 # which is best is the layer's - so it is chosen per layer on prompts the rounding did not see
 DAMPINGS = (0.01, 0.1, 1.0)

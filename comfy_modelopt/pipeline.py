@@ -23,7 +23,7 @@ from .fileformat import (META_CALIBRATION, META_FAMILY, META_LOADER, META_PREFIX
 from .folding import Folds, plan_folds, read_rows_scaled
 from .plan import ConvPlan, Plan, make_plan
 from .planner import plan_budget
-from .quantize import FEW_ROWS, kept_report, quantize_conv, quantize_layer
+from .layer import FEW_ROWS, kept_report, quantize_conv, quantize_layer
 from .recipe import Recipe
 from .report import LayerReport, QuantReport
 from .safetensors_io import (FLOAT_DTYPES, ITEMSIZE, ST_DTYPES, TORCH_DTYPES, SafetensorsFile, StreamWriter,
@@ -440,7 +440,8 @@ def _add_notes(plan: Plan, report: QuantReport, stats) -> None:
     fmt = plan.fmt  # the recipe's format (the planner's layers are checked per layer below)
     if plan.family.name == "unknown":
         kept = [l.rel for l in plan.kept if "unknown rule" in l.reason]
-        report.notes.append("unknown model family: generic rules kept 16-bit: "
+        why = f" (a diffusion model by its structure: {plan.recognised})" if plan.recognised else ""
+        report.notes.append(f"unknown model family{why}: generic rules kept 16-bit: "
                             + (", ".join(kept) if kept else "nothing"))
     if fmt.needs_input_scale and any(l.weight_only for l in plan.quantized):
         if stats is None:

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .families import GENERIC, Family, detect_family, diffusion_prefix, looks_like
+from .families import GENERIC, Family, detect_family, diffusion_prefix, diffusion_structure, looks_like
 from .errors import PlanError
 from .fileformat import (COMFY_QUANT, INPUT_SCALE, LOWRANK_DOWN, LOWRANK_UP, QUANT_MARKERS, SMOOTH_SCALE, SUFFIX_KEYS,
                          encode_comfy_quant, encode_quantization_metadata, own_format)
@@ -59,6 +59,7 @@ class Plan:
     odd: list = field(default_factory=list)    # (key, shape): named like a Linear weight, not 2-D
     fmt: Format | None = None    # the recipe's format, resolved
     opts: dict = field(default_factory=dict)   # its options (Recipe.format_options)
+    recognised: str = ""         # no known family: why it was taken for a diffusion model (families.py)
     unmatched_keep: list = field(default_factory=list)  # warnings: --keep patterns that matched nothing
     planner: dict | None = None  # the mixed-precision planner's summary (planner.plan_budget)
     engine: object = None        # modelopt_engine.EngineResult: ModelOpt's calibration choices
@@ -130,6 +131,7 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
     rel_shapes = {k[len(prefix):]: v[1] for k, v in source.items() if k.startswith(prefix)}
     if not rel_shapes:
         raise PlanError("no diffusion-model tensors found")
+    recognised = ""
     if family is None:
         family = detect_family(rel_shapes)
         if refuse_unknown and family is GENERIC:
@@ -137,9 +139,12 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
             if what:
                 raise PlanError(f"this looks like {what}, not a diffusion model: quantize the diffusion model "
                                 f"(or pass --family generic to apply generic rules to an unknown architecture)")
-            raise PlanError("no diffusion-model architecture comfy-modelopt knows: pass --family generic to "
-                            "quantize it with generic rules (embedders, input/output and final layers kept "
-                            "16-bit), or --family NAME for a known one")
+            recognised = diffusion_structure(rel_shapes)
+            if recognised is None:
+                raise PlanError("no diffusion-model architecture comfy-modelopt knows, and no diffusion-model "
+                                "structure (numbered attention + MLP blocks beside a timestep embedding): pass "
+                                "--family generic to quantize it with generic rules (embedders, input/output "
+                                "and final layers kept 16-bit), or --family NAME for a known one")
     fmt = get_format(recipe.format)
     opts = recipe.format_options()
 
@@ -175,7 +180,7 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
         raise PlanError(f"conv={recipe.conv}: this {family.name} model has no convolution to quantize "
                         f"(kernels larger than 1x1, outside {', '.join(CONV_KEEP)})")
     plan = Plan(recipe, family, prefix, layers, passthrough, convs, _odd_weights(layers, passthrough, prefix),
-                fmt, opts)
+                fmt, opts, recognised=recognised)
     plan.unmatched_keep = _unmatched_keep(recipe.keep, layers + convs)
     return plan
 
@@ -256,7 +261,7 @@ def assign(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict, stats) -> 
     if stats is None:
         if fmt.needs_input_scale:
             layer.weight_only = True
-            layer.reason = "no activation statistics: weight-only (calibrate for W8A8)"
+            layer.reason = "no activation statistics (calibrate for W8A8)"
         return
     layer.static_input = fmt.needs_input_scale or (fmt.static_input_scale and recipe.static_nvfp4_input)
 

@@ -7,21 +7,31 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-from .formats import FORMATS, INT8_TENSORWISE
+from .formats import CONVROT_GROUPS, NAMES
 
 # The one vocabulary of options: the CLI's choices and the nodes' combos come from here
-# (default first, as the nodes show them).
-FORMAT_CHOICES = tuple(FORMATS)
+# (default first, as the nodes show them).  Plain values: the command line's help needs no torch.
+FORMAT_CHOICES = NAMES
 DEFAULT_FORMAT = "float8_e4m3fn"
 WEIGHT_SCALE_METHODS = ("mse", "absmax")
 INPUT_SCALE_METHODS = ("mse", "percentile", "max")
 SMOOTHING_METHODS = ("none", "smoothquant", "awq")
 CONV_CHOICES = ("none", "fp8")
 LINEAR_DTYPES = ("int4", "int8")
-CONVROT_GROUPSIZES = tuple(sorted(INT8_TENSORWISE.convrot_groups))
+CONVROT_GROUPSIZES = tuple(sorted(CONVROT_GROUPS))
 DEFAULT_CONVROT_GROUPSIZE = 256
-LOWRANK_FORMATS = tuple(name for name, f in FORMATS.items() if f.lowrank)
-CONVROT_FORMATS = tuple(name for name, f in FORMATS.items() if "convrot" in f.options)
+
+
+def lowrank_formats() -> tuple:
+    """The formats that can carry a 16-bit low-rank branch."""
+    from .formats import FORMATS
+    return tuple(name for name, f in FORMATS.items() if f.lowrank)
+
+
+def convrot_formats() -> tuple:
+    """The formats with a ConvRot option."""
+    from .formats import FORMATS
+    return tuple(name for name, f in FORMATS.items() if "convrot" in f.options)
 
 
 @dataclass(frozen=True)
@@ -48,22 +58,22 @@ class Recipe:
     allow_nonfinite: bool = False      # copy source tensors holding NaN/Inf (noted) instead of refusing them
 
     def __post_init__(self):
-        if self.format not in FORMATS:
-            raise ValueError(f"unknown format {self.format!r}; choose one of: {', '.join(FORMATS)}")
+        if self.format not in NAMES:
+            raise ValueError(f"unknown format {self.format!r}; choose one of: {', '.join(NAMES)}")
         _check("weight_scale", self.weight_scale, WEIGHT_SCALE_METHODS)
         _check("input_scale", self.input_scale, INPUT_SCALE_METHODS)
         _check("smoothing", self.smoothing, SMOOTHING_METHODS)
         _check("linear_dtype", self.linear_dtype, LINEAR_DTYPES)
-        if self.convrot and self.format not in CONVROT_FORMATS:
-            raise ValueError(f"convrot applies to {', '.join(CONVROT_FORMATS)} only, not {self.format}")
+        if self.convrot and self.format not in convrot_formats():
+            raise ValueError(f"convrot applies to {', '.join(convrot_formats())} only, not {self.format}")
         if self.convrot_groupsize not in CONVROT_GROUPSIZES:
             raise ValueError(f"convrot_groupsize must be a power of 4 (16..1024), got {self.convrot_groupsize}")
         if not 0.0 < self.percentile <= 100.0:
             raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
         if self.lowrank < 0:
             raise ValueError(f"lowrank must be >= 0, got {self.lowrank}")
-        if self.lowrank and self.format not in LOWRANK_FORMATS:
-            raise ValueError(f"the low-rank branch is for 4-bit formats ({', '.join(LOWRANK_FORMATS)}), "
+        if self.lowrank and self.format not in lowrank_formats():
+            raise ValueError(f"the low-rank branch is for 4-bit formats ({', '.join(lowrank_formats())}), "
                              f"not {self.format}")
         _check("conv", self.conv, CONV_CHOICES)
         if self.gptq_act_order and not self.gptq:
@@ -73,8 +83,8 @@ class Recipe:
         if not 0.0 <= self.budget <= 1.0:
             raise ValueError(f"budget is a fraction of the 16-bit bytes in (0, 1], got {self.budget}")
         for name in self.candidates:
-            if name not in FORMATS:
-                raise ValueError(f"unknown candidate format {name!r}; choose from: {', '.join(FORMATS)}")
+            if name not in NAMES:
+                raise ValueError(f"unknown candidate format {name!r}; choose from: {', '.join(NAMES)}")
         if self.max_error < 0:
             raise ValueError(f"max_error must be >= 0, got {self.max_error}")
         if self.budget and self.max_error:
@@ -88,6 +98,7 @@ class Recipe:
     def format_options(self, fmt: str | None = None) -> dict:
         """The fields a Format (this recipe's, or ``fmt``) reads (``Format.options``), passed to
         its encode/plan/conf."""
+        from .formats import FORMATS
         return {name: getattr(self, name) for name in FORMATS[fmt or self.format].options}
 
     def needs_statistics(self) -> list[str]:

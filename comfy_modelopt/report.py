@@ -175,7 +175,7 @@ class QuantReport:
             lines.append(kept_summary([l.reason for l in kept]))
         wo = [l for l in q if l.weight_only]
         if wo:
-            lines.append(f"weight-only: {len(wo)} layers ({wo[0].reason})")
+            lines.append(f"weight-only: {len(wo)} layers: {wo[0].reason}")
         lines += self.notes
         return "\n".join(lines)
 

@@ -66,8 +66,9 @@ CASES = [
     ("t5 encoder", _t5, [], 2, "this looks like a T5 text encoder"),
     ("clip encoder", _clip, [], 2, "this looks like a CLIP text encoder"),
     ("vae", _vae, [], 2, "this looks like a VAE"),
-    ("unknown architecture", _unknown, [], 2, "no diffusion-model architecture comfy-modelopt knows: pass "
-                                             "--family generic"),
+    ("unknown architecture", _unknown, [], 2, "no diffusion-model architecture comfy-modelopt knows, and no "
+                                             "diffusion-model structure (numbered attention + MLP blocks beside a "
+                                             "timestep embedding): pass --family generic"),
     ("gptq without stats", None, ["--gptq"], 2, "gptq needs activation statistics"),
     ("smoothing without stats", None, ["--smoothing", "awq", "--format", "nvfp4"], 2,
      "smoothing=awq needs activation statistics"),

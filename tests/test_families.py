@@ -89,3 +89,35 @@ def test_plan_keeps_detection_critical_layers(family, fmt):
 
 def test_unknown_family_is_generic():
     assert detect_family({"blocks.0.attn.qkv.weight": (3, 3)}).name == "unknown"
+
+
+UNKNOWN = os.path.join(os.path.dirname(__file__), "data", "keysets_unknown")
+
+
+@pytest.mark.parametrize("name, kept", [("kandinsky5", ["visual_embeddings.in_layer", "time_embeddings.in_layer"]),
+                                        ("cosmos_predict2", ["x_embedder.proj.1", "final_layer.linear"])])
+def test_diffusion_models_of_no_known_family_quantize_without_a_flag(name, kept):
+    """Architectures ComfyUI loads and comfy-modelopt has no family for (key sets of ComfyUI's
+    classes, tests/data/keysets_unknown): recognised by their structure, planned with the generic
+    rules - the layers ComfyUI's detection reads kept 16-bit."""
+    from comfy_modelopt.families import diffusion_structure
+    with gzip.open(os.path.join(UNKNOWN, f"{name}.json.gz")) as f:
+        shapes = {k: tuple(v) for k, v in json.load(f)["shapes"].items()}
+    assert detect_family(shapes).name == "unknown"
+    assert "numbered blocks" in diffusion_structure(shapes)
+    src = {k: ("BF16", s) for k, s in shapes.items()}
+    plan = make_plan(src, Recipe("float8_e4m3fn"), refuse_unknown=True)
+    assert plan.family.name == "unknown" and "attention and MLP" in plan.recognised
+    assert len(plan.quantized) > 50
+    assert {l.rel for l in plan.kept} >= set(kept)
+
+
+@pytest.mark.parametrize("keys", [
+    [f"encoder.layers.{i}.self_attn.q_proj.weight" for i in range(4)] + [f"encoder.layers.{i}.mlp.fc1.weight" for i in range(4)],
+    [f"dec.up.{i}.block.0.conv1.weight" for i in range(4)] + [f"dec.up.{i}.attn_1.q.weight" for i in range(4)]
+    + ["time_conv.weight"],  # a video VAE's layout without the names looks_like knows: attention, no MLP
+    [f"blocks.{i}.mlp.fc1.weight" for i in range(4)] + ["time_in.weight"]])
+def test_what_has_no_diffusion_structure_is_still_refused(keys):
+    from comfy_modelopt.errors import PlanError
+    with pytest.raises(PlanError, match="no diffusion-model structure"):
+        make_plan({k: ("BF16", (64, 64)) for k in keys}, Recipe("float8_e4m3fn"), refuse_unknown=True)

@@ -259,14 +259,14 @@ def _check_modelopt(a, recipe, model) -> None:
 def _quantize(model, recipe, stats, engine, path: str, overwrite: bool, shard, rank: int, source: str) -> None:
     """Quantize Model + Save Quantized Model: the loaded model's weights, layer by layer, into
     ``path`` (atomically; rank 0 writes, every rank encodes its share of the layers)."""
-    from ..cli import _Progress
+    from ..progress import Progress
     from ..pipeline import FileSink, NullSink, quantize_source
     from .model import PatcherSource, compute_device
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     sink = FileSink(path, overwrite) if rank == 0 else NullSink()
     report = quantize_source(PatcherSource(model, compute_device()), sink, recipe, stats,
-                             {"name": source}, _Progress("quantizing", quiet=rank != 0),
+                             {"name": source}, Progress("quantizing") if rank == 0 else None,
                              engine=engine, shard=shard)
     if rank == 0:
         logging.info(report.summary())

@@ -1,33 +1,59 @@
 """Quantization formats, one per ComfyUI ``QUANT_ALGOS`` key, one file each (base.py holds the
 contract every format fulfils).  ``FORMATS`` is the one table of them; no other module tests a
-format's name."""
+format's name.
+
+``NAMES`` (and ``CONVROT_GROUPS``) are plain values, importable without torch - the command
+line's help lists them; everything else is imported from the format files on first use.
+"""
 from __future__ import annotations
 
-from .base import F4_E2M1_MAX, F8_E4M3_MAX, Format, kitchen_reference
-from .convrot_w4a4 import CONVROT_W4A4, ConvRotW4A4Format
-from .fp8 import FLOAT8_E4M3FN, FLOAT8_E5M2, Fp8Format
-from .int8 import INT8_TENSORWISE, Int8Format, RowwiseIntFormat, regular_hadamard, rotate_groups
-from .mxfp8 import MXFP8, MxFp8Format
-from .nvfp4 import NVFP4, NvFp4Format, clamp_blocks
+# the formats in the order FORMATS lists them (checked against it when it is built)
+NAMES = ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "mxfp8", "nvfp4", "convrot_w4a4")
+# the regular Hadamard sizes kitchen's ConvRot rotation takes, largest first
+CONVROT_GROUPS = (1024, 256, 64, 16)
 
-FORMATS: dict[str, Format] = {f.name: f for f in (
-    FLOAT8_E4M3FN, FLOAT8_E5M2, INT8_TENSORWISE, MXFP8, NVFP4, CONVROT_W4A4)}
+_FROM = {"base": ("F4_E2M1_MAX", "F8_E4M3_MAX", "Format", "kitchen_reference"),
+         "convrot_w4a4": ("CONVROT_W4A4", "ConvRotW4A4Format"),
+         "fp8": ("FLOAT8_E4M3FN", "FLOAT8_E5M2", "Fp8Format"),
+         "int8": ("INT8_TENSORWISE", "Int8Format", "RowwiseIntFormat", "regular_hadamard", "rotate_groups"),
+         "mxfp8": ("MXFP8", "MxFp8Format"),
+         "nvfp4": ("NVFP4", "NvFp4Format", "clamp_blocks")}
 
 
-def get_format(name: str) -> Format:
+def __getattr__(name: str):
+    if name == "FORMATS":
+        from .convrot_w4a4 import CONVROT_W4A4
+        from .fp8 import FLOAT8_E4M3FN, FLOAT8_E5M2
+        from .int8 import INT8_TENSORWISE
+        from .mxfp8 import MXFP8
+        from .nvfp4 import NVFP4
+        table = {f.name: f for f in (FLOAT8_E4M3FN, FLOAT8_E5M2, INT8_TENSORWISE, MXFP8, NVFP4, CONVROT_W4A4)}
+        if tuple(table) != NAMES:
+            raise ImportError(f"formats/__init__.py: NAMES {NAMES} does not list the formats {tuple(table)}")
+        globals()["FORMATS"] = table
+        return table
+    for module, names in _FROM.items():
+        if name in names:
+            import importlib
+            value = getattr(importlib.import_module(f".{module}", __name__), name)
+            globals()[name] = value
+            return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def get_format(name: str):
+    """The Format named ``name`` (a ValueError naming the choices otherwise)."""
     try:
-        return FORMATS[name]
+        return __getattr__("FORMATS")[name]
     except KeyError:
-        raise ValueError(f"unknown format {name!r}; choose one of: {', '.join(FORMATS)}") from None
+        raise ValueError(f"unknown format {name!r}; choose one of: {', '.join(NAMES)}") from None
 
 
 def values_per_element(name: str) -> int:
     """Weight values per stored element of format ``name`` (1 for names that are not formats)."""
-    fmt = FORMATS.get(name)
+    fmt = __getattr__("FORMATS").get(name)
     return fmt.values_per_element if fmt is not None else 1
 
 
-__all__ = ["FORMATS", "Format", "get_format", "values_per_element", "kitchen_reference", "F8_E4M3_MAX",
-           "F4_E2M1_MAX", "FLOAT8_E4M3FN", "FLOAT8_E5M2", "INT8_TENSORWISE", "MXFP8", "NVFP4", "CONVROT_W4A4",
-           "Fp8Format", "Int8Format", "RowwiseIntFormat", "ConvRotW4A4Format", "NvFp4Format", "MxFp8Format",
-           "clamp_blocks", "regular_hadamard", "rotate_groups"]
+__all__ = ["NAMES", "CONVROT_GROUPS", "FORMATS", "get_format", "values_per_element",
+           *(n for names in _FROM.values() for n in names)]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import gptq
+from . import CONVROT_GROUPS
 from .base import Format, _clip_rows, _row_alpha, _shown, option
 
 
@@ -53,7 +54,7 @@ class RowwiseIntFormat(Format):
     qmax: int = 127
     rotated: bool = False  # convrot_w4a4 always rotates; int8 only with convrot=True
 
-    convrot_groups: tuple = (1024, 256, 64, 16)  # regular Hadamard sizes kitchen's ConvRot takes
+    convrot_groups: tuple = CONVROT_GROUPS  # regular Hadamard sizes kitchen's ConvRot takes
 
     def _rotates(self, opts) -> bool:
         return self.rotated or bool(opts.get("convrot"))

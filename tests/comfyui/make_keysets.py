@@ -1,5 +1,7 @@
 """Regenerate tests/data/keysets/*.json.gz: the full-size state-dict key sets (names and shapes)
-of ComfyUI's own model classes, used by the CPU family-detection tests.
+of ComfyUI's own model classes, used by the CPU family-detection tests - and
+tests/data/keysets_unknown/: those of architectures ComfyUI loads that comfy-modelopt has no
+family for (recognised by their structure).
 
     COMFYUI_PATH=/path/to/ComfyUI python tests/comfyui/make_keysets.py
 """
@@ -13,10 +15,14 @@ import architectures as models  # noqa: E402
 
 
 def main():
-    out_dir = os.path.join(os.path.dirname(__file__), "..", "data", "keysets")
-    os.makedirs(out_dir, exist_ok=True)
     models.setup_comfy()
-    for family, sizes in models.CONFIGS.items():
+    for folder, configs in (("keysets", models.CONFIGS), ("keysets_unknown", models.UNKNOWN_CONFIGS)):
+        write(os.path.join(os.path.dirname(__file__), "..", "data", folder), configs)
+
+
+def write(out_dir, configs):
+    os.makedirs(out_dir, exist_ok=True)
+    for family, sizes in configs.items():
         model, sd = models.build(family, "full", device="meta")
         shapes = {k: list(v.shape) for k, v in sd.items()}
         doc = {"family": family, "comfy_class": type(models.model_config(family, "full")).__name__,

@@ -54,6 +54,9 @@ def inputs(family: str, seed: int = 0) -> dict:
         "qwen_image": dict(x=r(1, 16, 1, 8, 8), c_crossattn=r(1, 8, 3584)),
         "hunyuan_video": dict(x=r(1, 16, 1, 8, 8), c_crossattn=r(1, 8, 4096), y=r(1, 768),
                               guidance=torch.tensor([3.5])),
+        "kandinsky5": dict(x=r(1, 16, 1, 8, 8), c_concat=torch.zeros(1, 17, 1, 8, 8), c_crossattn=r(1, 8, 3584),
+                           y=r(1, 768)),
+        "cosmos_predict2": dict(x=r(1, 16, 1, 8, 8), c_crossattn=r(1, 8, 1024)),
     }[family]
 
 
@@ -125,6 +128,25 @@ def test_quantized_file_loads_in_comfyui(source, family, fmt, extra):
     print(f"{family} {fmt}{''.join(extra)}: output error vs bf16 {err:.4f}")
     assert torch.isfinite(out_t).all()
     assert err < MAX_OUTPUT_ERROR[fmt], f"{family}/{fmt}: output error {err:.4f}"
+
+
+@pytest.mark.parametrize("family", sorted(models.UNKNOWN_CONFIGS))
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8_tensorwise"])
+def test_architectures_of_no_known_family_quantize_without_a_flag(source, family, fmt, capsys):
+    """Diffusion models ComfyUI loads and comfy-modelopt has no family for (Kandinsky 5, Cosmos
+    Predict2): the CLI recognises them by their structure and quantizes them with the generic rules,
+    no flag; stock ComfyUI detects the same model in the file and runs it."""
+    src, folder, ref_config, ref_out = source(family)
+    out = str(folder / f"{family}-{fmt}.safetensors")
+    assert cli.main(["quantize", src, "-o", out, "--format", fmt, "--overwrite", "-q",
+                     "--weight-scale", "absmax"]) == 0
+    assert "a diffusion model by its structure" in capsys.readouterr().out
+    patcher = comfy.sd.load_diffusion_model(out)
+    assert type(patcher.model.model_config) is type(ref_config)
+    assert sum(isinstance(getattr(m, "weight", None), QuantizedTensor) for m in patcher.model.diffusion_model.modules()) > 10
+    out_t = forward(patcher, family)
+    err = float((out_t - ref_out).norm() / ref_out.norm())
+    assert torch.isfinite(out_t).all() and err < MAX_OUTPUT_ERROR[fmt], err
 
 
 @pytest.mark.parametrize("family", sorted(models.CONFIGS))
