@@ -20,14 +20,17 @@ from ..checkpoint import inspect_file
 from ..errors import ModelOptError, PlanError
 from ..modelopt_engine import ALGORITHMS as MODELOPT_ALGORITHMS, ENGINE_FORMATS, check_request
 from ..pipeline import DictSink, quantize_source
+from ..progress import Progress
 from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS
 from ..recipe import (CONV_CHOICES, DEFAULT_FORMAT, FORMAT_CHOICES, INPUT_SCALE_METHODS, SMOOTHING_METHODS, WEIGHT_SCALE_METHODS,
                       Recipe)
 from ..safetensors_io import write_file
 from ..stats import ActivationStats
+from .compat import check_kitchen
 from .cuda_graphs import enable_cuda_graphs
 from .runtime import DEFAULT_RUNTIME, DEQUANT_CACHE_TOOLTIP, RUNTIME_TOOLTIP, RUNTIMES, apply_runtime, gpu_note
 from . import ownloader
+from .report_image import render as render_report
 from .model import NodeError, PatcherSource, artifact_of, build_quantized_model, compute_device, log
 from .sampling import calibrate_by_sampling, empty_latent, modelopt_by_sampling
 
@@ -279,7 +282,11 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                                  tooltip="With gptq: round each layer's columns by decreasing input energy "
                                          "(act-order) instead of in order."),
             ],
-            outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report")],
+            outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report"),
+                     io.Image.Output(display_name="report_image",
+                                     tooltip="The report as a chart (connect Preview Image): each Linear layer's "
+                                             "measured error coloured by its format, the layers kept 16-bit, the "
+                                             "file's bytes by format against the 16-bit model")],
             hidden=[io.Hidden.unique_id],
         )
 
@@ -301,9 +308,11 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                             "(or Load Calibration) to the calibration input")
         source = PatcherSource(model, compute_device())
         pbar = comfy.utils.ProgressBar(1, node_id=_node_id(cls))
+        console = Progress("quantizing", write=log)
 
         def progress(done, total, name):
             pbar.update_absolute(done, total)
+            console(done, total, name)
 
         sink = DictSink("cpu")
         try:  # a MODEL ComfyUI loaded is a diffusion model: an unknown family gets the generic rules
@@ -315,7 +324,8 @@ class ModelOptQuantizeUNet(io.ComfyNode):
         qmodel, runtime_note = apply_runtime(qmodel, runtime, dequant_cache_gib)
         text = "\n".join([report.summary(), gpu_note(format), runtime_note])
         log(text)
-        return io.NodeOutput(qmodel, text + "\n\n" + report.table())
+        chart = torch.from_numpy(render_report(report, recipe.budget)).float().div(255.0).unsqueeze(0)
+        return io.NodeOutput(qmodel, text + "\n\n" + report.table(), chart)
 
 
 # ====================================================================== save / load
@@ -339,31 +349,58 @@ class ModelOptSaveQuantized(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, filename=None, overwrite=None):
+        # before the graph runs: a name that exists would otherwise be refused after Quantize Model
+        if not isinstance(filename, str):  # linked from another node: checked when it runs
+            return True
+        try:
+            _save_path(filename, bool(overwrite))
+        except NodeError as e:
+            return str(e)
+        return True
+
+    @classmethod
     def execute(cls, model, filename, overwrite) -> io.NodeOutput:
         art = artifact_of(model)
         if art is None:
             raise NodeError("this MODEL was not made by Quantize Model: connect its MODEL output "
                             "(stock files from disk are already saved)")
-        folder = folder_paths.get_folder_paths("diffusion_models")[0]
-        name = filename.strip().lstrip("/\\")
-        if not name:
-            raise NodeError("filename is empty")
-        path = os.path.abspath(os.path.join(folder, name if name.endswith(".safetensors") else name + ".safetensors"))
-        if not path.startswith(os.path.abspath(folder) + os.sep):
-            raise NodeError(f"filename must stay inside {folder}")
-        if os.path.exists(path) and not overwrite:
-            raise NodeError(f"{path} exists; choose another filename or enable overwrite")
+        path = _save_path(filename, overwrite)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         pbar = comfy.utils.ProgressBar(len(art.state_dict))
+        console = Progress("saving", write=log, unit="tensors")
+        log(f"saving {path}")
 
         def each(i):
             pbar.update_absolute(i + 1)
+            console(i + 1, len(art.state_dict), "")
             comfy.model_management.throw_exception_if_processing_interrupted()
         write_file(path, art.state_dict, art.metadata, overwrite=overwrite, on_tensor=each)
         size = os.path.getsize(path)
         text = f"saved {path} ({size / 2**20:.1f} MiB)"
         log(text)
         return io.NodeOutput(path, ui={"text": [text]})
+
+
+def save_folder() -> str:
+    """Where Save Quantized Model writes: the first configured diffusion_models folder that is not
+    ComfyUI's legacy models/unet (which ComfyUI 0.29 lists first for the key)."""
+    folders = folder_paths.get_folder_paths("diffusion_models")
+    legacy = os.path.abspath(os.path.join(folder_paths.models_dir, "unet"))
+    return next((f for f in folders if os.path.abspath(f) != legacy), folders[0])
+
+
+def _save_path(filename: str, overwrite: bool) -> str:
+    folder = save_folder()
+    name = filename.strip().lstrip("/\\")
+    if not name:
+        raise NodeError("filename is empty")
+    path = os.path.abspath(os.path.join(folder, name if name.endswith(".safetensors") else name + ".safetensors"))
+    if not path.startswith(os.path.abspath(folder) + os.sep):
+        raise NodeError(f"filename must stay inside {folder}")
+    if os.path.exists(path) and not overwrite:
+        raise NodeError(f"{path} exists; choose another filename or enable overwrite")
+    return path
 
 
 def _unet_files() -> list[str]:
@@ -448,5 +485,6 @@ class ModelOptExtension(ComfyExtension):
 
 
 async def comfy_entrypoint() -> ModelOptExtension:
+    check_kitchen()
     register_folders()
     return ModelOptExtension()

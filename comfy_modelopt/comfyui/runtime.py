@@ -89,7 +89,10 @@ def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.
             note += f" (INT8 attention not enabled: {e})"
     if rt.cuda_graphs:
         patcher, _ = enable_cuda_graphs(patcher, compile_blocks=rt.compiled_blocks)
-        note += " + CUDA graph replay" + (" over compiled blocks" if rt.compiled_blocks else "")
+        if compute_device().type == "cuda":
+            note += " + CUDA graph replay" + (" over compiled blocks" if rt.compiled_blocks else "")
+        else:  # installed, and it runs the model eagerly: say so rather than promise replays
+            note += " (CUDA graph replay: no CUDA GPU here, the model runs eagerly)"
     return patcher, note
 
 

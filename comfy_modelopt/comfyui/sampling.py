@@ -14,6 +14,7 @@ import node_helpers
 
 from ..calibrate import CalibrationOptions, calibrate
 from ..modelopt_engine import modelopt_calibrate
+from ..progress import Progress
 from ..recipe import Recipe
 from ..stats import ActivationStats
 
@@ -63,6 +64,8 @@ def _sampling_loop(model, clip, prompts: list[str], negative: str, steps: int, c
     conds = [encode(clip, p, guidance) for p in prompts]
     total = len(prompts) * steps
     pbar = comfy.utils.ProgressBar(total, node_id=node_id)
+    console = Progress("calibrating", write=lambda line: logging.info(f"[comfy-modelopt] {line}"),
+                       unit="sampling steps")
 
     def forward_loop(_module):
         done = 0
@@ -71,7 +74,9 @@ def _sampling_loop(model, clip, prompts: list[str], negative: str, steps: int, c
                 prompt[0] = i
             comfy.model_management.throw_exception_if_processing_interrupted()
             sample_prompt(model, cond, negative_cond, latent, seed + i, steps, cfg, sampler_name, scheduler,
-                          callback=lambda step, x0, x, n, d=done: pbar.update_absolute(d + step + 1, total))
+                          callback=lambda step, x0, x, n, d=done, i=i: (
+                              pbar.update_absolute(d + step + 1, total),
+                              console(d + step + 1, total, f"prompt {i + 1}/{len(conds)}")))
             done += steps
             pbar.update_absolute(done, total)
     return forward_loop

@@ -80,13 +80,14 @@ def env(tmp_path_factory):
     return {"dir": d, "nodes": nodes, "clip": clip, "model": model, "stats": stats, "summary": summary}
 
 
-def quantize(env, model=None, **kw):
+def quantize(env, model=None, chart=False, **kw):
     args = dict(model=model or env["model"], format="float8_e4m3fn", weight_scale="absmax", input_scale="mse",
                 smoothing="none", gptq=False, convrot=False, static_nvfp4_input=False, keep="",
                 calibration=env["stats"])
     args.update(kw)
     with torch.inference_mode():
-        return env["nodes"].ModelOptQuantizeUNet.execute(**args).args
+        out = env["nodes"].ModelOptQuantizeUNet.execute(**args).args
+    return out if chart else out[:2]
 
 
 def test_calibration_covers_the_trajectory(env):
@@ -218,10 +219,14 @@ def test_lora_applied_upstream_is_baked_in(env):
 def test_budget_plans_mixed_precision_and_samples(env):
     """Quantize Model with a budget: a stock MODEL whose layers hold several formats, each one
     ComfyUI's own quantized layer of its format, sampling like the others."""
-    qmodel, report = quantize(env, format="nvfp4", budget=0.4, runtime="stock")
+    qmodel, report, chart = quantize(env, format="nvfp4", budget=0.4, runtime="stock", chart=True)
     assert "planner: budget 0.4" in report
     formats = {getattr(m, "quant_format", None) for m in qmodel.model.diffusion_model.modules()} - {None}
     assert len(formats) > 1 and formats <= {"nvfp4", "float8_e4m3fn", "int8_tensorwise"}, formats
+    # the report as an IMAGE (Preview Image shows it): one bar per layer coloured by its format
+    assert chart.shape == (1, 560, 1024, 3) and chart.dtype == torch.float32 and 0 <= chart.min() <= chart.max() <= 1
+    colours = {tuple(int(round(float(v) * 255)) for v in px) for px in chart[0, 370, 64:1000]}
+    assert len(colours & {pack_module("report_image").COLOURS[f] for f in formats}) >= 2, colours
     out = sample(env, qmodel, 2, 0)
     assert torch.isfinite(out).all()
     _, report = quantize(env, format="nvfp4", max_error=0.5, runtime="stock")
@@ -261,6 +266,13 @@ def test_save_and_reload_identical(env):
         assert n == 71
     with pytest.raises(Exception, match="exists"):
         nodes.ModelOptSaveQuantized.execute(model=qmodel, filename="test/sd15-fp8", overwrite=False)
+    # refused when the prompt is queued, before Quantize Model runs; written where the README says
+    assert "exists" in nodes.ModelOptSaveQuantized.validate_inputs(filename="test/sd15-fp8", overwrite=False)
+    assert nodes.ModelOptSaveQuantized.validate_inputs(filename="test/sd15-fp8", overwrite=True) is True
+    assert nodes.ModelOptSaveQuantized.validate_inputs(filename="test/new-name", overwrite=False) is True
+    assert "inside" in nodes.ModelOptSaveQuantized.validate_inputs(filename="../../escape", overwrite=False)
+    assert os.path.dirname(os.path.dirname(path)) == nodes.save_folder() != os.path.join(folder_paths.models_dir, "unet")
+
     # the leftover of a killed save (header length never written) loads nowhere, with a clear word
     data = bytearray(open(path, "rb").read())
     data[:8] = bytes(8)
@@ -271,6 +283,17 @@ def test_save_and_reload_identical(env):
         nodes.ModelOptUNetLoader.execute(unet_name="test/sd15-incomplete.safetensors")
     with pytest.raises(Exception):
         comfy.sd.load_diffusion_model(broken)
+
+
+def test_save_folder_is_never_the_legacy_unet_folder(env):
+    import folder_paths
+    saved = folder_paths.folder_names_and_paths["diffusion_models"]
+    legacy, modern = os.path.join(folder_paths.models_dir, "unet"), os.path.join(folder_paths.models_dir, "diffusion_models")
+    try:
+        folder_paths.folder_names_and_paths["diffusion_models"] = ([legacy, modern], saved[1])  # a stock tree
+        assert env["nodes"].save_folder() == modern
+    finally:
+        folder_paths.folder_names_and_paths["diffusion_models"] = saved
 
 
 def test_interrupt_mid_save_and_mid_quantize_leave_nothing(env):
