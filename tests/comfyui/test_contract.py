@@ -146,7 +146,9 @@ def test_architectures_of_no_known_family_quantize_without_a_flag(source, family
     assert sum(isinstance(getattr(m, "weight", None), QuantizedTensor) for m in patcher.model.diffusion_model.modules()) > 10
     out_t = forward(patcher, family)
     err = float((out_t - ref_out).norm() / ref_out.norm())
-    assert torch.isfinite(out_t).all() and err < MAX_OUTPUT_ERROR[fmt], err
+    # the generic rules quantize layers a family's rules keep (e.g. Kandinsky's output layer): twice
+    # the known families' bound
+    assert torch.isfinite(out_t).all() and err < 2 * MAX_OUTPUT_ERROR[fmt], err
 
 
 @pytest.mark.parametrize("family", sorted(models.CONFIGS))

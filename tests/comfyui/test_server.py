@@ -1,20 +1,17 @@
-"""The shipped workflows through a real ComfyUI server (COMFYUI_PATH), as a user's client does.
+"""Workflows through a real ComfyUI server (COMFYUI_PATH), as a user's client does.
 
 Starts ``main.py --cpu`` with this repository in custom_nodes and a temporary models folder
-(--extra-model-paths-config), submits workflows/*.json through POST /prompt (sizes, steps and
-prompt counts shrunk for the CPU), waits on /history and checks what they wrote:
-calibrate -> quantize -> KSampler -> save -> reload with the stock UNETLoader -> KSampler.
+(--extra-model-paths-config).  The shipped UI workflows (example_workflows/) are checked equal to
+what tests/comfyui/make_workflows.py writes, converted to the API format the way the frontend
+does when Queue is pressed, and queued as shipped with the file their notes name in place.  The
+API workflows in tests/comfyui/workflows/ (sizes shrunk for the CPU) cover the own-loader files:
+calibrate -> quantize -> KSampler -> save -> reload -> KSampler.
 """
 from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
@@ -28,86 +25,18 @@ if not models.COMFYUI_PATH:
                 allow_module_level=True)
 
 from comfy_modelopt.checkpoint import inspect_file  # noqa: E402
+from comfy_server import Server  # noqa: E402
+import make_workflows  # noqa: E402
+from workflow_ui import to_api  # noqa: E402
 from comfy_modelopt.safetensors_io import SafetensorsFile, write_file  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORKFLOWS = os.path.join(ROOT, "workflows")
+WORKFLOWS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workflows")
 SMALL = {"width": 64, "height": 64, "steps": 3, "num_prompts": 2}
 
 
 def save(path, sd):
     return write_file(str(path), sd, overwrite=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, base, models_dir):
-        self.port = free_port()
-        cfg = base / "extra_model_paths.yaml"
-        cfg.write_text(f"modelopt_test:\n  base_path: {models_dir}\n  is_default: true\n"
-                       f"  diffusion_models: diffusion_models\n  text_encoders: text_encoders\n"
-                       f"  modelopt_calibration: modelopt_calibration\n")
-        (base / "custom_nodes").mkdir()
-        os.symlink(ROOT, base / "custom_nodes" / "comfy-modelopt")
-        self.log = open(base / "server.log", "w")
-        env = dict(os.environ, PYTHONPATH="")  # the pack must import on its own
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(models.COMFYUI_PATH, "main.py"), "--cpu", "--listen", "127.0.0.1",
-             "--port", str(self.port), "--base-directory", str(base), "--extra-model-paths-config", str(cfg)],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(base))
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.base = base
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("ComfyUI exited:\n" + (base / "server.log").read_text()[-4000:])
-            try:
-                self.get("/object_info/KSampler")
-                return
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(1)
-        raise RuntimeError("ComfyUI did not start in time")
-
-    def get(self, path):
-        with urllib.request.urlopen(self.url + path, timeout=30) as r:
-            return json.loads(r.read())
-
-    def run(self, workflow: dict, timeout: float = 1800) -> dict:
-        req = urllib.request.Request(self.url + "/prompt", data=json.dumps({"prompt": workflow}).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                answer = json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise AssertionError(f"ComfyUI refused the workflow: {e.read().decode()[:2000]}") from None
-        # ComfyUI queues what validates and drops outputs whose nodes do not: fail on any of it
-        if answer.get("node_errors"):
-            raise AssertionError(f"ComfyUI dropped outputs: {json.dumps(answer['node_errors'])[:2000]}")
-        prompt_id = answer["prompt_id"]
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            hist = self.get(f"/history/{prompt_id}")
-            if prompt_id in hist and hist[prompt_id].get("status", {}).get("completed") is not None:
-                entry = hist[prompt_id]
-                if entry["status"].get("status_str") != "success":
-                    msgs = json.dumps(entry["status"].get("messages"), indent=1)[-4000:]
-                    raise AssertionError(f"workflow failed:\n{msgs}")
-                return entry
-            time.sleep(2)
-        raise AssertionError("workflow timed out")
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 def shrink(workflow: dict) -> dict:
@@ -128,8 +57,10 @@ def load_workflow(name: str) -> dict:
 def server(tmp_path_factory):
     base = tmp_path_factory.mktemp("comfy")
     models_dir = base / "test-models"
-    for sub in ("diffusion_models", "text_encoders", "modelopt_calibration"):
+    for sub in ("diffusion_models", "text_encoders", "modelopt_calibration", "checkpoints"):
         (models_dir / sub).mkdir(parents=True)
+    # the one file the shipped workflows' notes name (a small UNet, the real CLIP-L, a small VAE decoder)
+    save(models_dir / "checkpoints" / make_workflows.CHECKPOINT, models.sd15_checkpoint())
     save(models_dir / "text_encoders" / "clip_l.safetensors", models.clip_l_state_dict())
     for family, name in (("sd15", "sd15-bf16"), ("sd3", "sd3-bf16")):
         _, sd = models.build(family, "small", seed=1)
@@ -190,3 +121,67 @@ def test_workflows(server, family, fmt, calibrate, load, max_err):
     assert torch.equal(reloaded, quantized)
     err = float((quantized - reference).norm() / reference.norm())
     assert err < max_err, f"{family}/{fmt}: latent differs from bf16 by {err:.4f}"
+
+
+# ============================================================== the shipped UI workflows
+def test_shipped_workflows_are_what_the_builder_writes(server):
+    made = make_workflows.render(server.get("/object_info"))
+    shipped = sorted(f for f in os.listdir(make_workflows.FOLDER) if f.endswith(".json"))
+    assert shipped == sorted(made), "example_workflows/ differs from make_workflows.WORKFLOWS"
+    for name, text in made.items():
+        with open(os.path.join(make_workflows.FOLDER, name)) as f:
+            assert f.read() == text, f"{name}: regenerate with tests/comfyui/make_workflows.py"
+
+
+def _images(entry: dict) -> dict:
+    """node id -> the images a run's output nodes wrote (SaveImage and PreviewImage)."""
+    return {k: v["images"] for k, v in entry["outputs"].items() if v.get("images")}
+
+
+QUICK = [n for n in make_workflows.WORKFLOWS if "(quick)" in n]
+REAL_SIZE = [n for n in make_workflows.WORKFLOWS if n not in QUICK]
+RUN_REAL_SIZE = bool(os.environ.get("COMFY_MODELOPT_REAL_SIZE_WORKFLOWS")) or torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("name", QUICK + REAL_SIZE)
+def test_shipped_workflow_runs_as_shipped(server, name):
+    """Each example workflow as a user queues it (the frontend's conversion, nothing changed), in the
+    order a user runs them: images come out, the report is shown as text and as a chart, the model
+    is saved where the note says, and the saved file loads back.  The real-size ones (512 px, 16
+    prompts x 20 steps: over an hour each on a 2-core CPU) run to the end on a GPU or with
+    COMFY_MODELOPT_REAL_SIZE_WORKFLOWS=1; on a CPU the server takes them as shipped (its input
+    validation passes: every model file and value they name is there) and they are then cancelled
+    - the quick variants run the same graphs to the end."""
+    with open(os.path.join(make_workflows.FOLDER, name)) as f:
+        ui = json.load(f)
+    object_info = server.get("/object_info")
+    if name in REAL_SIZE and not RUN_REAL_SIZE:
+        models_dir = server.models_dir / "diffusion_models"
+        for n in ui["nodes"]:
+            if n["type"] == "ModelOptUNetLoader":  # the file the real-size quantize run saves: the quick one's
+                loaded = models_dir / n["widgets_values"][0]
+                if not loaded.exists():
+                    os.link(models_dir / n["widgets_values"][0].replace(".safetensors", "-quick.safetensors"), loaded)
+        server.cancel(server.queue(to_api(ui, object_info)))
+        return
+    entry = server.run(to_api(ui, object_info))
+    images = _images(entry)
+    by_type = {str(n["id"]): n["type"] for n in ui["nodes"]}
+    saved = [i for k, v in images.items() if by_type[k] == "SaveImage" for i in v]
+    assert saved and all((server.base / "output" / i["subfolder"] / i["filename"]).exists() for i in saved)
+    texts = [v["text"] for k, v in entry["outputs"].items() if by_type[k] == "PreviewAny"]
+    assert texts and any("comfy-modelopt" in "".join(t) or "family:" in "".join(t) for t in texts), texts
+    save_node = next((n for n in ui["nodes"] if n["type"] == "ModelOptSaveQuantized"), None)
+    if save_node is None:  # the loading workflow: the report says the file was verified
+        assert "no problem" in "".join(texts[0])
+        return
+    charts = [i for k, v in images.items() if by_type[k] == "PreviewImage" for i in v]
+    assert len(charts) == 1  # the report as a picture
+    path = server.models_dir / "diffusion_models" / (save_node["widgets_values"][0] + ".safetensors")
+    info = inspect_file(str(path), verify_values=True)
+    assert info.kind == "comfy_modelopt" and not info.problems
+    planner = "budget" in name
+    assert (len(info.layers_by_format) > 2) if planner else info.layers_by_format.get("float8_e4m3fn", 0) > 0
+    # a queued prompt that would replace the saved file is refused before anything runs
+    with pytest.raises(AssertionError, match="exists"):
+        server.run(to_api(ui, object_info))
