@@ -17,14 +17,9 @@ _FROM = {"formats": ("FORMATS", "Format", "get_format"), "recipe": ("Recipe",),
          "modules": ("export_file", "export_state_dict", "quantize_module")}
 
 
-def __getattr__(name: str):
-    for module, names in _FROM.items():
-        if name in names:
-            import importlib
-            value = getattr(importlib.import_module(f".{module}", __name__), name)
-            globals()[name] = value
-            return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+from .lazy import exports  # noqa: E402
+
+__getattr__ = exports(__name__, _FROM, globals())
 
 
 __all__ = [n for names in _FROM.values() for n in names] + ["__version__"]

@@ -7,6 +7,8 @@ line's help lists them; everything else is imported from the format files on fir
 """
 from __future__ import annotations
 
+from ..lazy import exports
+
 # the formats in the order FORMATS lists them (checked against it when it is built)
 NAMES = ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "mxfp8", "nvfp4", "convrot_w4a4")
 # the regular Hadamard sizes kitchen's ConvRot rotation takes, largest first
@@ -18,6 +20,9 @@ _FROM = {"base": ("F4_E2M1_MAX", "F8_E4M3_MAX", "Format", "kitchen_reference"),
          "int8": ("INT8_TENSORWISE", "Int8Format", "RowwiseIntFormat", "regular_hadamard", "rotate_groups"),
          "mxfp8": ("MXFP8", "MxFp8Format"),
          "nvfp4": ("NVFP4", "NvFp4Format", "clamp_blocks")}
+
+
+_exported = exports(__name__, _FROM, globals())
 
 
 def __getattr__(name: str):
@@ -32,13 +37,7 @@ def __getattr__(name: str):
             raise ImportError(f"formats/__init__.py: NAMES {NAMES} does not list the formats {tuple(table)}")
         globals()["FORMATS"] = table
         return table
-    for module, names in _FROM.items():
-        if name in names:
-            import importlib
-            value = getattr(importlib.import_module(f".{module}", __name__), name)
-            globals()[name] = value
-            return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _exported(name)
 
 
 def get_format(name: str):
