@@ -75,6 +75,7 @@ def _sampling_loop(model, clip, prompts: list[str], negative: str, steps: int, c
             comfy.model_management.throw_exception_if_processing_interrupted()
             sample_prompt(model, cond, negative_cond, latent, seed + i, steps, cfg, sampler_name, scheduler,
                           callback=lambda step, x0, x, n, d=done, i=i: (
+                              comfy.model_management.throw_exception_if_processing_interrupted(),  # Cancel: now
                               pbar.update_absolute(d + step + 1, total),
                               console(d + step + 1, total, f"prompt {i + 1}/{len(conds)}")))
             done += steps

@@ -73,14 +73,16 @@ class Server:
         return answer["prompt_id"]
 
     def cancel(self, prompt_id: str, timeout: float = 600) -> None:
-        """Stop a queued or running prompt (the UI's Cancel) and wait until the queue is empty."""
-        self.post("/queue", {"delete": [prompt_id]})
-        self.post("/interrupt", {})
+        """Stop a queued or running prompt (the UI's Cancel) and wait until the queue is empty.  The
+        interrupt is sent until it stops: ComfyUI clears the flag when a prompt starts executing,
+        so one sent while the prompt was still moving from the queue to the executor is lost."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             q = self.get("/queue")
             if not q["queue_running"] and not q["queue_pending"]:
                 return
+            self.post("/queue", {"delete": [prompt_id]})
+            self.post("/interrupt", {})
             time.sleep(1)
         raise AssertionError("the cancelled prompt did not stop")
 
