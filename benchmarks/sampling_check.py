@@ -15,10 +15,8 @@ through ComfyUI's KSampler path (``comfy.sample.sample``, euler/simple; Flux cfg
 - lean with each model input rounded once more (eager's own noise: the yardstick for compiled
   blocks).
 
-Per variant: first run (includes capture; compiled blocks compile in the background meanwhile,
-so the first run replays the uncompiled graphs until they land: run the script twice with one
-``TORCHINDUCTOR_CACHE_DIR`` for a warm compile cache; before run 2 the script waits for a
-compilation still running, and reports how long), steady run (best of runs 2..n), ratio to the 16-bit steady run, peak VRAM, final-latent relative L2 against the 16-bit run,
+Per variant: first run (includes capture, and with compiled blocks their compilation: run the
+script twice with one ``TORCHINDUCTOR_CACHE_DIR`` for a warm compile cache), steady run (best of runs 2..n), ratio to the 16-bit steady run, peak VRAM, final-latent relative L2 against the 16-bit run,
 and the graphs' captures/replays.  ``--runtimes`` picks variants; ``--reduced`` runs a small model
 on a CPU (graphs then fall back to eager: a smoke run, not a measurement).
 """
@@ -93,14 +91,8 @@ def _run_variant(label, q, runs, sample, ref, fp8_ref=None):
     """``runs`` whole sampling runs of patcher ``q``; one row."""
     wrapper = q.model_options.get("model_function_wrapper")
     runner = wrapper if isinstance(wrapper, CudaGraphs) else None
-    secs, out, peaks, waited, captured = [], None, [], None, []
+    secs, out, peaks, captured = [], None, [], []
     for i in range(runs):
-        if i == 1 and runner is not None and runner.compiled is not None:
-            # blocks still compiling in the background after the first run: the steady runs
-            # measure the compiled graphs, so wait for them (reported: how long it took)
-            t0 = time.perf_counter()
-            runner.wait_for_compilation()
-            waited = round(time.perf_counter() - t0, 3)
         if common.CUDA:
             torch.cuda.reset_peak_memory_stats()
         before = runner.captures if runner is not None else 0
@@ -191,9 +183,7 @@ def _run_variant(label, q, runs, sample, ref, fp8_ref=None):
         row["_pool_events"] = [{"compiled": compiled, "events": n.events} for (_sig, compiled), n in runner.pool_needs.items()]
         if runner.compiled is not None:
             row["compiled"] = {"enabled": runner.compiled.enabled, "reason": runner.compiled.reason,
-                               "checks": runner.compiled.checks, "background": runner.background_compile,
-                               "compile_s": list(runner.compile_seconds),
-                               "waited_after_first_run_s": waited}
+                               "checks": runner.compiled.checks, "compile_s": list(runner.compile_seconds)}
             # Dynamo's own counts, for the whole process so far (graph breaks split a block into
             # stretches whose frames keep tensors alive: see comfyui/traced_layers.py)
             from torch._dynamo.utils import counters

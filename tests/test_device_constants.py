@@ -59,7 +59,7 @@ def test_anything_else_is_copied_as_before():
 
 
 def test_compiled_regions_run_outside_the_mode():
-    # Dynamo guards on the torch-function mode stack: a region compiled in the background thread
+    # Dynamo guards on the torch-function mode stack: a region compiled outside the capture mode (a warm-up)
     # (no mode) and called inside a capture (mode on) must see the same stack, else it recompiles
     from comfy_modelopt.comfyui.compiled_blocks import _without_capture_mode
     seen = []

@@ -3,12 +3,13 @@
 ``CudaGraphs`` (installed as a model-function wrapper on a clone, so it works for 16-bit models
 too) captures each distinct input signature once and replays it; anything it cannot capture runs
 eagerly with the reason logged.  With ``compile_blocks`` the graphs are captured over
-TorchInductor-compiled blocks (``compiled_blocks``).  Compilation runs in a background thread
-(``background_compile``): the first evaluation of a signature captures the uncompiled model at
-once and sampling replays it, while the blocks compile and are checked against eager beside it;
-the next evaluation after that lands captures the compiled blocks.  So a first run costs about
-what an uncompiled run does, not the compilation (Flux on an H200: ~15 s cold, ~6 s with a warm
-Inductor cache).
+TorchInductor-compiled blocks (``compiled_blocks``), compiled and checked against eager at a
+signature's first capture, before anything is replayed: the first run pays the compilation once per
+input shape (H200, the Quantize node's path: Flux ~11 s with a cold Inductor cache, ~3.4 s warm;
+SDXL ~47 s / ~9 s) and every later evaluation replays the compiled graph.  (Compiling in a
+background thread while the first runs replayed the uncompiled graph was tried: in the node path
+the compile thread, starved of the interpreter by the sampler's, had not landed after 9 runs,
+slowed runs 2-3 by up to 90%, and died with the process - "SubprocPool closed".)
 
 The graphs stay while the model stays loaded: a second sampling run with the same shapes
 captures nothing.  Their memory is accounted the way ComfyUI counts memory in use (``GraphPool``:
@@ -31,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import threading
 import time
 
 import torch
@@ -144,12 +144,9 @@ class CudaGraphs:
 
     replays_skip_hooks = True  # module hooks (calibration statistics) run only while capturing
 
-    def __init__(self, patcher, max_graphs: int = 8, compile_blocks: bool = False, persistent: bool | None = None,
-                 background_compile: bool = True):
+    def __init__(self, patcher, max_graphs: int = 8, compile_blocks: bool = False, persistent: bool | None = None):
         self.patcher, self.max_graphs = patcher, max_graphs
-        self.background_compile = background_compile
-        self.compiling: dict = {}  # signature -> the thread compiling the blocks for it
-        self.compile_seconds: list = []  # wall time of each compilation + check (background or not)
+        self.compile_seconds: list = []  # wall time of each compilation + check
         self.compiled = CompiledBlocks(patcher.model.diffusion_model) if compile_blocks else None
         # cudaMallocAsync (ComfyUI's default allocator on CUDA 13 torch): captures need a quiet
         # process (_quiet_for_capture), Inductor's kernels their pointers raw, and a failed
@@ -202,7 +199,6 @@ class CudaGraphs:
 
     # --------------------------------------------------------------- helpers
     def _eager(self, apply_model, args, reason: str):
-        self._join_compilation()
         if reason not in self.warned:
             self.warned.add(reason)
             logging.info(f"[comfy-modelopt] CUDA graphs: running eagerly ({reason})")
@@ -267,11 +263,6 @@ class CudaGraphs:
         if entry is not None and entry["weights"] != weights:
             self.graphs.clear()
             entry = None
-        if entry is not None and not entry["compiled"] and sig in self.validated and self.compiled.enabled:
-            # the blocks compiled in the background since this signature was captured: capture
-            # them in place of the uncompiled graph (a compiled warm-up, then one forward)
-            self.graphs.pop(sig)
-            entry = None
         if entry is None:
             if sig in self.failed:  # a model whose forward cannot be captured: no retry per call
                 return self._eager(apply_model, args, self.failed[sig])
@@ -295,7 +286,6 @@ class CudaGraphs:
 
     def _capture(self, apply_model, args, c, topts, weights, sig):
         t0 = time.perf_counter()
-        self._join_compilation()  # the warm-ups below run the model's Python forward
         # Conditioning can arrive on the CPU (SDXL's ADM vector and Flux's guidance are built
         # there); apply_model would copy it to the GPU on every call, and a host-to-device copy
         # cannot be captured.  apply_model moves every conditioning tensor to the input's device
@@ -306,7 +296,6 @@ class CudaGraphs:
         static_c = _clone_tree(c, device)
         static_c["transformer_options"] = topts
         use_compiled = self.compiled is not None and self.compiled.enabled and sig in self.validated
-        compile_after = False
         run = lambda: self._model_call(apply_model, static_x, static_t, static_c)  # noqa: E731
         first = lambda: self._model_call(apply_model, static_x, static_t, static_c, check_host_copies=True)  # noqa: E731
         cache = getattr(self.patcher.model, "_modelopt_dequant_cache", None)
@@ -322,11 +311,7 @@ class CudaGraphs:
                 return fn()
             out, warm[(sig, compiled)] = self._recorded(fn, device)
             return out
-        if sig not in self.warmed and self.compiled is not None and self.compiled.enabled and self.background_compile:
-            on_side_stream(first, device)  # lazy inits, autotuning, the dequant cache: outside the capture
-            self.warmed.add(sig)
-            compile_after = True  # once this capture is done: no other thread may run meanwhile
-        elif sig not in self.warmed:
+        if sig not in self.warmed:
             t_compile = time.perf_counter()
 
             def warm_up():  # outside the capture: lazy inits, autotuning, compilation, dequant cache
@@ -363,11 +348,7 @@ class CudaGraphs:
             seed = need if need is not None else warm_need
             self._new_pool(seed.segments if seed is not None else [], stream, device)
         self.pool.vacate()
-        # sized where the graph will stay: not the uncompiled graph the compiled blocks replace
-        # after the background compilation (that one's pool goes then; sizing it cost SDXL's
-        # first run 0.5 s for nothing).  Should the compilation fail, that graph keeps its pool
-        # as grown until it is captured again (a release), which then sizes it.
-        measure = fresh and need is None and self.pool.pool is not None and not compile_after
+        measure = fresh and need is None and self.pool.pool is not None
         with AllocationTrace(device) if measure else contextlib.nullcontext() as trace:
             graph, out = self._capture_graph(run, use_compiled, stream)
         if trace is not None and trace.entries is not None:
@@ -395,8 +376,6 @@ class CudaGraphs:
         torch.cuda.current_stream().synchronize()
         self.pool.occupy()
         self.capture_seconds.append(round(time.perf_counter() - t0, 3))
-        if compile_after:
-            self._compile_in_background(apply_model, static_x, static_t, static_c, sig)
         static_c.pop("transformer_options")
         return {"graph": graph, "static": _tensors(static_x, static_t, static_c), "out": out, "weights": weights,
                 "compiled": use_compiled}
@@ -445,18 +424,9 @@ class CudaGraphs:
             release_blas_workspaces()
         return graph, out
 
-    def _join_compilation(self) -> None:
-        """Wait for a background compilation: while Dynamo traces the blocks, FX patches
-        ``nn.Module.__call__`` for the whole process, so no other thread may run the model's Python
-        forward meanwhile (measured: an eager Wan forward in the sampler's thread was caught by
-        the tracer, and the compilation failed).  Replays run no Python forward: they go on."""
-        for thread in list(self.compiling.values()):
-            thread.join()
-
     def _quiet_for_capture(self) -> None:
-        """Nothing else runs while a graph is captured: no compilation thread (``_capture`` joined
-        it first and starts the next one after the capture), and under cudaMallocAsync no garbage
-        of earlier runs freed during the capture.  torch's allocator there keeps one process-wide
+        """Nothing else runs while a graph is captured: under cudaMallocAsync no garbage of
+        earlier runs is freed during the capture.  torch's allocator there keeps one process-wide
         "capture underway" flag, so an allocation by another thread meanwhile is taken for a
         graph allocation and its free joins that thread's stream into the capture - which
         invalidates it - and freeing what a failed capture allocated aborts the process
@@ -479,61 +449,6 @@ class CudaGraphs:
             raise RuntimeError(f"the forward copies tensors from the CPU to the GPU ({', '.join(sorted(set(copies.ops)))}),"
                                " which a CUDA graph cannot capture")
         return out
-
-    def _compile_in_background(self, apply_model, x, t, c, sig) -> None:
-        """Compile the blocks for ``sig`` and check them against eager in a thread of its own, on
-        copies of the captured inputs and a CUDA stream of its own, while sampling replays the
-        uncompiled graph.  The sampler's thread keeps running the blocks eagerly meanwhile
-        (``CompiledBlocks.installed`` is per thread), and nothing it replays is touched; the next
-        evaluation after a successful check captures the compiled blocks.  A compilation that
-        fails, or differs from eager, turns compiled blocks off with the reason logged, as before;
-        one during which the weights moved or changed (ComfyUI unloaded the model, a LoRA was
-        merged) is forgotten and starts again at the next capture."""
-        if sig in self.compiling:
-            return
-        # the sampler refills the static inputs before every replay: the thread works on copies
-        x, t = x.clone(), _clone_tree(t, x.device)
-        c = {k: dict(v) if k == "transformer_options" else _clone_tree(v, x.device) for k, v in c.items()}
-        dtype, device, weights = self._compute_dtype(), x.device, self._weights_key()
-        modes = torch.is_inference_mode_enabled(), torch.is_grad_enabled()  # thread-local in torch
-        copied = torch.cuda.Event()
-        copied.record()  # the copies above, queued on this thread's stream
-
-        def work():
-            t0, checks = time.perf_counter(), len(self.compiled.checks)
-            try:
-                torch.cuda.set_device(device)
-                with torch.inference_mode(modes[0]), torch.set_grad_enabled(modes[1]):
-                    stream = work_stream(device, "compile")
-                    stream.wait_event(copied)
-                    with torch.cuda.stream(stream):
-                        run = lambda: apply_model(x, t, **c)  # noqa: E731
-                        ok = self.compiled.validate(run, run(), lambda: apply_model(rounding_noise(x, dtype), t, **c))
-                    stream.synchronize()
-                if self._weights_key() != weights:
-                    # the weights moved or changed meanwhile (ComfyUI unloaded the model, a LoRA was
-                    # applied): whatever this check found is about other weights - forget it
-                    if not ok:
-                        self.compiled.enabled, self.compiled.reason = True, None
-                    del self.compiled.checks[checks:]
-                    self.warmed.discard(sig)
-                elif ok:
-                    self.validated.add(sig)
-            except Exception as e:  # the eager reference itself failed: the model went away meanwhile
-                logging.info(f"[comfy-modelopt] background compilation abandoned: {type(e).__name__}: {str(e)[:200]}")
-                self.warmed.discard(sig)
-            finally:
-                self.compile_seconds.append(round(time.perf_counter() - t0, 3))
-                self.compiling.pop(sig, None)
-        thread = threading.Thread(target=work, name="comfy-modelopt-compile", daemon=True)
-        self.compiling[sig] = thread
-        thread.start()
-
-    def wait_for_compilation(self, timeout: float | None = None) -> bool:
-        """Wait for background compilations still running; True when none is left."""
-        for thread in list(self.compiling.values()):
-            thread.join(timeout)
-        return not self.compiling
 
 
 def _clone_tree(v, device):

@@ -38,17 +38,21 @@ RUNTIMES = {r.label: r for r in (
 # steady run on lean alone is host-bound (2.85 s against fp16's 1.00 s on the H200), 0.82 s with
 # graphs; Flux 2.70 -> 2.36 s (bf16 3.08 s).  They stay captured between runs, their pool is
 # accounted to ComfyUI (which frees it to load another model), and anything they cannot replay -
-# offloading, patches or wrappers inside the model, a CPU - runs eagerly with the reason logged
+# offloading, patches or wrappers inside the model, a CPU - runs eagerly with the reason logged.
+# Not compiled blocks (measured through the nodes, H200, 2026-12-01): they are faster from the
+# second image (Flux 2.01 vs 2.37 s, SDXL 0.64 vs 0.83 s) but the first image pays the compilation
+# (Flux +3.4 s with a warm compile cache, +11 s cold; SDXL +9 / +47 s): behind until ~10 Flux / ~50
+# SDXL images of one size per process
 DEFAULT_RUNTIME = "lean + cuda graphs"
 
 RUNTIME_TOOLTIP = ("lean: the same kernels as stock ComfyUI without its per-layer Python dispatch "
                    "(bit-exact for fp8/int8); + cuda graphs: replay whole model evaluations, kept between "
                    "runs while the model stays loaded (bit-exact; falls back to eager when offloading or "
                    "patched); + compiled blocks: the graphs run TorchInductor-fused norms/modulation/"
-                   "activations between the GEMMs - fastest steady runs (H200, fp8, 20 steps: Flux 1.53x, "
-                   "SDXL 1.39-1.49x the 16-bit model); they compile in the background (Flux ~15 s, 6 s with "
-                   "a warm compile cache) while the first run samples on the uncompiled graphs, are checked "
-                   "against eager and turned off with a logged reason if they differ; needs Triton; + int8 attention: kitchen's SageAttention-style INT8 attention "
+                   "activations between the GEMMs - fastest steady runs (H200, fp8, 20 steps, through the nodes: "
+                   "Flux 1.57x bf16 vs 1.32x, SDXL 0.64 s vs 0.83 s per image); they compile during the first "
+                   "image of each size (Flux +11 s, +3.4 s with a warm compile cache; SDXL +47 s / +9 s), are "
+                   "checked against eager and turned off with a logged reason if they differ; needs Triton; + int8 attention: kitchen's SageAttention-style INT8 attention "
                    "(changes attention numerics; left off on Hopper, where it measured slower than cuDNN's "
                    "flash attention); stock: ComfyUI's own layers.")
 
