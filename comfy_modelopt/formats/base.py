@@ -316,6 +316,15 @@ def _storage(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e8m0fnu else t
 
 
+def tensor_scale(w: torch.Tensor, alpha: torch.Tensor | None, amax: torch.Tensor | None, top: float) -> torch.Tensor:
+    """One scale for the whole tensor: its absmax (or ``amax``) over the format's ``top``, times the
+    clip factor ``alpha``; an all-zero weight gets 1 (its 0 would give 0/0 in the encoder)."""
+    scale = (w.abs().amax() if amax is None else amax).float() / top
+    if alpha is not None:
+        scale = scale * alpha.float()
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
 def _row_alpha(alpha: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor | None:
     if alpha is None:
         return None

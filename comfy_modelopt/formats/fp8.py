@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import gptq
-from .base import E4M3_NAN, E5M2_NAN, Format, nan_code_problem
+from .base import E4M3_NAN, E5M2_NAN, Format, nan_code_problem, tensor_scale
 
 _FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
@@ -33,11 +33,7 @@ class Fp8Format(Format):
 
     def weight_scale(self, w: torch.Tensor, alpha: torch.Tensor | None,
                      amax: torch.Tensor | None = None) -> torch.Tensor:
-        scale = (w.abs().amax() if amax is None else amax).float() / self.fmax()
-        if alpha is not None:
-            scale = scale * alpha.float()
-        # an all-zero weight would give scale 0 and 0/0 in the encoder
-        return torch.where(scale > 0, scale, torch.ones_like(scale))
+        return tensor_scale(w, alpha, amax, self.fmax())
 
     def _prepare(self, w, alpha, opts):
         return w, {"scale": self.weight_scale(w, alpha)}

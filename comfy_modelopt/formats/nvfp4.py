@@ -9,7 +9,7 @@ from comfy_kitchen.tensor import QuantizedTensor
 
 from .. import gptq
 from ..errors import QuantizeError
-from .base import E4M3_NAN_OR_NEGATIVE, F4_E2M1_MAX, F8_E4M3_MAX, Format, nan_code_problem
+from .base import E4M3_NAN_OR_NEGATIVE, F4_E2M1_MAX, F8_E4M3_MAX, Format, nan_code_problem, tensor_scale
 
 
 def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -59,10 +59,7 @@ class NvFp4Format(Format):
 
     def global_scale(self, w: torch.Tensor, alpha: torch.Tensor | None,
                      amax: torch.Tensor | None = None) -> torch.Tensor:
-        scale = (w.abs().amax() if amax is None else amax).float() / (F8_E4M3_MAX * F4_E2M1_MAX)
-        if alpha is not None:
-            scale = scale * alpha.float()
-        return torch.where(scale > 0, scale, torch.ones_like(scale))
+        return tensor_scale(w, alpha, amax, F8_E4M3_MAX * F4_E2M1_MAX)
 
     def _prepare(self, w, alpha, opts):
         return w, {"scale": self.global_scale(w, alpha)}
