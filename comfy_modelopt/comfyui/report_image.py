@@ -97,4 +97,4 @@ def render(report: QuantReport, budget: float = 0.0) -> np.ndarray:
         bx = left + (right - left) * (report.passthrough_bytes_16bit + budget * linear16) / base if base else left
         d.line([bx, y0 - 6, bx, y1 + 6], fill=INK, width=2)
     d.text((left, y1 + 8), f"{total / 2**20:.1f} MiB of {base / 2**20:.1f} MiB at 16-bit", fill=INK, font=font)
-    return np.asarray(img, dtype=np.uint8)
+    return np.array(img, dtype=np.uint8)  # a writable copy: torch.from_numpy warns on a read-only view
