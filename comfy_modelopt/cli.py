@@ -12,8 +12,6 @@ from . import __version__
 from .errors import ModelOptError, OutputError, one_line
 from .families import FAMILY_CHOICES
 from .progress import Progress
-from .recipe import (CONV_CHOICES, CONVROT_GROUPSIZES, DEFAULT_CONVROT_GROUPSIZE, DEFAULT_FORMAT, FORMAT_CHOICES,
-                     INPUT_SCALE_METHODS, LINEAR_DTYPES, SMOOTHING_METHODS, WEIGHT_SCALE_METHODS)
 
 
 STATS_HOW = ("needs --stats: statistics come from Calibrate Model in ComfyUI (save_name), or without "
@@ -21,55 +19,21 @@ STATS_HOW = ("needs --stats: statistics come from Calibrate Model in ComfyUI (sa
 
 
 def add_recipe_arguments(q: argparse.ArgumentParser) -> None:
-    """The recipe's options (format, scales, smoothing, GPTQ, low-rank, mixed precision, kept
-    layers), shared by ``quantize`` and the ComfyUI launcher; ``recipe_of`` reads them back.
-    "--stats" in their help: the activation statistics, from a file or a calibration."""
-    q.add_argument("--format", default=DEFAULT_FORMAT, choices=FORMAT_CHOICES,
-                   help="fp8: Ada/Hopper+ (W8A8 with --stats, weight-only without); int8_tensorwise: Turing+; "
-                        "nvfp4/mxfp8: native on Blackwell, stored smaller everywhere; convrot_w4a4: int4 MMA")
-    q.add_argument("--weight-scale", default="mse", choices=WEIGHT_SCALE_METHODS,
-                   help="absmax, or the MSE-optimal clipping search")
-    q.add_argument("--input-scale", default="mse", choices=INPUT_SCALE_METHODS,
-                   help="with --stats: how static activation scales are chosen")
-    q.add_argument("--percentile", type=float, default=99.99, help="with --input-scale percentile: which one")
-    q.add_argument("--smoothing", default="none", choices=SMOOTHING_METHODS,
-                   help="SmoothQuant/AWQ where it folds exactly into the file; " + STATS_HOW)
-    q.add_argument("--smooth-alpha", type=float, default=0.5, help="SmoothQuant migration strength")
-    q.add_argument("--gptq", action="store_true",
-                   help="error-compensated rounding, kept per layer where it wins on held-out prompts "
-                        "(every format); " + STATS_HOW)
-    q.add_argument("--gptq-act-order", action="store_true",
-                   help="with --gptq: round the columns by decreasing input energy (act-order)")
-    q.add_argument("--lowrank", type=int, default=0, metavar="R",
-                   help="nvfp4/convrot_w4a4: rank-R 16-bit branch + quantized residual (file needs "
-                        "comfy-modelopt's loader; stock ComfyUI refuses it)")
-    q.add_argument("--conv", default="none", choices=CONV_CHOICES,
-                   help="fp8: also store UNet convolutions (kernels > 1x1) as fp8 per output channel, "
-                        "dequantized at run time (file needs comfy-modelopt's loader)")
-    q.add_argument("--static-nvfp4-input", action="store_true",
-                   help="nvfp4: store a calibrated input_scale instead of dynamic activation amax (needs --stats)")
-    q.add_argument("--convrot", action="store_true", help="int8_tensorwise: Hadamard rotation (ConvRot)")
-    q.add_argument("--convrot-groupsize", type=int, default=DEFAULT_CONVROT_GROUPSIZE, choices=CONVROT_GROUPSIZES,
-                   help="ConvRot rotation group: int8_tensorwise takes the largest of 1024/256/64/16 up to this that "
-                        "divides each layer's in_features; convrot_w4a4 needs in_features a multiple of it")
-    q.add_argument("--linear-dtype", default="int4", choices=LINEAR_DTYPES,
-                   help="convrot_w4a4: what its GEMM quantizes the (rotated) activations to - int4 (W4A4, the "
-                        "int4 tensor-core kernel) or int8 (W4A8: finer activations, int8 kernel)")
-    q.add_argument("--budget", type=float, default=0.0, metavar="FRACTION",
-                   help="mixed precision: each Linear layer gets the candidate format (or 16-bit) that buys "
-                        "the most accuracy per byte, all Linear weights within FRACTION x their 16-bit bytes "
-                        "(e.g. 0.35; 0: one format); " + STATS_HOW)
-    q.add_argument("--max-error", type=float, default=0.0, metavar="E",
-                   help="mixed precision the other way round: the smallest file whose summed predicted "
-                        "relative output error over the planned layers stays within E (needs --stats)")
-    q.add_argument("--candidates", default="", metavar="FMT,FMT",
-                   help="with --budget / --max-error: the formats to choose from (default: "
-                        "nvfp4,float8_e4m3fn,int8_tensorwise%(default).0s; --convrot and --gptq apply to each)")
-    q.add_argument("--keep", action="append", default=[], metavar="PATTERN",
-                   help="glob of layer names (no .weight suffix) to keep 16-bit; repeatable")
-    q.add_argument("--allow-nonfinite", action="store_true",
-                   help="copy source tensors that hold NaN/Inf values as they are (noted in the report) "
-                        "instead of refusing the model")
+    """A flag per recipe field (``recipe.Recipe``: its default, choices and help), shared by
+    ``quantize`` and the ComfyUI launcher; ``recipe_of`` reads them back."""
+    from .recipe import recipe_default, recipe_options
+    for f, o in recipe_options():
+        default = recipe_default(f)
+        flag = "--" + f.name.replace("_", "-")
+        text = o.help.replace("{stats}", STATS_HOW)
+        if isinstance(default, bool):
+            q.add_argument(flag, action=argparse.BooleanOptionalAction if default else "store_true",
+                           default=default, help=text)
+        elif isinstance(default, tuple):  # repeatable, each value comma-separated; "%(default).0s": no "(default: [])"
+            q.add_argument(flag, action="append", default=[], metavar=o.metavar, help=text + "%(default).0s")
+        else:
+            q.add_argument(flag, type=type(default), default=default, choices=o.choices or None,
+                           metavar=o.metavar, help=text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -116,15 +80,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def recipe_of(a):
-    from .recipe import Recipe
-    return Recipe(format=a.format, weight_scale=a.weight_scale, input_scale=a.input_scale,
-                  percentile=a.percentile, smoothing=a.smoothing, smooth_alpha=a.smooth_alpha,
-                  gptq=a.gptq, gptq_act_order=a.gptq_act_order, static_nvfp4_input=a.static_nvfp4_input,
-                  convrot=a.convrot,
-                  convrot_groupsize=a.convrot_groupsize, linear_dtype=a.linear_dtype,
-                  keep=tuple(a.keep), lowrank=a.lowrank, conv=a.conv, budget=a.budget, max_error=a.max_error,
-                  candidates=tuple(c.strip() for c in a.candidates.split(",") if c.strip()),
-                  allow_nonfinite=a.allow_nonfinite)
+    """The recipe the recipe flags (``add_recipe_arguments``) of parsed arguments ``a`` give."""
+    from .recipe import Recipe, recipe_default, recipe_options, split_names
+    return Recipe(**{f.name: split_names(getattr(a, f.name)) if isinstance(recipe_default(f), tuple)
+                     else getattr(a, f.name) for f, _ in recipe_options()})
 
 
 def _device(name: str):

@@ -5,7 +5,7 @@ The same object is parsed by the CLI, built by the ComfyUI nodes and stored in t
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from .formats import CONVROT_GROUPS, NAMES
 
@@ -35,27 +35,108 @@ def convrot_formats() -> tuple:
 
 
 @dataclass(frozen=True)
+class Option:
+    """How one recipe field is offered: a flag of the CLI (``--field-name``) and an input of the
+    Quantize Model node, both made from this and the field's default (``cli.add_recipe_arguments``,
+    ``comfyui.nodes.recipe_input``), so that a new option is one field here.  ``help`` may hold
+    ``{stats}`` where the option needs activation statistics: the CLI says how to make them, the
+    node to connect a calibration."""
+    help: str
+    choices: tuple = ()
+    metavar: str | None = None
+    tooltip: str | None = None   # the node's text where it differs from the CLI's help
+    advanced: bool = True        # node: under the advanced inputs
+    optional: bool = True        # node: optional, so workflows saved before the input existed still validate
+    bounds: tuple = ()           # node: (min, max, step) of a number
+
+
+def _opt(default, **kw):
+    if isinstance(default, tuple):
+        return field(default_factory=tuple, metadata={"option": Option(**kw)})
+    return field(default=default, metadata={"option": Option(**kw)})
+
+
+_FORMAT_HELP = ("fp8: Ada/Hopper+ (W8A8 with {calibration}, weight-only without); int8_tensorwise: Turing+; "
+                "nvfp4/mxfp8: native on Blackwell, stored smaller everywhere; convrot_w4a4: 4-bit int4 MMA")
+
+
+@dataclass(frozen=True)
 class Recipe:
-    format: str = DEFAULT_FORMAT
-    weight_scale: str = "mse"          # absmax | mse (clip search on the weight, or on outputs with stats)
-    input_scale: str = "mse"           # with activation statistics: max | percentile | mse
-    percentile: float = 99.99          # for input_scale="percentile"
-    static_nvfp4_input: bool = False   # nvfp4: store a calibrated input_scale instead of dynamic amax
-    smoothing: str = "none"            # none | smoothquant | awq (needs statistics)
-    smooth_alpha: float = 0.5          # SmoothQuant migration strength
-    lowrank: int = 0                   # rank of the 16-bit low-rank branch (needs comfy-modelopt's loader)
-    conv: str = "none"                 # none | fp8: Conv2d weights fp8 per out-channel (needs our loader)
-    gptq: bool = False                 # error-compensated rounding (needs statistics)
-    gptq_act_order: bool = False       # GPTQ rounds the columns by decreasing input energy
-    sensitivity: bool = True           # with statistics: per-layer output error of every format
-    convrot: bool = False              # formats with a "convrot" option (int8): Hadamard rotation
-    convrot_groupsize: int = DEFAULT_CONVROT_GROUPSIZE
-    linear_dtype: str = "int4"         # convrot_w4a4 activations: int4 or int8
-    keep: tuple[str, ...] = field(default_factory=tuple)  # glob patterns forced to 16-bit
-    budget: float = 0.0                # > 0: mixed precision, Linear bytes <= budget x 16-bit (planner.py)
-    candidates: tuple[str, ...] = field(default_factory=tuple)  # the planner's formats (empty: default)
-    max_error: float = 0.0             # > 0: the planner's smallest file with summed predicted error <= this
-    allow_nonfinite: bool = False      # copy source tensors holding NaN/Inf (noted) instead of refusing them
+    format: str = _opt(DEFAULT_FORMAT, choices=FORMAT_CHOICES, advanced=False, optional=False,
+                       help=_FORMAT_HELP.format(calibration="--stats"),
+                       tooltip=_FORMAT_HELP.format(calibration="calibration") + ".")
+    weight_scale: str = _opt("mse", choices=WEIGHT_SCALE_METHODS, advanced=False, optional=False,
+                             help="absmax, or the MSE-optimal clipping search",
+                             tooltip="mse: search the clipping that minimises the error (on the layer's outputs "
+                                     "when calibrated); absmax: naive.")
+    input_scale: str = _opt("mse", choices=INPUT_SCALE_METHODS, optional=False,
+                            help="with --stats: how static activation scales are chosen",
+                            tooltip="How calibrated static activation scales are chosen (fp8, nvfp4).")
+    percentile: float = _opt(99.99, bounds=(0.01, 100.0, 0.001),
+                             help="with input_scale percentile: which percentile of the activations")
+    static_nvfp4_input: bool = _opt(False, optional=False,
+                                    help="nvfp4: store a calibrated input_scale instead of dynamic activation "
+                                         "amax ({stats})")
+    smoothing: str = _opt("none", choices=SMOOTHING_METHODS, advanced=False, optional=False,
+                          help="SmoothQuant/AWQ where it folds exactly into the file; {stats}",
+                          tooltip="Needs calibration. Applied where it folds exactly into the stock file "
+                                  "(SD1.x/SDXL/Wan attention and FF layers; Flux, HunyuanVideo, SD3 and Qwen-Image "
+                                  "through their adaLN modulation; fp8: only into LayerNorm or 16-bit producers), "
+                                  "else skipped and reported.")
+    smooth_alpha: float = _opt(0.5, bounds=(0.0, 1.0, 0.05), help="SmoothQuant migration strength")
+    lowrank: int = _opt(0, metavar="R", bounds=(0, 1024, 1),
+                        help="nvfp4/convrot_w4a4: rank-R 16-bit branch + quantized residual (file needs "
+                             "comfy-modelopt's loader; stock ComfyUI refuses it)",
+                        tooltip="nvfp4/convrot_w4a4: keep a rank-r 16-bit branch (SVDQuant-style) and quantize "
+                                "the residual. Files need this pack's loader (stock ComfyUI refuses them); "
+                                "smoothing then applies to every layer.")
+    conv: str = _opt("none", choices=CONV_CHOICES,
+                     help="fp8: also store UNet convolutions (kernels > 1x1) as fp8 per output channel, "
+                          "dequantized at run time (file needs comfy-modelopt's loader)",
+                     tooltip="fp8: also store UNet convolutions (3x3 and larger) as fp8 with one scale per output "
+                             "channel, dequantized at run time (SDXL: about a fifth of the weights). Files need "
+                             "this pack's loader (stock ComfyUI refuses them).")
+    gptq: bool = _opt(False, optional=False,
+                      help="error-compensated rounding, kept per layer where it wins on held-out prompts "
+                           "(every format); {stats}",
+                      tooltip="Error-compensated rounding (every format), kept per layer where it beats plain "
+                              "rounding on held-out prompts; needs calibration.")
+    gptq_act_order: bool = _opt(False, help="with gptq: round each layer's columns by decreasing input energy "
+                                            "(act-order) instead of in order")
+    sensitivity: bool = _opt(True, help="with statistics: measure every layer's output error in every format "
+                                        "(the report's sensitivity column; the planner measures it anyway)")
+    convrot: bool = _opt(False, optional=False,
+                         help="int8_tensorwise: Hadamard-rotate weights and activations (ConvRot: outliers)")
+    convrot_groupsize: int = _opt(DEFAULT_CONVROT_GROUPSIZE, choices=CONVROT_GROUPSIZES, bounds=(16, 1024, 1),
+                                  help="ConvRot rotation group: int8_tensorwise takes the largest of "
+                                       "1024/256/64/16 up to this that divides each layer's in_features; "
+                                       "convrot_w4a4 needs in_features a multiple of it")
+    linear_dtype: str = _opt("int4", choices=LINEAR_DTYPES,
+                             help="convrot_w4a4: what its GEMM quantizes the (rotated) activations to - int4 "
+                                  "(W4A4, the int4 tensor-core kernel) or int8 (W4A8: finer activations, int8 kernel)")
+    keep: tuple[str, ...] = _opt((), metavar="PATTERN", advanced=False, optional=False,
+                                 help="glob of layer names (no .weight suffix) to keep 16-bit; repeatable or "
+                                      "comma-separated",
+                                 tooltip="Layer-name patterns to keep in 16-bit, one per line, e.g. *.img_mlp.*")
+    budget: float = _opt(0.0, metavar="FRACTION", bounds=(0.0, 1.0, 0.01),
+                         help="mixed precision: each Linear layer gets the candidate format (or 16-bit) that buys "
+                              "the most accuracy per byte, all Linear weights within FRACTION x their 16-bit bytes "
+                              "(e.g. 0.35; 0: one format); {stats}",
+                         tooltip="Mixed precision (needs calibration): each Linear layer gets nvfp4, fp8, int8 or "
+                                 "16-bit - whichever buys the most accuracy per byte - with all Linear weights "
+                                 "within this fraction of their 16-bit size (e.g. 0.35). 0: the format above for "
+                                 "every layer.")
+    candidates: tuple[str, ...] = _opt((), metavar="FMT,FMT",
+                                       help="with budget / max_error: the formats to choose from (default: "
+                                            "nvfp4,float8_e4m3fn,int8_tensorwise; convrot and gptq apply to each)")
+    max_error: float = _opt(0.0, metavar="E", bounds=(0.0, 1000.0, 0.01),
+                            help="mixed precision the other way round: the smallest file whose summed predicted "
+                                 "relative output error over the planned layers stays within E; {stats}",
+                            tooltip="Mixed precision the other way round (needs calibration; instead of budget): "
+                                    "the smallest model whose summed predicted relative output error over its "
+                                    "Linear layers stays within this. 0: off.")
+    allow_nonfinite: bool = _opt(False, help="copy source tensors that hold NaN/Inf values as they are (noted in "
+                                             "the report) instead of refusing the model")
 
     def __post_init__(self):
         if self.format not in NAMES:
@@ -138,6 +219,23 @@ class Recipe:
     @classmethod
     def from_json(cls, s: str) -> "Recipe":
         return cls.from_dict(json.loads(s))
+
+
+def recipe_options() -> list:
+    """(field, Option) of every recipe field, in the dataclass's order."""
+    return [(f, f.metadata["option"]) for f in fields(Recipe)]
+
+
+def recipe_default(f):
+    """The default of a recipe field (a tuple field's is empty)."""
+    return () if f.default_factory is not MISSING else f.default
+
+
+def split_names(values) -> tuple[str, ...]:
+    """A tuple field's value from text: one or several strings, each split on commas and lines."""
+    if isinstance(values, str):
+        values = [values]
+    return tuple(p.strip() for v in values for p in v.replace(",", "\n").splitlines() if p.strip())
 
 
 def _check(name: str, value: str, allowed: tuple) -> None:

@@ -81,3 +81,15 @@ def test_cli_builds_the_recipe_it_was_given():
                                   "--convrot-groupsize", "64", "--linear-dtype", "int8", "--keep", "*.img_mlp.*",
                                   "--keep", "final_layer.*"])
     assert cli.recipe_of(a) == dataclasses.replace(NON_DEFAULT, sensitivity=True)
+
+
+def test_cli_offers_every_recipe_field_with_the_recipes_default():
+    """One schema: a new recipe field is a CLI flag without another line here or in cli.py."""
+    a = cli._parser().parse_args(["quantize", "s.safetensors", "-o", "o.safetensors"])
+    assert cli.recipe_of(a) == Recipe()
+    sub = next(x for x in cli._parser()._actions if x.dest == "command").choices["quantize"]
+    flags = {o for x in sub._actions for o in x.option_strings}
+    assert {"--" + f.name.replace("_", "-") for f in dataclasses.fields(Recipe)} <= flags
+    a = cli._parser().parse_args(["quantize", "s.safetensors", "-o", "o.safetensors", "--no-sensitivity",
+                                  "--allow-nonfinite", "--keep", "a.*,b.*", "--keep", "c.*"])
+    assert cli.recipe_of(a) == Recipe(sensitivity=False, allow_nonfinite=True, keep=("a.*", "b.*", "c.*"))

@@ -22,8 +22,7 @@ from ..modelopt_engine import ALGORITHMS as MODELOPT_ALGORITHMS, ENGINE_FORMATS,
 from ..pipeline import DictSink, quantize_source
 from ..progress import Progress
 from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS
-from ..recipe import (CONV_CHOICES, DEFAULT_FORMAT, FORMAT_CHOICES, INPUT_SCALE_METHODS, SMOOTHING_METHODS, WEIGHT_SCALE_METHODS,
-                      Recipe)
+from ..recipe import Recipe, recipe_default, recipe_options, split_names
 from ..safetensors_io import write_file
 from ..stats import ActivationStats
 from .compat import check_kitchen
@@ -67,8 +66,42 @@ def _calibration_parts(calibration):
     return calibration, None
 
 
-def _pattern_lines(text: str) -> tuple[str, ...]:
-    return tuple(p.strip() for p in text.replace(",", "\n").splitlines() if p.strip())
+_RECIPE_OPTIONS = {f.name: (f, o) for f, o in recipe_options()}
+
+
+def recipe_input(name: str):
+    """The Quantize node's input for recipe field ``name``, made from the field (``recipe.Option``):
+    a combo for choices, a toggle, a number with its bounds, or text for a list of names."""
+    f, o = _RECIPE_OPTIONS[name]
+    default = recipe_default(f)
+    kw = {"tooltip": o.tooltip or o.help.replace("{stats}", "needs calibration") + "."}
+    if o.advanced:
+        kw["advanced"] = True
+    if o.optional:
+        kw["optional"] = True
+    if o.choices:
+        return io.Combo.Input(name, options=list(o.choices), default=default, **kw)
+    if isinstance(default, bool):
+        return io.Boolean.Input(name, default=default, **kw)
+    if isinstance(default, tuple):
+        return io.String.Input(name, multiline=True, default="", **kw)
+    lo, hi, step = o.bounds
+    return (io.Int if isinstance(default, int) else io.Float).Input(name, default=default, min=lo, max=hi, step=step, **kw)
+
+
+def recipe_of_inputs(options: dict) -> Recipe:
+    """The recipe of the Quantize node's recipe inputs (absent ones: the recipe's defaults)."""
+    return Recipe(**{k: split_names(v) if isinstance(recipe_default(_RECIPE_OPTIONS[k][0]), tuple) else v
+                     for k, v in options.items()})
+
+
+# The Quantize node's recipe inputs in the order its widgets were added: a saved UI workflow stores
+# widget values by position, so new fields only ever go at the end
+QUANTIZE_INPUTS_BEFORE_CALIBRATION = ("format",)
+QUANTIZE_INPUTS = ("weight_scale", "input_scale", "smoothing", "gptq", "convrot", "lowrank", "conv",
+                   "static_nvfp4_input", "keep", "budget", "max_error")
+QUANTIZE_INPUTS_AFTER_RUNTIME = ("gptq_act_order", "percentile", "smooth_alpha", "sensitivity", "convrot_groupsize",
+                                 "linear_dtype", "candidates", "allow_nonfinite")
 
 
 # ====================================================================== calibrate
@@ -230,57 +263,15 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                         "are baked in.",
             inputs=[
                 io.Model.Input("model"),
-                io.Combo.Input("format", options=list(FORMAT_CHOICES), default=DEFAULT_FORMAT,
-                               tooltip="fp8: Ada/Hopper+ (W8A8 with calibration, weight-only without); "
-                                       "int8_tensorwise: Turing+; nvfp4/mxfp8: native on Blackwell, "
-                                       "stored smaller everywhere; convrot_w4a4: 4-bit int4 MMA."),
+                *map(recipe_input, QUANTIZE_INPUTS_BEFORE_CALIBRATION),
                 CALIBRATION.Input("calibration", optional=True,
                                   tooltip="From Calibrate Model: static input scales (true fp8 W8A8), smoothing, "
                                           "activation-aware clipping, GPTQ, per-layer sensitivity."),
-                io.Combo.Input("weight_scale", options=list(WEIGHT_SCALE_METHODS), default="mse",
-                               tooltip="mse: search the clipping that minimises the error (on the layer's "
-                                       "outputs when calibrated); absmax: naive."),
-                io.Combo.Input("input_scale", options=list(INPUT_SCALE_METHODS), default="mse", advanced=True,
-                               tooltip="How calibrated static activation scales are chosen (fp8, nvfp4)."),
-                io.Combo.Input("smoothing", options=list(SMOOTHING_METHODS), default="none",
-                               tooltip="Needs calibration. Applied where it folds exactly into the "
-                                       "stock file (SD1.x/SDXL/Wan attention and FF layers; Flux, HunyuanVideo, SD3 and Qwen-Image "
-                                       "through their adaLN modulation; fp8: only "
-                                       "into LayerNorm or 16-bit producers), else skipped and reported."),
-                io.Boolean.Input("gptq", default=False, advanced=True,
-                                 tooltip="Error-compensated rounding (every format), kept per layer where it "
-                                         "beats plain rounding on held-out prompts; needs calibration."),
-                io.Boolean.Input("convrot", default=False, advanced=True,
-                                 tooltip="int8_tensorwise only: Hadamard-rotate weights and activations (outliers)."),
-                # optional: workflows saved before this input existed still validate
-                io.Int.Input("lowrank", default=0, min=0, max=1024, advanced=True, optional=True,
-                             tooltip="nvfp4/convrot_w4a4: keep a rank-r 16-bit branch (SVDQuant-style) and "
-                                     "quantize the residual. Files need this pack's loader (stock ComfyUI "
-                                     "refuses them); smoothing then applies to every layer."),
-                io.Combo.Input("conv", options=list(CONV_CHOICES), default="none", advanced=True, optional=True,
-                               tooltip="fp8: also store UNet convolutions (3x3 and larger) as fp8 with one scale "
-                                       "per output channel, dequantized at run time (SDXL: about a fifth of the "
-                                       "weights). Files need this pack's loader (stock ComfyUI refuses them)."),
-                io.Boolean.Input("static_nvfp4_input", default=False, advanced=True,
-                                 tooltip="nvfp4: store a calibrated input_scale instead of dynamic activation amax."),
-                io.String.Input("keep", multiline=True, default="",
-                                tooltip="Layer-name patterns to keep in 16-bit, one per line, e.g. *.img_mlp.*"),
-                io.Float.Input("budget", default=0.0, min=0.0, max=1.0, step=0.01, advanced=True, optional=True,
-                               tooltip="Mixed precision (needs calibration): each Linear layer gets nvfp4, fp8, "
-                                       "int8 or 16-bit - whichever buys the most accuracy per byte - with all "
-                                       "Linear weights within this fraction of their 16-bit size (e.g. 0.35). "
-                                       "0: the format above for every layer."),
-                io.Float.Input("max_error", default=0.0, min=0.0, max=1000.0, step=0.01, advanced=True,
-                               optional=True,
-                               tooltip="Mixed precision the other way round (needs calibration; instead of "
-                                       "budget): the smallest model whose summed predicted relative output "
-                                       "error over its Linear layers stays within this. 0: off."),
+                *map(recipe_input, QUANTIZE_INPUTS),
                 io.Combo.Input("runtime", options=list(RUNTIMES), default=DEFAULT_RUNTIME, tooltip=RUNTIME_TOOLTIP),
                 io.Float.Input("dequant_cache_gib", default=0.0, min=0.0, max=1024.0, step=0.5, advanced=True,
                                optional=True, tooltip=DEQUANT_CACHE_TOOLTIP),
-                io.Boolean.Input("gptq_act_order", default=False, advanced=True, optional=True,
-                                 tooltip="With gptq: round each layer's columns by decreasing input energy "
-                                         "(act-order) instead of in order."),
+                *map(recipe_input, QUANTIZE_INPUTS_AFTER_RUNTIME),
             ],
             outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report"),
                      io.Image.Output(display_name="report_image",
@@ -291,16 +282,11 @@ class ModelOptQuantizeUNet(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, format, weight_scale, input_scale, smoothing, gptq, convrot, static_nvfp4_input,
-                keep, runtime=DEFAULT_RUNTIME, lowrank=0, conv="none", calibration=None,
-                dequant_cache_gib=0.0, budget=0.0, max_error=0.0, gptq_act_order=False) -> io.NodeOutput:
+    def execute(cls, model, runtime=DEFAULT_RUNTIME, calibration=None, dequant_cache_gib=0.0,
+                **options) -> io.NodeOutput:
         try:
-            recipe = Recipe(format=format, weight_scale=weight_scale, input_scale=input_scale, smoothing=smoothing,
-                            gptq=gptq, gptq_act_order=gptq_act_order, convrot=convrot,
-                            static_nvfp4_input=static_nvfp4_input,
-                            keep=_pattern_lines(keep), lowrank=lowrank, conv=conv, budget=budget,
-                            max_error=max_error)
-        except ValueError as e:
+            recipe = recipe_of_inputs(options)
+        except (ValueError, TypeError) as e:
             raise NodeError(str(e)) from None
         calibration, engine = _calibration_parts(calibration)
         if recipe.needs_statistics() and calibration is None:
@@ -322,7 +308,7 @@ class ModelOptQuantizeUNet(io.ComfyNode):
             raise NodeError(str(e)) from None
         qmodel = build_quantized_model(sink.tensors, sink.metadata, report, model)
         qmodel, runtime_note = apply_runtime(qmodel, runtime, dequant_cache_gib)
-        text = "\n".join([report.summary(), gpu_note(format), runtime_note])
+        text = "\n".join([report.summary(), gpu_note(recipe.format), runtime_note])
         log(text)
         chart = torch.from_numpy(render_report(report, recipe.budget)).float().div(255.0).unsqueeze(0)
         return io.NodeOutput(qmodel, text + "\n\n" + report.table(), chart)

@@ -90,6 +90,32 @@ def quantize(env, model=None, chart=False, **kw):
     return out if chart else out[:2]
 
 
+def test_quantize_node_offers_every_recipe_field():
+    """One schema: each recipe field is one input of Quantize Model with the recipe's default
+    (combo choices, bounds), in an order that only grows at the end (saved UI workflows store
+    widget values by position); the node with only its required inputs builds Recipe()."""
+    import dataclasses
+    nodes = load_pack()
+    Recipe = nodes.Recipe  # the pack's copy, as ComfyUI imported it
+    schema = nodes.ModelOptQuantizeUNet.define_schema()
+    ids = [i.id for i in schema.inputs]
+    recipe_fields = [f.name for f in dataclasses.fields(Recipe)]
+    assert sorted(i for i in ids if i in recipe_fields) == sorted(recipe_fields)
+    assert ids[:14] == ["model", "format", "calibration", "weight_scale", "input_scale", "smoothing", "gptq",
+                        "convrot", "lowrank", "conv", "static_nvfp4_input", "keep", "budget", "max_error"]
+    assert ids[14:17] == ["runtime", "dequant_cache_gib", "gptq_act_order"]
+    default = Recipe()
+    for i in schema.inputs:
+        if i.id in recipe_fields and not isinstance(default.__getattribute__(i.id), tuple):
+            assert i.default == getattr(default, i.id), i.id
+    required = {i.id: i.default for i in schema.inputs if i.id in recipe_fields and not i.optional}
+    assert nodes.recipe_of_inputs(required) == default
+    assert nodes.recipe_of_inputs({"keep": "a.*\nb.*, c.*", "candidates": "nvfp4,int8_tensorwise",
+                                   "budget": 0.4, "format": "int8_tensorwise", "convrot": True}) == \
+        Recipe(format="int8_tensorwise", convrot=True, keep=("a.*", "b.*", "c.*"), budget=0.4,
+               candidates=("nvfp4", "int8_tensorwise"))
+
+
 def test_calibration_covers_the_trajectory(env):
     st = env["stats"]
     assert st.forward_calls == 2 * 3  # prompts x steps (cond and uncond batched per call)
