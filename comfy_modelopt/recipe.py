@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
-from .formats import CONVROT_GROUPS, NAMES
+from .formats import CONVROT_GROUP_DEFAULT, CONVROT_GROUPS, NAMES
 
 # The one vocabulary of options: the CLI's choices and the nodes' combos come from here
 # (default first, as the nodes show them).  Plain values: the command line's help needs no torch.
@@ -19,7 +19,7 @@ SMOOTHING_METHODS = ("none", "smoothquant", "awq")
 CONV_CHOICES = ("none", "fp8")
 LINEAR_DTYPES = ("int4", "int8")
 CONVROT_GROUPSIZES = tuple(sorted(CONVROT_GROUPS))
-DEFAULT_CONVROT_GROUPSIZE = 256
+DEFAULT_CONVROT_GROUPSIZE = CONVROT_GROUP_DEFAULT
 
 
 def lowrank_formats() -> tuple:

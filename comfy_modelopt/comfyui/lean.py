@@ -28,7 +28,7 @@ import torch
 import comfy.model_management
 from comfy.patcher_extension import CallbacksMP
 
-from ..formats import FORMATS
+from ..formats import CONVROT_GROUP_DEFAULT, FORMATS
 
 try:
     from comfy.quant_ops import QuantizedTensor
@@ -45,10 +45,9 @@ except ImportError:  # pragma: no cover - other kitchen versions: the public ck.
 
 
 def native_formats(device) -> set:
-    """Formats ComfyUI computes natively on ``device`` (its own gates, named by each format)."""
-    mm = comfy.model_management
-    return {name for name, f in FORMATS.items()
-            if not f.native_gate or getattr(mm, f.native_gate, lambda _d: False)(device)}
+    """Formats ComfyUI computes natively on ``device``: each format's ``native_on``, asking
+    ComfyUI's own predicates."""
+    return {name for name, f in FORMATS.items() if f.native_on(device, comfy.model_management)}
 
 
 def unpatched(module, class_cast_ok: bool = False) -> bool:
@@ -103,7 +102,7 @@ def _fp8_forward(module, x, fast_accum: bool):
 def int8_params(w) -> tuple:
     """(scale, convrot, group size) of an int8 weight, as kitchen's ``int8_linear`` takes them."""
     p = w._params
-    return p.scale, bool(getattr(p, "convrot", False)), int(getattr(p, "convrot_groupsize", 256))
+    return p.scale, bool(getattr(p, "convrot", False)), int(getattr(p, "convrot_groupsize", CONVROT_GROUP_DEFAULT))
 
 
 def _int8_forward(module, x):

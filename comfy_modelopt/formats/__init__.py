@@ -2,7 +2,7 @@
 contract every format fulfils).  ``FORMATS`` is the one table of them; no other module tests a
 format's name.
 
-``NAMES`` (and ``CONVROT_GROUPS``) are plain values, importable without torch - the command
+``NAMES`` (and the ConvRot groups) are plain values, importable without torch - the command
 line's help lists them; everything else is imported from the format files on first use.
 """
 from __future__ import annotations
@@ -13,6 +13,8 @@ from ..lazy import exports
 NAMES = ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "mxfp8", "nvfp4", "convrot_w4a4")
 # the regular Hadamard sizes kitchen's ConvRot rotation takes, largest first
 CONVROT_GROUPS = (1024, 256, 64, 16)
+# the group ComfyUI (and kitchen) assume where a layer's config does not name one; the recipe's default
+CONVROT_GROUP_DEFAULT = 256
 
 _FROM = {"base": ("F4_E2M1_MAX", "F8_E4M3_MAX", "Format", "kitchen_reference"),
          "convrot_w4a4": ("CONVROT_W4A4", "ConvRotW4A4Format"),
@@ -54,5 +56,5 @@ def values_per_element(name: str) -> int:
     return fmt.values_per_element if fmt is not None else 1
 
 
-__all__ = ["NAMES", "CONVROT_GROUPS", "FORMATS", "get_format", "values_per_element",
+__all__ = ["NAMES", "CONVROT_GROUPS", "CONVROT_GROUP_DEFAULT", "FORMATS", "get_format", "values_per_element",
            *(n for names in _FROM.values() for n in names)]

@@ -27,6 +27,7 @@ import comfy_kitchen as ck
 import comfy_kitchen.tensor as ck_tensor
 import torch
 from comfy_kitchen.tensor import QuantizedTensor
+from . import CONVROT_GROUP_DEFAULT
 
 # kitchen's own layout classes, held directly: ComfyUI re-registers some layout names with its
 # subclasses (e.g. "TensorCoreFP8Layout" becomes its E4M3 class without a dtype argument), so
@@ -75,7 +76,7 @@ class Format:
             return f"{self.name} needs out_features % {self.n_multiple} == 0, got {n}"
         return None
 
-    def conf(self, weight_only: bool = False, convrot: bool = False, convrot_groupsize: int = 256,
+    def conf(self, weight_only: bool = False, convrot: bool = False, convrot_groupsize: int = CONVROT_GROUP_DEFAULT,
              linear_dtype: str = "int4") -> dict:
         """The ``.comfy_quant`` JSON object for one layer."""
         conf = {"format": self.name}
@@ -83,7 +84,7 @@ class Format:
             conf["full_precision_matrix_mult"] = True
         return conf
 
-    def layout_kwargs(self, convrot: bool = False, convrot_groupsize: int = 256,
+    def layout_kwargs(self, convrot: bool = False, convrot_groupsize: int = CONVROT_GROUP_DEFAULT,
                       linear_dtype: str = "int4") -> dict:
         return {}
 
@@ -173,12 +174,16 @@ class Format:
         the weight's search space (rotated for ConvRot)."""
         return x
 
-    def native_on(self, device: torch.device) -> bool:
+    def native_on(self, device: torch.device, gates=None) -> bool:
         """Whether ComfyUI computes this format natively on ``device``; where not, it lists the
         format as emulated and dequantizes the weight (comfy/ops.py pick_operations: the
-        ``supports_*_compute`` predicates named by ``native_gate``)."""
+        ``supports_*_compute`` predicates named by ``native_gate``).  ``gates``: where those
+        predicates can be asked (``comfy.model_management``, passed by the ComfyUI adapter);
+        without it - the ComfyUI-free core - they are read as ``native_sm``."""
         if not self.native_gate:
             return True
+        if gates is not None:
+            return bool(getattr(gates, self.native_gate, lambda _d: False)(device))
         device = torch.device(device)
         if device.type != "cuda" or torch.version.cuda is None:
             return False

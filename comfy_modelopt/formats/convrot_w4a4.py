@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import CONVROT_GROUP_DEFAULT
 from .base import _shown, option
 from .int8 import RowwiseIntFormat, _anchored_rows, rotation_group
 
@@ -24,10 +25,10 @@ class ConvRotW4A4Format(RowwiseIntFormat):
             raise ValueError(f"'linear_dtype' must be 'int4' or 'int8', got {_shown(linear_dtype)}")
         return {"convrot_groupsize": rotation_group(conf), "linear_dtype": linear_dtype}
 
-    def layout_kwargs(self, convrot_groupsize=256, linear_dtype="int4", **opts):
+    def layout_kwargs(self, convrot_groupsize=CONVROT_GROUP_DEFAULT, linear_dtype="int4", **opts):
         return {"convrot_groupsize": convrot_groupsize, "linear_dtype": linear_dtype}
 
-    def conf(self, weight_only=False, convrot_groupsize=256, linear_dtype="int4", **opts):
+    def conf(self, weight_only=False, convrot_groupsize=CONVROT_GROUP_DEFAULT, linear_dtype="int4", **opts):
         conf = super().conf(weight_only)
         conf["convrot_groupsize"] = convrot_groupsize
         if linear_dtype != "int4":

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import gptq
-from . import CONVROT_GROUPS
+from . import CONVROT_GROUP_DEFAULT, CONVROT_GROUPS
 from .base import Format, _clip_rows, _row_alpha, _shown, option
 
 
@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - other kitchen versions
 def rotation_group(conf: dict) -> int:
     """A stored layer's ConvRot group as ComfyUI reads it (default 256), checked against what
     kitchen's rotation takes: a power of 4."""
-    group = option(conf, "convrot_groupsize", 256)
+    group = option(conf, "convrot_groupsize", CONVROT_GROUP_DEFAULT)
     if not (isinstance(group, int) and not isinstance(group, bool) and group >= 4 and group & (group - 1) == 0
             and group.bit_length() % 2 == 1):
         raise ValueError(f"'convrot_groupsize' must be a power of 4 (kitchen's rotation), got {_shown(group)}")
@@ -63,13 +63,13 @@ class RowwiseIntFormat(Format):
         # the largest rotation group up to the recipe's that divides in_features: a 384-wide
         # model takes group 64 instead of keeping every layer 16-bit (ComfyUI reads the group
         # per layer from .comfy_quant, for int8 and convrot_w4a4 alike)
-        group = opts.get("convrot_groupsize", 256)
+        group = opts.get("convrot_groupsize", CONVROT_GROUP_DEFAULT)
         if not self._rotates(opts) or k % group == 0:
             return opts
         fits = [g for g in self.convrot_groups if g < group and k % g == 0]
         return dict(opts, convrot_groupsize=fits[0]) if fits else opts
 
-    def shape_problem(self, n, k, convrot_groupsize=256, convrot=False, **opts):
+    def shape_problem(self, n, k, convrot_groupsize=CONVROT_GROUP_DEFAULT, convrot=False, **opts):
         problem = super().shape_problem(n, k)
         if problem is None and (self.rotated or convrot) and k % convrot_groupsize:
             problem = f"{self.name} with ConvRot needs in_features % {convrot_groupsize} == 0, got {k}"
@@ -82,11 +82,11 @@ class RowwiseIntFormat(Format):
             return _clip_rows(w, alpha), {}
         # Clip in the rotated basis (where kitchen takes its row absmax), then rotate back so
         # kitchen's own rotation lands on the clipped rows.
-        group = opts.get("convrot_groupsize", 256)
+        group = opts.get("convrot_groupsize", CONVROT_GROUP_DEFAULT)
         return _hadamard_rotate(_clip_rows(_hadamard_rotate(w, group), alpha), group), {}
 
     def search_space(self, w, **opts):
-        return _hadamard_rotate(w, opts.get("convrot_groupsize", 256)) if self._rotates(opts) else w
+        return _hadamard_rotate(w, opts.get("convrot_groupsize", CONVROT_GROUP_DEFAULT)) if self._rotates(opts) else w
 
     def fake_quant(self, w, alpha=None, **opts):
         out = self.fake_rows(self.search_space(w, **opts), alpha)
@@ -145,13 +145,13 @@ class Int8Format(RowwiseIntFormat):
             raise ValueError(f"'convrot' must be true or false, got {_shown(convrot)}")
         return {"convrot": True, "convrot_groupsize": rotation_group(conf)} if convrot else {}
 
-    def layout_kwargs(self, convrot=False, convrot_groupsize=256, **opts):
+    def layout_kwargs(self, convrot=False, convrot_groupsize=CONVROT_GROUP_DEFAULT, **opts):
         kw = {"per_channel": True}
         if convrot:
             kw.update(convrot=True, convrot_groupsize=convrot_groupsize)
         return kw
 
-    def conf(self, weight_only=False, convrot=False, convrot_groupsize=256, **opts):
+    def conf(self, weight_only=False, convrot=False, convrot_groupsize=CONVROT_GROUP_DEFAULT, **opts):
         conf = super().conf(weight_only)
         if convrot:
             conf.update(convrot=True, convrot_groupsize=convrot_groupsize)

@@ -16,11 +16,11 @@ def _mxfp8_block_scales(block_amax: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class MxFp8Format(Format):
-    def native_on(self, device) -> bool:
+    def native_on(self, device, gates=None) -> bool:
         # ComfyUI registers mxfp8 only where torch has the float8_e8m0fnu kernels it needs (2.10+)
         if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 10):
             return False
-        return super().native_on(device)
+        return super().native_on(device, gates)
 
     def _stored_params(self, tensors, conf):
         return {"scale": tensors["_scale"].view(torch.float8_e8m0fnu)}

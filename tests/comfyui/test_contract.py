@@ -407,3 +407,13 @@ def test_modulation_folds_are_exact(family):
     print(f"{family}: folded {err:.2e}, consumers only {broken:.3f}")
     assert err < 1e-4, err
     assert broken > 0.1, broken
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_native_compute_read_without_comfyui_agrees_with_comfyuis_gates(name):
+    """One truth for "does ComfyUI compute this format natively here?": the core's reading
+    (native_sm, torch version) equals ComfyUI's own supports_*_compute predicates on this device
+    (a CPU here, the H200 on the GPU machine)."""
+    dev = comfy.model_management.get_torch_device()
+    fmt = FORMATS[name]
+    assert fmt.native_on(dev) == fmt.native_on(dev, comfy.model_management), (name, dev)
