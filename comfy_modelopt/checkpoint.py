@@ -108,8 +108,8 @@ def recipe_text(recipe) -> str:
     if not isinstance(recipe, dict):
         return str(recipe)
     from dataclasses import fields
-    from .recipe import Recipe
-    defaults = {f.name: (f.default if f.default_factory is MISSING else f.default_factory()) for f in fields(Recipe)}
+    from .recipe import Recipe, recipe_default
+    defaults = {f.name: recipe_default(f) for f in fields(Recipe)}
     shown = [f"format={recipe.get('format')}"]
     for name, value in recipe.items():
         default = defaults.get(name, MISSING)

@@ -81,9 +81,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def recipe_of(a):
     """The recipe the recipe flags (``add_recipe_arguments``) of parsed arguments ``a`` give."""
-    from .recipe import Recipe, recipe_default, recipe_options, split_names
-    return Recipe(**{f.name: split_names(getattr(a, f.name)) if isinstance(recipe_default(f), tuple)
-                     else getattr(a, f.name) for f, _ in recipe_options()})
+    from .recipe import recipe_from_values, recipe_options
+    return recipe_from_values({f.name: getattr(a, f.name) for f, _ in recipe_options()})
 
 
 def _device(name: str):

@@ -238,6 +238,14 @@ def split_names(values) -> tuple[str, ...]:
     return tuple(p.strip() for v in values for p in v.replace(",", "\n").splitlines() if p.strip())
 
 
+def recipe_from_values(values: dict) -> Recipe:
+    """The recipe of option values as the CLI's flags and the node's inputs give them (a list
+    field as text, ``split_names``); fields not given keep their defaults, an unknown name is a
+    TypeError."""
+    tuples = {f.name for f in fields(Recipe) if isinstance(recipe_default(f), tuple)}
+    return Recipe(**{k: split_names(v) if k in tuples else v for k, v in values.items()})
+
+
 def _check(name: str, value: str, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")

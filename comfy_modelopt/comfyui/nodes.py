@@ -22,7 +22,7 @@ from ..modelopt_engine import ALGORITHMS as MODELOPT_ALGORITHMS, ENGINE_FORMATS,
 from ..pipeline import DictSink, quantize_source
 from ..progress import Progress
 from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS
-from ..recipe import Recipe, recipe_default, recipe_options, split_names
+from ..recipe import recipe_default, recipe_from_values, recipe_options
 from ..safetensors_io import write_file
 from ..stats import ActivationStats
 from .compat import check_kitchen
@@ -87,12 +87,6 @@ def recipe_input(name: str):
         return io.String.Input(name, multiline=True, default="", **kw)
     lo, hi, step = o.bounds
     return (io.Int if isinstance(default, int) else io.Float).Input(name, default=default, min=lo, max=hi, step=step, **kw)
-
-
-def recipe_of_inputs(options: dict) -> Recipe:
-    """The recipe of the Quantize node's recipe inputs (absent ones: the recipe's defaults)."""
-    return Recipe(**{k: split_names(v) if isinstance(recipe_default(_RECIPE_OPTIONS[k][0]), tuple) else v
-                     for k, v in options.items()})
 
 
 # The Quantize node's recipe inputs in the order its widgets were added: a saved UI workflow stores
@@ -285,7 +279,7 @@ class ModelOptQuantizeUNet(io.ComfyNode):
     def execute(cls, model, runtime=DEFAULT_RUNTIME, calibration=None, dequant_cache_gib=0.0,
                 **options) -> io.NodeOutput:
         try:
-            recipe = recipe_of_inputs(options)
+            recipe = recipe_from_values(options)
         except (ValueError, TypeError) as e:
             raise NodeError(str(e)) from None
         calibration, engine = _calibration_parts(calibration)

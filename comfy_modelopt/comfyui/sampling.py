@@ -17,6 +17,7 @@ from ..modelopt_engine import modelopt_calibrate
 from ..progress import Progress
 from ..recipe import Recipe
 from ..stats import ActivationStats
+from .model import log
 
 
 def encode(clip, text: str, guidance: float | None):
@@ -64,8 +65,7 @@ def _sampling_loop(model, clip, prompts: list[str], negative: str, steps: int, c
     conds = [encode(clip, p, guidance) for p in prompts]
     total = len(prompts) * steps
     pbar = comfy.utils.ProgressBar(total, node_id=node_id)
-    console = Progress("calibrating", write=lambda line: logging.info(f"[comfy-modelopt] {line}"),
-                       unit="sampling steps")
+    console = Progress("calibrating", write=log, unit="sampling steps")
 
     def forward_loop(_module):
         done = 0

@@ -96,7 +96,7 @@ def test_quantize_node_offers_every_recipe_field():
     widget values by position); the node with only its required inputs builds Recipe()."""
     import dataclasses
     nodes = load_pack()
-    Recipe = nodes.Recipe  # the pack's copy, as ComfyUI imported it
+    Recipe = sys.modules[PACK + ".comfy_modelopt.recipe"].Recipe  # the pack's copy, as ComfyUI imported it
     schema = nodes.ModelOptQuantizeUNet.define_schema()
     ids = [i.id for i in schema.inputs]
     recipe_fields = [f.name for f in dataclasses.fields(Recipe)]
@@ -109,8 +109,8 @@ def test_quantize_node_offers_every_recipe_field():
         if i.id in recipe_fields and not isinstance(default.__getattribute__(i.id), tuple):
             assert i.default == getattr(default, i.id), i.id
     required = {i.id: i.default for i in schema.inputs if i.id in recipe_fields and not i.optional}
-    assert nodes.recipe_of_inputs(required) == default
-    assert nodes.recipe_of_inputs({"keep": "a.*\nb.*, c.*", "candidates": "nvfp4,int8_tensorwise",
+    assert nodes.recipe_from_values(required) == default
+    assert nodes.recipe_from_values({"keep": "a.*\nb.*, c.*", "candidates": "nvfp4,int8_tensorwise",
                                    "budget": 0.4, "format": "int8_tensorwise", "convrot": True}) == \
         Recipe(format="int8_tensorwise", convrot=True, keep=("a.*", "b.*", "c.*"), budget=0.4,
                candidates=("nvfp4", "int8_tensorwise"))
