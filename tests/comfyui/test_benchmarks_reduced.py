@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
                            "lean + cuda graphs"], "sampling_wan.json"),
     ("compile_overhead.py", ["--iters", "2"], "compile_overhead.json"),
     ("flux_smoothing.py", [], "flux_smoothing.json"),
+    ("user_path.py", ["--model", "flux", "--cpu-tiny", "--runs", "2", "--steps", "2"], "verify_flux_float8_e4m3fn.json"),
 ])
 def test_reduced(tmp_path, script, args, out):
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--out", str(tmp_path), *args],

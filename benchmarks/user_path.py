@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""The user's path on a GPU, through the project's own nodes, next to stock ComfyUI in one process.
+
+(The team's shared probe, tools/user_path_probe.py, kept here so that docs/benchmarks.md section
+0a can be rerun from the repository; --log-info adds the pack's INFO log - compilation, capture.)
+
+Flux (bf16) or SDXL (fp16), full size, random weights with channel outliers (an init of its own, not the
+project's):
+  1. stock 16-bit model (comfy.sd.load_diffusion_model_state_dict) -> whole KSampler runs
+     (comfy.sample.sample, euler/simple, N steps): wall time per run, final latent
+  2. calibrate with the project's `calibrate(module, forward_loop)` on sampling runs of that model
+  3. Quantize Model node (ModelOptQuantizeUNet.execute) with the runtime under test -> KSampler runs
+  4. Save Quantized Model node -> stock comfy.sd.load_diffusion_model -> KSampler runs
+  optional: --lora R applies a random rank-R LoRA (ComfyUI's load_lora_for_models) to every block Linear
+  of the 16-bit, the node's and the stock-loaded model; --budget F runs the planner.
+Prints wall times, speed ratios vs stock 16-bit, latent rel-L2 between variants, peak VRAM; writes JSON to --out.
+Usage (COMFYUI_PATH set, project importable):
+  python benchmarks/user_path.py --model flux|sdxl --out DIR [--steps 20] [--runs 4] [--runtime "..."] [--format F]
+  python benchmarks/user_path.py --model flux --cpu-tiny --runs 2 --steps 3   (a CPU smoke run)
+"""
+import argparse, json, math, os, sys, time, gc
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--model", default="flux")
+ap.add_argument("--out", default=os.environ.get("OUT", "verify_out"))
+ap.add_argument("--steps", type=int, default=20)
+ap.add_argument("--runs", type=int, default=3)
+ap.add_argument("--format", default="float8_e4m3fn")
+ap.add_argument("--runtime", default=None)
+ap.add_argument("--smoothing", default="none")
+ap.add_argument("--lowrank", type=int, default=0)
+ap.add_argument("--budget", type=float, default=0.0)
+ap.add_argument("--gptq", action="store_true")
+ap.add_argument("--lora", type=int, default=0, help="rank of a random LoRA applied (strength 1) to every block Linear, on both the 16-bit and the quantized model")
+ap.add_argument("--calib-prompts", type=int, default=2)
+ap.add_argument("--calib-steps", type=int, default=8)
+ap.add_argument("--skip-stock-file", action="store_true")
+ap.add_argument("--yardstick", action="store_true", help="also sample the same weights in the other 16-bit dtype (chaos yardstick)")
+ap.add_argument("--cpu-tiny", action="store_true", help="CPU smoke test with tiny configs")
+ap.add_argument("--log-info", action="store_true", help="log at INFO (the pack's compilation and capture lines)")
+A = ap.parse_args()
+if A.log_info:
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(relativeCreated)7.0f ms %(levelname)s %(message)s")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project
+
+sys.path.insert(0, os.environ["COMFYUI_PATH"])
+from comfy.cli_args import args as cargs
+if A.cpu_tiny:
+    cargs.cpu = True
+import torch
+import comfy.model_management as mm
+import comfy.model_detection as md
+import comfy.sd, comfy.sample, comfy.utils
+import folder_paths
+
+from comfy_modelopt.calibrate import calibrate, CalibrationOptions
+from comfy_modelopt.comfyui import nodes as N
+
+DEV = mm.get_torch_device()
+CUDA = DEV.type == "cuda"
+os.makedirs(A.out, exist_ok=True)
+RES = {"args": vars(A), "env": {"torch": torch.__version__}, "rows": [], "notes": []}
+if CUDA:
+    RES["env"]["gpu"] = torch.cuda.get_device_name(0)
+
+
+def log(*a):
+    print("[verify]", *a, flush=True)
+
+
+def save():
+    with open(os.path.join(A.out, f"verify_{A.model}_{A.format}{'_b' + str(A.budget) if A.budget else ''}{'_lora' if A.lora else ''}.json"), "w") as f:
+        json.dump(RES, f, indent=1, default=str)
+
+
+SDXL_CFG = {'use_checkpoint': False, 'image_size': 32, 'out_channels': 4, 'use_spatial_transformer': True, 'legacy': False,
+            'num_classes': 'sequential', 'adm_in_channels': 2816, 'in_channels': 4, 'model_channels': 320,
+            'num_res_blocks': [2, 2, 2], 'transformer_depth': [0, 0, 2, 2, 10, 10], 'channel_mult': [1, 2, 4], 'transformer_depth_middle': 10,
+            'use_linear_in_transformer': True, 'context_dim': 2048, 'num_head_channels': 64, 'transformer_depth_output': [0, 0, 0, 2, 2, 2, 10, 10, 10],
+            'use_temporal_attention': False, 'use_temporal_resblock': False}
+
+
+def flux_meta(h, depth, single, ctx):
+    meta = lambda *s: torch.empty(s, device="meta")
+    sd = {"img_in.weight": meta(h, 64), "txt_in.weight": meta(h, ctx), "vector_in.in_layer.weight": meta(h, 768),
+          "guidance_in.in_layer.weight": meta(h, 256)}
+    for i in range(depth):
+        sd[f"double_blocks.{i}.img_attn.norm.key_norm.scale"] = meta(128)
+    for i in range(single):
+        sd[f"single_blocks.{i}.norm.key_norm.scale"] = meta(128)
+    return sd
+
+
+def random_state_dict(kind, dtype):
+    if kind == "flux":
+        fake = flux_meta(*( (256, 2, 2, 256) if A.cpu_tiny else (3072, 19, 38, 4096)))
+        cfg = md.detect_unet_config(fake, "")
+        mc = md.model_config_from_unet_config(cfg, fake)
+    else:
+        cfg = dict(SDXL_CFG)
+        if A.cpu_tiny:
+            cfg.update(model_channels=64, transformer_depth=[0, 0, 1, 1, 1, 1], transformer_depth_middle=1,
+                       transformer_depth_output=[0, 0, 0, 1, 1, 1, 1, 1, 1])
+        mc = md.model_config_from_unet_config(cfg, None)
+    mc.set_inference_dtype(dtype, None)
+    dev = DEV
+    with torch.device("meta"):
+        bm = mc.get_model({}, "", device="meta")
+    g = torch.Generator(device=dev).manual_seed(0)
+    sd = {}
+    for k, v in bm.diffusion_model.state_dict().items():
+        if not v.is_floating_point():
+            sd[k] = torch.zeros(v.shape, dtype=v.dtype)
+            continue
+        if k.endswith("bias"):
+            t = torch.zeros(v.shape, device=dev, dtype=torch.float32)
+        elif v.ndim >= 2:
+            t = torch.randn(v.shape, device=dev, generator=g) / math.sqrt(v[0].numel())
+        else:
+            t = torch.ones(v.shape, device=dev)
+        # give a few input channels of every Linear's producer real outlier structure: scale some
+        # columns of the weight (mimics trained models' channel-wise outliers)
+        if v.ndim == 2 and v.shape[1] >= 256 and ("mlp.0" in k or "ff.net.0" in k or "qkv" in k or "linear1" in k):
+            idx = torch.randperm(v.shape[1], generator=g, device=dev)[: max(1, v.shape[1] // 128)]
+            t[:, idx] *= 8.0
+        sd[k] = t.to(dtype).cpu()
+    return sd, mc
+
+
+def random_lora(sd, rank):
+    """A LoRA state dict in ComfyUI's plain key style for every block Linear weight of the model."""
+    g = torch.Generator().manual_seed(3); out = {}
+    for k, v in sd.items():
+        if v.ndim != 2 or not k.endswith(".weight") or not any(b in k for b in ("double_blocks", "single_blocks", "transformer_blocks")):
+            continue
+        base = "diffusion_model." + k[: -len(".weight")]
+        out[base + ".lora_down.weight"] = (torch.randn(rank, v.shape[1], generator=g) / math.sqrt(v.shape[1])).to(torch.bfloat16)
+        out[base + ".lora_up.weight"] = (torch.randn(v.shape[0], rank, generator=g) * 0.01).to(torch.bfloat16)
+    return out
+
+
+def with_lora(model, lora):
+    m, _ = comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0.0)
+    return m
+
+
+def conds(kind, dtype):
+    g = torch.Generator().manual_seed(7)
+    if kind == "flux":
+        ctx = torch.randn(1, 16 if A.cpu_tiny else 512, 256 if A.cpu_tiny else 4096, generator=g)
+        pooled = torch.randn(1, 768, generator=g)
+        pos = [[ctx, {"pooled_output": pooled, "guidance": 3.5}]]
+        neg = [[torch.zeros_like(ctx), {"pooled_output": pooled, "guidance": 3.5}]]
+        return pos, neg, 1.0
+    ctx = torch.randn(1, 77, 2048, generator=g)
+    pooled = torch.randn(1, 1280, generator=g)
+    extra = {"pooled_output": pooled, "width": 1024, "height": 1024}
+    return [[ctx, dict(extra)]], [[torch.zeros_like(ctx), dict(extra)]], 7.0
+
+
+def latent(kind):
+    res = 64 if A.cpu_tiny else 1024
+    ch = 16 if kind == "flux" else 4
+    return torch.zeros(1, ch, res // 8, res // 8)
+
+
+def sample(model, pos, neg, cfg, seed=42, steps=None):
+    lat = latent(A.model)
+    lat = comfy.sample.fix_empty_latent_channels(model, lat)
+    noise = comfy.sample.prepare_noise(lat, seed)
+    return comfy.sample.sample(model, noise, steps or A.steps, cfg, "euler", "simple", pos, neg, lat,
+                               seed=seed, disable_pbar=True)
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def timed_runs(label, model, pos, neg, cfg):
+    times, out = [], None
+    if CUDA:
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(A.runs):
+        sync(); t0 = time.perf_counter()
+        out = sample(model, pos, neg, cfg)
+        sync(); times.append(time.perf_counter() - t0)
+        log(f"{label}: run {i + 1} {times[-1]:.3f} s")
+    peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else None
+    row = {"variant": label, "run_s": [round(t, 3) for t in times], "steady_s": round(min(times[1:] or times), 3),
+           "peak_gib": round(peak, 2) if peak else None}
+    RES["rows"].append(row); save()
+    return out.float().cpu(), row
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def main():
+    dtype = torch.bfloat16 if A.model == "flux" else torch.float16
+    runtime = A.runtime or ("lean + compiled blocks + cuda graphs" if A.model == "flux" else "lean + cuda graphs")
+    RES["runtime"] = runtime
+    tmp = os.path.join(A.out, "models"); os.makedirs(tmp, exist_ok=True)
+    folder_paths.add_model_folder_path("diffusion_models", tmp, is_default=True)
+    t0 = time.perf_counter()
+    sd, mc = random_state_dict(A.model, dtype)
+    log(f"random weights built in {time.perf_counter() - t0:.1f} s, {sum(v.numel() for v in sd.values()) / 1e9:.2f} G params")
+    pos, neg, cfg = conds(A.model, dtype)
+
+    base = comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options={"dtype": dtype})
+    lora = random_lora(sd, A.lora) if A.lora else None
+    RES["lora_tensors"] = len(lora) if lora else 0
+    lat16, row16 = timed_runs(f"{dtype} stock" + (f" + LoRA r{A.lora}" if lora else ""), with_lora(base, lora) if lora else base, pos, neg, cfg)
+    if A.yardstick:
+        other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+        alt = comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options={"dtype": other})
+        lat_alt, row_alt = timed_runs(f"{other} stock (yardstick)", alt, pos, neg, cfg)
+        row_alt["rel_vs_16bit"] = round(rel(lat_alt, lat16), 5)
+        del alt; gc.collect(); mm.unload_all_models(); mm.soft_empty_cache()
+
+    # calibration: the project's core, on whole sampling runs of the stock model
+    t0 = time.perf_counter()
+    def forward_loop(_m):
+        for i in range(A.calib_prompts):
+            sample(base, pos, neg, cfg, seed=100 + i, steps=A.calib_steps)
+    mm.load_models_gpu([base])
+    stats = calibrate(base.model.diffusion_model, forward_loop, CalibrationOptions())
+    t_cal = time.perf_counter() - t0
+    log(f"calibration {t_cal:.1f} s")
+
+    t0 = time.perf_counter()
+    out = N.ModelOptQuantizeUNet.execute(model=base, format=A.format, weight_scale="mse", input_scale="mse",
+                                         smoothing=A.smoothing, gptq=A.gptq, convrot=False, static_nvfp4_input=False,
+                                         keep="", runtime=runtime, lowrank=A.lowrank, calibration=stats,
+                                         **({"budget": A.budget} if A.budget else {}))
+    t_q = time.perf_counter() - t0
+    qmodel, report = out.args[0], out.args[1]
+    log(f"quantize node {t_q:.1f} s"); log(report.splitlines()[0:4])
+    RES["calibrate_s"] = round(t_cal, 1); RES["quantize_s"] = round(t_q, 1); RES["report_head"] = report[:2000]
+    latq, rowq = timed_runs(f"{A.format} project node, {runtime}" + (f" + LoRA r{A.lora}" if lora else ""),
+                            with_lora(qmodel, lora) if lora else qmodel, pos, neg, cfg)
+    rowq["vs_16bit_stock"] = round(row16["steady_s"] / rowq["steady_s"], 3)
+    rowq["rel_vs_16bit"] = round(rel(latq, lat16), 5)
+
+    if not A.skip_stock_file and A.lowrank == 0:
+        t0 = time.perf_counter()
+        sv = N.ModelOptSaveQuantized.execute(model=qmodel, filename=f"verify-{A.model}-{A.format}", overwrite=True)
+        path = sv.args[0]
+        t_s = time.perf_counter() - t0
+        RES["save_s"] = round(t_s, 1); RES["file_gib"] = round(os.path.getsize(path) / 2**30, 3)
+        log(f"saved {RES['file_gib']} GiB in {t_s:.1f} s")
+        del qmodel; gc.collect(); mm.soft_empty_cache()
+        stock = comfy.sd.load_diffusion_model(path)
+        lats, rows = timed_runs(f"{A.format} file, stock ComfyUI loader" + (f" + LoRA r{A.lora}" if lora else ""),
+                                with_lora(stock, lora) if lora else stock, pos, neg, cfg)
+        rows["vs_16bit_stock"] = round(row16["steady_s"] / rows["steady_s"], 3)
+        rows["rel_vs_16bit"] = round(rel(lats, lat16), 5)
+        rowq["rel_vs_stock_file"] = round(rel(latq, lats), 5)
+        os.remove(path)
+    RES["rows"][0]["vs_16bit_stock"] = 1.0
+    save()
+    for r in RES["rows"]:
+        log(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
