@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from comfy_modelopt.formats import get_format  # noqa: E402
-from comfy_modelopt.gptq import gptq, hessian  # noqa: E402
+from comfy_modelopt.gptq import damped, gptq, gram  # noqa: E402
 from comfy_modelopt.lowrank import lowrank_split  # noqa: E402
 from comfy_modelopt.scales import choose_weight_clip  # noqa: E402
 from comfy_modelopt.smoothing import search_smoothing  # noqa: E402
@@ -98,7 +98,7 @@ def run_layer(name, n, k, fmt_name, quick):
     rounding = fmt.gptq_rounding(w, None)
     if rounding is not None and not quick:
         t0 = time.perf_counter()
-        q = gptq(w, hessian(cal), rounding[0])
+        q = gptq(w, damped(gram(cal), 0.01), rounding[0])
         record("gptq", t0, q)
     if fmt.lowrank:
         for rank in (32,) if quick else (16, 64):

@@ -60,7 +60,8 @@ def one_shape(n: int, k: int, rows: int, device, act_order: bool) -> dict:
     _, batched = timed(device, lambda: torch.linalg.cholesky(
         torch.cholesky_inverse(torch.linalg.cholesky(torch.stack(hs))), upper=True))
     _, each = timed(device, lambda: [gptq._upper_inverse_factor(m) for m in hs])
-    singles, t_single = timed(device, lambda: [gptq.gptq(w, m, quant, act_order=act_order) for m in hs])
+    singles, t_single = timed(device, lambda: [gptq.gptq(w, h, quant, act_order=act_order, damp=d)
+                                                for d in gptq.DAMPINGS])
     together, t_together = timed(device, lambda: gptq.gptq_dampings(w, h, gptq.DAMPINGS, quant,
                                                                    act_order=act_order))
     return {"shape": f"{n}x{k}", "rows": rows, "act_order": act_order,

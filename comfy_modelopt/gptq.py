@@ -19,6 +19,7 @@ the e4m3 grid (to at least 240, the first grid value above 224): ``e4m3_up``.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -29,15 +30,25 @@ import torch
 DAMPINGS = (0.01, 0.1, 1.0)
 
 
-def hessian(x: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
-    """H = X^T X / m + damp * mean(diag) * I, in float64."""
-    return damped(gram(x), damp)
-
-
 def gram(x: torch.Tensor) -> torch.Tensor:
-    """X^T X / m in float64 (undamped)."""
-    x = x.double()
-    return x.T @ x / max(x.shape[0], 1)
+    """X^T X / m in float32 (undamped).  float32 throughout, as GPTQ's reference code: the damped
+    Hessian is well conditioned, and float64 made a CPU's GPTQ 2x slower for no measured gain
+    (docs/algorithms.md, "Defaults")."""
+    x = x.float()
+    with full_float32():
+        return x.T @ x / max(x.shape[0], 1)
+
+
+@contextmanager
+def full_float32():
+    """float32 products in full float32 while GPTQ runs, whatever the process set (TF32 keeps 10
+    mantissa bits: too few for the Hessian and the error propagation)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def damped(h: torch.Tensor, damp: float) -> torch.Tensor:
@@ -47,29 +58,41 @@ def damped(h: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 def gptq(w: torch.Tensor, h: torch.Tensor, quantize_columns: Callable[[torch.Tensor, slice], torch.Tensor],
-         block: int = 128, act_order: bool = False) -> torch.Tensor:
-    """Rounded weight (on the quantization grid) of w [N, K] given H [K, K].
+         block: int = 128, act_order: bool = False, damp: float = 0.0) -> torch.Tensor:
+    """Rounded weight (on the quantization grid) of w [N, K] given H [K, K] (``damped`` by
+    ``damp`` first where it is given).
 
     ``quantize_columns(cols, index)`` rounds a [N, c] slice of columns (``index`` their position
     in ``w``), with scales that are already fixed.  ``act_order``: round the columns in order of
     decreasing H diagonal (the inputs with the most energy first, while the most columns are
     left to absorb their error); the scales stay those of the columns' own blocks."""
-    return _gptq_batch(w, [h], quantize_columns, block, act_order)[0]
+    with full_float32():
+        return _gptq_batch(w, [damped(h, damp) if damp else h], quantize_columns, block, _order(h, act_order))[0]
 
 
 def gptq_dampings(w: torch.Tensor, h: torch.Tensor, dampings, quantize_columns, block: int = 128,
                   act_order: bool = False) -> list[torch.Tensor]:
     """``gptq`` of ``w`` for each damping of the undamped ``h`` (``damped``), as many at once as
     memory allows: one column loop over a batch of Hessians.  The loop is a few small kernels per
-    column - launch-bound on a GPU - so on the H200 three dampings cost 1.3x one (2.2-3.6x less
-    than three calls, benchmarks/gptq_cost.py).  The same numbers as one call per damping (the
-    column steps are elementwise; a block's update is a batched product of the same terms)."""
+    column - launch-bound on a GPU - so on the H200 three dampings cost 1.3x one (2-3x less
+    than three calls, benchmarks/gptq_cost.py).  The same numbers as one call per damping on a
+    CPU (the column steps are elementwise; a block's update is a batched product of the same
+    terms); on a GPU the batched float32 product may differ from the single one in the last bits
+    (cuBLAS picks its kernel by batch size)."""
     out, dampings = [], list(dampings)
-    per = 4 * h.shape[0] ** 2 * 8  # a float64 inverse Hessian and the Cholesky temporaries
+    per = 4 * h.shape[0] ** 2 * 4  # a float32 inverse Hessian and the Cholesky temporaries
     size = max(1, min(len(dampings), batch_room(h.device) // per))
-    for i in range(0, len(dampings), size):
-        out += _gptq_batch(w, [damped(h, d) for d in dampings[i:i + size]], quantize_columns, block, act_order)
+    order = _order(h, act_order)
+    with full_float32():
+        for i in range(0, len(dampings), size):
+            out += _gptq_batch(w, [damped(h, d) for d in dampings[i:i + size]], quantize_columns, block, order)
     return out
+
+
+def _order(h: torch.Tensor, act_order: bool) -> torch.Tensor | None:
+    """act-order's column order: decreasing input energy, read on the undamped H (a damping adds
+    the same to every diagonal entry - in float32 it can round near-ties apart differently)."""
+    return torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else None
 
 
 def batch_room(device: torch.device) -> int:
@@ -82,54 +105,54 @@ def batch_room(device: torch.device) -> int:
 
 
 def _gptq_batch(w: torch.Tensor, hs: list[torch.Tensor], quantize_columns, block: int,
-                act_order: bool) -> list[torch.Tensor]:
-    k = w.shape[1]
-    ws, hs_ = [], []
-    for h in hs:
-        wd = w.double().clone()
+                order: torch.Tensor | None) -> list[torch.Tensor]:
+    k, d = w.shape[1], len(hs)
+    # column-major, [D, K, N]: each column's step updates whole contiguous rows of the block
+    wb = w.T.float().to(memory_format=torch.contiguous_format).expand(d, -1, -1).clone()
+    hinv = torch.empty(d, k, k, dtype=torch.float32, device=w.device)
+    for b, h in enumerate(hs):
         dead = torch.diagonal(h) == 0
-        h = h.clone()
+        h = h.float().clone()
         h[dead, dead] = 1.0
-        wd[:, dead] = 0.0
-        ws.append(wd)
-        hs_.append(h)
-    orders = [torch.argsort(torch.diagonal(h), descending=True, stable=True) for h in hs_] if act_order else None
-    if orders is not None and any(not torch.equal(o, orders[0]) for o in orders[1:]):
-        return [_gptq_batch(w, [h], quantize_columns, block, act_order)[0] for h in hs]  # one order per batch
-    order = orders[0] if orders else None
-    wb = torch.stack(ws)  # [D, N, K]
-    del ws
+        wb[b, dead] = 0.0
+        if order is not None:
+            h = h[order][:, order]
+        # one factorisation per Hessian: batched Cholesky of large matrices is far slower on a
+        # GPU than one call each (measured on the H200: benchmarks/gptq_cost.py)
+        hinv[b] = _upper_inverse_factor(h)
+        del h
     if order is not None:
-        wb = wb[:, :, order]
-        hs_ = [h[order][:, order] for h in hs_]
-    # one factorisation per Hessian: batched Cholesky of large matrices is far slower on a GPU
-    # than one call each (measured on the H200: benchmarks/gptq_cost.py)
-    hinv = torch.stack([_upper_inverse_factor(h) for h in hs_])  # [D, K, K]
-    del hs_
+        wb = wb[:, order]
     places = order.tolist() if order is not None else None  # on the host once: no sync per column
-    q = torch.zeros_like(wb)
+    q = torch.empty_like(wb)
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
-        w1 = wb[:, :, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
+        w1 = wb[:, i1:i2].clone()  # [D, B, N]
+        err1 = torch.empty_like(w1)
         hinv1 = hinv[:, i1:i2, i1:i2]
         for i in range(i2 - i1):
-            col = w1[:, :, i]  # [D, N]: the batch's copies of one column, rounded as [N, D] columns
+            col = w1[:, i]  # [D, N]: the batch's copies of one column, rounded as [N, D] columns
             j = i1 + i if places is None else places[i1 + i]  # the column's place in w
-            qc = quantize_columns(col.T.float(), slice(j, j + 1)).double().T
-            q[:, :, i1 + i] = qc
-            e = (col - qc) / hinv1[:, i, i, None]
-            w1[:, :, i:] -= e[:, :, None] * hinv1[:, None, i, i:]
-            err1[:, :, i] = e
-        wb[:, :, i2:] -= err1 @ hinv[:, i1:i2, i2:]
+            qc = quantize_columns(col.T, slice(j, j + 1)).T
+            q[:, i1 + i] = qc
+            e = err1[:, i]
+            torch.div(col - qc, hinv1[:, i, i, None], out=e)
+            # the error spread over the block's later columns: a batched outer product, in place
+            w1[:, i + 1:].baddbmm_(hinv1[:, i, i + 1:, None], e[:, None, :], alpha=-1)
+        wb[:, i2:].baddbmm_(hinv[:, i1:i2, i2:].transpose(1, 2), err1, alpha=-1)
     if order is not None:
-        q = q[:, :, torch.argsort(order)]
-    return list(q.float())
+        q = q[:, torch.argsort(order)]
+    return list(q.transpose(1, 2).float())
 
 
 def _upper_inverse_factor(h: torch.Tensor) -> torch.Tensor:
-    """The upper Cholesky factor of H^-1 (GPTQ's per-column weights)."""
-    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    """The upper Cholesky factor U of H^-1 (U^T U = H^-1; GPTQ's per-column weights), from one
+    factorisation: with P the reversal permutation and P H P = L L^T, U = P L^-1 P (then
+    U^T U = P L^-T L^-1 P = (P H P)^-1 reversed = H^-1, and U is upper triangular) - a Cholesky
+    and a triangular inverse instead of GPTQ's Cholesky, inverse and second Cholesky."""
+    lo = torch.linalg.cholesky(h.flip(0, 1))
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    return torch.linalg.solve_triangular(lo, eye, upper=False).flip(0, 1)
 
 
 def fp8_column_quantizer(scale: float, dtype: torch.dtype):

@@ -259,8 +259,8 @@ def encode(choice: LayerChoice, layer: LayerPlan, plan: Plan) -> tuple[dict[str,
                 # sampled row (their Hessian is the better estimate: on the real-weights model
                 # nearly every format's error dropped, e.g. fp8 W8A8 act-order 0.0557 -> 0.0532)
                 x_all = fmt.search_space(x.to(w.device), **opts)
-                q = gptq.gptq(ws, gptq.damped(gptq.gram(x_all), tried[best][1]), quantize_columns,
-                              act_order=plan.recipe.gptq_act_order)
+                q = gptq.gptq(ws, gptq.gram(x_all), quantize_columns, act_order=plan.recipe.gptq_act_order,
+                              damp=tried[best][1])
                 choice.notes.append(f"gptq damp {tried[best][1]:g} (held-out {base:.4f}->{errs[best]:.4f}; "
                                     f"then rounded from all {x_all.shape[0]} rows)" + _few_rows(x_all))
                 return encoded(q)
