@@ -47,21 +47,30 @@ def extract(cache_dir: str) -> str:
         os.makedirs(out, exist_ok=True)
         with zipfile.ZipFile(z) as zf:
             for name in ("config.json", "tokenizer.json", "model.safetensors"):
-                tmp = os.path.join(out, name + ".part")
-                with zf.open(name) as src, open(tmp, "wb") as dst:
-                    while chunk := src.read(1 << 20):
-                        dst.write(chunk)
-                os.replace(tmp, os.path.join(out, name))
+                copy_member(zf, name, os.path.join(out, name))
     return out
+
+
+def copy_member(zf: zipfile.ZipFile, name: str, path: str) -> None:
+    """One member of a zip written to ``path`` (through a temporary file, renamed when complete)."""
+    tmp = path + ".part"
+    with zf.open(name) as src, open(tmp, "wb") as dst:
+        while chunk := src.read(1 << 20):
+            dst.write(chunk)
+    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------- tokenizer
 class WordPiece:
-    def __init__(self, tokenizer_json: str, max_len: int = 128):
+    """BERT's WordPiece (``cls``/``sep``: the special tokens around a sentence; ``pad``: the id of
+    padding)."""
+
+    def __init__(self, tokenizer_json: str, max_len: int = 128, cls: str = "[CLS]", sep: str = "[SEP]",
+                 pad: int = 0):
         doc = json.load(open(tokenizer_json, encoding="utf-8"))
         self.vocab = doc["model"]["vocab"]
-        self.unk, self.cls, self.sep = self.vocab["[UNK]"], self.vocab["[CLS]"], self.vocab["[SEP]"]
-        self.max_len = max_len
+        self.unk, self.cls, self.sep = self.vocab[doc["model"]["unk_token"]], self.vocab[cls], self.vocab[sep]
+        self.max_len, self.pad = max_len, pad
 
     @staticmethod
     def _words(text: str) -> list[str]:
@@ -99,7 +108,7 @@ class WordPiece:
     def batch(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         seqs = [self(t) for t in texts]
         n = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), n, dtype=torch.long)
+        ids = torch.full((len(seqs), n), self.pad, dtype=torch.long)
         mask = torch.zeros(len(seqs), n, dtype=torch.bool)
         for i, s in enumerate(seqs):
             ids[i, :len(s)] = torch.tensor(s)

