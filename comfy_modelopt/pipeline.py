@@ -26,8 +26,8 @@ from .planner import plan_budget
 from .layer import FEW_ROWS, kept_report, quantize_conv, quantize_layer
 from .recipe import Recipe
 from .report import LayerReport, QuantReport
-from .safetensors_io import (FLOAT_DTYPES, ITEMSIZE, ST_DTYPES, TORCH_DTYPES, SafetensorsFile, StreamWriter,
-                             check_output_path)
+from .publish import check_output_path
+from .safetensors_io import FLOAT_DTYPES, ITEMSIZE, ST_DTYPES, TORCH_DTYPES, SafetensorsFile, StreamWriter
 from .stats import ActivationStats
 from .verify import verify
 

@@ -7,14 +7,14 @@ touched mmap pages would count as resident for the whole run).
 The writer plans the whole header first (names, dtypes, shapes -> offsets), reserves the file,
 then takes tensors in any order and writes each at its offset.  It writes to a temporary file in
 the destination folder and renames it into place only after every tensor arrived and the data is
-fsynced; on any error the temporary file is removed, so an interrupted run leaves no output.
+fsynced (publish.py); on any error the temporary file is removed, so an interrupted run leaves
+no output.
 Its bytes equal ``safetensors.torch.save`` of the same tensors and metadata (same ordering:
 dtype rank descending then name, same JSON, same 8-byte padding).
 """
 from __future__ import annotations
 
 import ctypes
-import errno
 import fcntl
 import json
 import math
@@ -25,7 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import CheckpointError, OutputError, OutputExistsError, one_line
+from .errors import CheckpointError, one_line
+from .publish import (check_output_path, fsync_dir, partial_prefix, publish, pwrite_all, remove_stale_partials, reserve,
+                      target_mode)
 
 # safetensors' Dtype enum order (ascending); files order tensors by rank descending, then name.
 DTYPE_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
@@ -298,12 +300,12 @@ class StreamWriter:
         self._pending = set(self.entries)
         remove_stale_partials(self.path)
         self._fd = -1
-        fd, self.tmp_path = tempfile.mkstemp(prefix=_partial_prefix(self.path), suffix=".partial", dir=folder)
+        fd, self.tmp_path = tempfile.mkstemp(prefix=partial_prefix(self.path), suffix=".partial", dir=folder)
         self._fd = fd
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.fchmod(fd, _target_mode(self.path))
-            _reserve(fd, self.total_size, self.path)
+            os.fchmod(fd, target_mode(self.path))
+            reserve(fd, self.total_size, self.path)
             # the length prefix stays zero until close(): see the class docstring
             os.pwrite(fd, self._header, 8)
         except BaseException:
@@ -321,7 +323,7 @@ class StreamWriter:
             raise ValueError(f"{key}: planned {dtype}{list(shape)}, got {got[0]}{list(got[1])}")
         start, end = self.offsets[key]
         data = _as_bytes(tensor)
-        _pwrite_all(self._fd, data, self._data_start + start)
+        pwrite_all(self._fd, data, self._data_start + start)
         self._pending.discard(key)
 
     def close(self, metadata: dict[str, str] | None = None) -> str:
@@ -339,8 +341,8 @@ class StreamWriter:
             os.fsync(self._fd)                       # every tensor is on disk ...
             os.pwrite(self._fd, struct.pack("<Q", len(self._header)), 0)
             os.fsync(self._fd)                       # ... before the file says it is whole
-            _publish(self.tmp_path, self.path, self.overwrite)
-            _fsync_dir(os.path.dirname(self.path))
+            publish(self.tmp_path, self.path, self.overwrite)
+            fsync_dir(os.path.dirname(self.path))
             os.close(self._fd)
             self._fd = -1
             return self.path
@@ -365,141 +367,6 @@ class StreamWriter:
             self.abort()
 
 
-def check_output_path(path: str, overwrite: bool) -> str:
-    """Refuse an output we cannot or must not write, before any work; returns its folder."""
-    folder = os.path.dirname(os.path.abspath(path)) or "."
-    if not os.path.isdir(folder):
-        raise OutputError(f"{path}: folder {folder} does not exist (create it first)")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise OutputError(f"{path}: folder {folder} is not writable")
-    if os.path.isdir(path):
-        raise OutputError(f"{path} is a folder; give a file name such as {os.path.join(path, 'model.safetensors')}")
-    if os.path.lexists(path) and not overwrite:
-        raise OutputExistsError(f"{path} already exists (use --overwrite to replace it)")
-    return folder
-
-
-def _publish(tmp_path: str, path: str, overwrite: bool) -> None:
-    """Move a finished temp file into place: replace with ``overwrite``, else link-or-fail, so
-    a file that appeared meanwhile (another run) is never replaced."""
-    if overwrite:
-        if os.path.isdir(path):
-            raise OutputError(f"{path} is a folder; choose a file name")
-        os.replace(tmp_path, path)
-        return
-    try:
-        os.link(tmp_path, path)       # fails if the target appeared meanwhile
-    except FileExistsError:
-        raise OutputExistsError(f"{path} appeared while this run was writing (another run?); "
-                                f"nothing was replaced - use --overwrite to replace it") from None
-    except OSError as e:
-        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS,
-                           getattr(errno, "ENOTSUP", -1)):
-            raise
-        # filesystems without hard links: the narrow check-then-rename is the best there is
-        if os.path.lexists(path):
-            raise OutputExistsError(f"{path} appeared while this run was writing; nothing "
-                                    f"was replaced - use --overwrite to replace it") from None
-        os.rename(tmp_path, path)
-        return
-    os.unlink(tmp_path)
-
-
-def _partial_prefix(path: str) -> str:
-    return f".{os.path.basename(path)}."
-
-
-def partials_of(path: str) -> list[str]:
-    """Hidden partial files of writers to ``path`` (live or dead)."""
-    folder, prefix = os.path.dirname(os.path.abspath(path)), _partial_prefix(path)
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
-    return [os.path.join(folder, n) for n in names if n.startswith(prefix) and n.endswith(".partial")]
-
-
-def remove_stale_partials(path: str) -> list[str]:
-    """Remove partials of ``path`` left by writers that died (kill -9, power cut): those whose
-    lock can be taken; a live writer holds its own.  Returns what was removed."""
-    removed = []
-    for p in partials_of(path):
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # a live writer
-        try:
-            if os.pread(fd, 8, 0) == bytes(8):  # ours, never completed
-                os.unlink(p)
-                removed.append(p)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return removed
-
-
-def _umask() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    old = os.umask(0o022)
-    os.umask(old)
-    return old
-
-
-def _target_mode(path: str) -> int:
-    """The mode the output gets: an existing file's own, else a new file's under the umask."""
-    try:
-        return os.stat(path).st_mode & 0o7777
-    except OSError:
-        return 0o666 & ~_umask()
-
-
-def atomic_write_bytes(path: str, data: bytes, overwrite: bool = False) -> str:
-    """Write a small file (a JSON report) with the same guarantees as ``StreamWriter``: temp
-    file, fsync, link-or-fail or replace, umask mode; nothing half-written on any failure."""
-    path = os.path.abspath(os.fspath(path))
-    folder = check_output_path(path, overwrite)
-    fd, tmp = tempfile.mkstemp(prefix=_partial_prefix(path), suffix=".partial", dir=folder)
-    try:
-        os.fchmod(fd, _target_mode(path))
-        _pwrite_all(fd, memoryview(data), 0)
-        os.fsync(fd)
-        _publish(tmp, path, overwrite)
-        _fsync_dir(folder)
-        return path
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    finally:
-        os.close(fd)
-
-
-def _reserve(fd: int, size: int, path: str) -> None:
-    """Allocate the whole file up front: a full disk fails here, before any work."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise OutputError(errno.ENOSPC, f"no space left for {path} ({size / 2**30:.2f} GiB needed)") from None
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", -1)):
-            raise
-        os.ftruncate(fd, size)  # filesystems without fallocate
-
-
 def _as_bytes(t: torch.Tensor) -> memoryview:
     """Zero-copy bytes of a CPU tensor (valid while the returned view's owner lives)."""
     t = t.detach().to("cpu").contiguous()
@@ -509,25 +376,6 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     buf = (ctypes.c_char * nbytes).from_address(t.data_ptr())
     buf._owner = t  # keep the tensor alive as long as the buffer
     return memoryview(buf).cast("B")
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
-
-
-def _fsync_dir(folder: str) -> None:
-    try:
-        dfd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
 
 
 def tensor_entry(t: torch.Tensor) -> tuple[str, tuple]:

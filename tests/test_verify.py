@@ -225,7 +225,7 @@ def test_output_errors_name_the_output(written, tmp_path, monkeypatch):
 
     def full(fd, size, path):
         raise OutputError(28, f"no space left for {path} (0.01 GiB needed)")
-    monkeypatch.setattr(io, "_reserve", full)
+    monkeypatch.setattr(io, "reserve", full)
     with pytest.raises(OutputError) as e:
         quantize_file(written["bf16"], str(tmp_path / "out.safetensors"), Recipe("float8_e4m3fn"))
     assert not str(e.value).startswith("flux-bf16") and "out.safetensors" in str(e.value).split(":")[0] + str(e.value)

@@ -15,8 +15,8 @@ from comfy_modelopt.checkpoint import inspect_file
 from comfy_modelopt.errors import CheckpointError, OutputExistsError
 from comfy_modelopt.pipeline import quantize_file
 from comfy_modelopt.recipe import Recipe
-from comfy_modelopt.safetensors_io import (SafetensorsFile, StreamWriter, partials_of, remove_stale_partials,
-                                           tensor_entry)
+from comfy_modelopt.publish import partials_of, remove_stale_partials
+from comfy_modelopt.safetensors_io import SafetensorsFile, StreamWriter, tensor_entry
 from comfy_modelopt.synthetic import flux_layout, write_checkpoint
 
 
@@ -173,16 +173,16 @@ def test_existing_report_needs_overwrite_before_any_work(tmp_path, flux_file, ca
 def test_report_on_full_disk_leaves_no_half_report(tmp_path, flux_file, monkeypatch, capsys):
     import errno
 
-    import comfy_modelopt.safetensors_io as sio
+    import comfy_modelopt.publish as pub
     out, rep = tmp_path / "o.safetensors", tmp_path / "r.json"
-    real = sio._pwrite_all
+    real = pub.pwrite_all
 
     def full(fd, data, offset):
         if len(data) > 1000 and "/.r.json." in os.readlink(f"/proc/self/fd/{fd}"):
             real(fd, data[:100], offset)  # some bytes made it, then the disk filled
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data, offset)
-    monkeypatch.setattr(sio, "_pwrite_all", full)
+    monkeypatch.setattr(pub, "pwrite_all", full)
     assert cli.main(["quantize", flux_file, "-o", str(out), "--report", str(rep), "-q"]) == 1
     err = capsys.readouterr().err
     assert "was written and is complete" in err and "No space left" in err
