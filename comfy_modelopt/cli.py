@@ -54,9 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                                    "`python -m comfy_modelopt.comfyui.launch --comfyui PATH --unet MODEL --clip "
                                    "ENCODER -o NAME` (its --help)")
     add_recipe_arguments(q)
-    q.add_argument("--device", default="cpu",
-                   help="where the quantization math runs: cpu, cuda, cuda:N, or auto (a CUDA GPU if there is "
-                        "one); weights travel there one layer at a time")
+    q.add_argument("--device", default="auto",
+                   help="where the quantization math runs: auto (the default: a CUDA GPU if there is one, else "
+                        "the CPU), cpu, cuda or cuda:N; weights travel there one layer at a time")
     q.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     q.add_argument("--hash", action="store_true", help="record the source file's sha256 (reads it once more)")
     q.add_argument("--report", help="also write the per-layer report as JSON here")

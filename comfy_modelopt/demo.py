@@ -22,9 +22,9 @@ from .safetensors_io import SafetensorsFile
 from .synthetic import flux_layout, tensor_for, write_checkpoint
 
 DEMO_LAYOUT = dict(hidden=256, depth=2, depth_single=2, context_in=512, vec_in=256)
-# every format, and the ConvRot variant of those that offer one
+# every format, and for those with ConvRot (on by default) the unrotated variant too
 DEMO_RECIPES = tuple(r for name in FORMATS for r in (
-    (Recipe(name), Recipe(name, convrot=True)) if name in convrot_formats() else (Recipe(name),)))
+    (Recipe(name, convrot=False), Recipe(name)) if name in convrot_formats() else (Recipe(name),)))
 
 
 def verify_file(path: str, source: dict[str, torch.Tensor]) -> tuple[int, float, float]:
@@ -68,7 +68,7 @@ def run_demo(out_dir: str | None = None, keep_files: bool = False) -> list[dict]
           f"hidden {DEMO_LAYOUT['hidden']})")
     rows = []
     for i, recipe in enumerate(DEMO_RECIPES):
-        name = recipe.format + ("+convrot" if recipe.convrot else "")
+        name = recipe.format + ("+convrot" if recipe.convrot and recipe.format in convrot_formats() else "")
         out = os.path.join(out_dir, f"demo-flux-{name}.safetensors")
         print(f"[{i + 1}/{len(DEMO_RECIPES)}] {name}: quantizing and verifying ...", flush=True)
         t0 = time.perf_counter()

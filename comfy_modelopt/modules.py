@@ -285,7 +285,6 @@ def price_end_to_end(module: torch.nn.Module, recipe: Recipe, stats, evaluate, *
     from dataclasses import replace
 
     from .planner import resolve_candidates
-    from .recipe import convrot_formats
     if not recipe.planned:
         raise QuantizeError("evaluate prices the planner's choices: give the recipe a budget or max_error")
     if family is None:
@@ -293,7 +292,7 @@ def price_end_to_end(module: torch.nn.Module, recipe: Recipe, stats, evaluate, *
     versions, size = {}, {}
     for name in resolve_candidates(recipe):
         one = replace(recipe, format=name, budget=0.0, max_error=0.0, candidates=(),
-                      convrot=recipe.convrot and name in convrot_formats(), sensitivity=False)
+                      sensitivity=False)
         q = quantize_module(module, one, stats, family=family, native=native)
         versions[name] = quantized_layers(q)
         size[name] = {l.name: l.bytes for l in module_report(q).layers}

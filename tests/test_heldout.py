@@ -119,3 +119,16 @@ def test_gptq_chosen_on_held_out_prompts_is_rounded_again_from_every_row(monkeyp
     assert any("then rounded from all" in l.notes for l in report.quantized)
 
 
+
+def test_act_order_is_on_by_default_and_an_option_of_gptq():
+    """act-order is on by default and means something only with GPTQ: without it the recipe is
+    accepted and nothing changes; the layers of a GPTQ recipe say they used GPTQ."""
+    assert Recipe().gptq_act_order and not Recipe().gptq
+    model = _model()
+    sd = _sd(model)
+    stats = _calibrate(model, [torch.randn(8, 64) for _ in range(8)])
+    on, _m, _r = quantize(dict(sd), Recipe(format="nvfp4"), stats, family="generic")
+    off, _m, _r = quantize(dict(sd), Recipe(format="nvfp4", gptq_act_order=False), stats, family="generic")
+    assert on.keys() == off.keys() and all(torch.equal(on[k], off[k]) for k in on)
+    _o, _m, report = quantize(dict(sd), Recipe(format="nvfp4", gptq=True), stats, family="generic")
+    assert all("gptq" in l.notes for l in report.quantized)

@@ -155,7 +155,7 @@ def test_svdquant_export_into_the_own_loader_file():
         down = torch.randn(rank, w.shape[1], generator=g)
         engine.layers[name] = EngineLayer(smooth=s, lowrank=(up, down))
     sink = DictSink()
-    report = quantize_source(DictSource.from_state_dict(sd), sink, Recipe("nvfp4", lowrank=rank, sensitivity=False),
+    report = quantize_source(DictSource.from_state_dict(sd), sink, Recipe("nvfp4", lowrank=rank, sensitivity=False, gptq=False),
                              stats, engine=engine)
     assert report.quantized
     for layer in report.quantized:

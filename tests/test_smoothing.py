@@ -152,7 +152,7 @@ def test_folded_smoothing_lowers_block_error(fmt):
     block, sd, stats, data = _sd_setup()
     errs = {}
     for smoothing in ("none", "smoothquant", "awq"):
-        recipe = Recipe(fmt, smoothing=smoothing, sensitivity=False)
+        recipe = Recipe(fmt, smoothing=smoothing, sensitivity=False, gptq=False, convrot=False)
         sink = DictSink()
         rep = quantize_source(DictSource.from_state_dict(sd), sink, recipe, stats)
         q = _rebuild(block, sink.tensors, recipe)

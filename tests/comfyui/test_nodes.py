@@ -352,8 +352,6 @@ def test_errors_say_what_to_do(env):
         quantize(env, smoothing="awq", calibration=None)
     with pytest.raises(nodes.NodeError, match="gptq, static_nvfp4_input needs calibration"):
         quantize(env, format="nvfp4", gptq=True, static_nvfp4_input=True, calibration=None)
-    with pytest.raises(nodes.NodeError, match="convrot applies to int8_tensorwise only"):
-        quantize(env, format="nvfp4", convrot=True)
     with pytest.raises(nodes.NodeError, match="nothing was quantized"):
         quantize(env, keep="*")
     with pytest.raises(nodes.NodeError, match="not made by Quantize Model"):
