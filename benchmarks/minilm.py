@@ -138,14 +138,17 @@ class _Attention(torch.nn.Module):
 
 
 class _Layer(torch.nn.Module):
-    def __init__(self, d: int, ff: int, heads: int):
+    """A post-LN transformer layer: ``attention`` (BERT's by default; MPNet passes its own), then
+    the GELU MLP, each with its residual."""
+
+    def __init__(self, d: int, ff: int, heads: int, eps: float = 1e-12, attention: torch.nn.Module | None = None):
         super().__init__()
-        self.attention = _Attention(d, heads)
+        self.attention = attention if attention is not None else _Attention(d, heads)
         self.intermediate = torch.nn.Module()
         self.intermediate.dense = torch.nn.Linear(d, ff)
         self.output = torch.nn.Module()
         self.output.dense = torch.nn.Linear(ff, d)
-        self.output.LayerNorm = torch.nn.LayerNorm(d, eps=1e-12)
+        self.output.LayerNorm = torch.nn.LayerNorm(d, eps=eps)
 
     def forward(self, x, bias):
         x = self.attention(x, bias)
@@ -173,19 +176,30 @@ class MiniLM(torch.nn.Module):
         x = e.LayerNorm(e.word_embeddings(ids) + e.position_embeddings(pos)[None] + e.token_type_embeddings(
             torch.zeros_like(ids)))
         bias = torch.where(mask, 0.0, torch.finfo(x.dtype).min)[:, None, None, :].to(x.dtype)
-        for layer in self.encoder.layer:
-            x = layer(x, bias)
-        m = mask[..., None].to(x.dtype)
-        pooled = (x * m).sum(1) / m.sum(1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled, dim=-1)
+        return encode_and_pool(self.encoder.layer, x, bias, mask)
 
 
-def load(folder: str) -> tuple[MiniLM, WordPiece]:
-    """The fp32 model and its tokenizer from an extracted folder (safetensors only)."""
+def encode_and_pool(layers, x: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The layers, then the sentence-transformers embedding: the mean over the tokens, L2-normalised."""
+    for layer in layers:
+        x = layer(x, bias)
+    m = mask[..., None].to(x.dtype)
+    pooled = (x * m).sum(1) / m.sum(1).clamp(min=1e-9)
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+def load_model(model_class, folder: str, **special) -> tuple[torch.nn.Module, WordPiece]:
+    """The fp32 model of ``model_class`` and its tokenizer (``special``: WordPiece's special
+    tokens) from an extracted folder (safetensors only)."""
     from safetensors.torch import load_file
     cfg = json.load(open(os.path.join(folder, "config.json")))
-    model = MiniLM(cfg)
+    model = model_class(cfg)
     sd = load_file(os.path.join(folder, "model.safetensors"))
     sd = {k: v for k, v in sd.items() if not k.startswith("pooler.") and k != "embeddings.position_ids"}
     model.load_state_dict(sd, strict=True)
-    return model.eval(), WordPiece(os.path.join(folder, "tokenizer.json"))
+    return model.eval(), WordPiece(os.path.join(folder, "tokenizer.json"), **special)
+
+
+def load(folder: str) -> tuple[MiniLM, WordPiece]:
+    """all-MiniLM-L6-v2 and its tokenizer from an extracted folder."""
+    return load_model(MiniLM, folder)

