@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import random
 from dataclasses import dataclass, field
 
 import torch
 
 from .cuda_streams import on_side_stream, shared_graph_pool
+from .reservoir import ReservoirChain
 
 HIST_MANTISSA_BITS = 5                       # 32 bins per octave
 HIST_BINS = 1 << (8 + HIST_MANTISSA_BITS)    # bf16 exponent x top mantissa bits (incl. inf/nan)
@@ -85,7 +84,7 @@ class LayerStats:
     # the calibration group (prompt, or forward call) of each reservoir row; -1: unknown (older
     # files).  Searches choose on some groups and check on others (``held_out_split``).
     groups: list | None = None
-    _chain: "_ReservoirChain | None" = field(default=None, repr=False, compare=False)
+    _chain: "ReservoirChain | None" = field(default=None, repr=False, compare=False)
 
     def update(self, x: torch.Tensor, graphs: "UpdateGraphs | None" = None, group: int = -1) -> None:
         """Fold a [..., K] input into the statistics (no host synchronisation; a handful of
@@ -110,7 +109,7 @@ class LayerStats:
 
     def _sample(self, x: torch.Tensor, group: int = -1) -> None:
         """Reservoir sampling of input rows: the first ``capacity`` rows fill the slots in order,
-        later ones replace a slot where ``_ReservoirChain`` says so (a handful per call once the
+        later ones replace a slot where ``ReservoirChain`` says so (a handful per call once the
         reservoir is full).  Only those few indices travel to the GPU, through reused pinned
         memory: per-row random draws and a freshly pinned index tensor per call cost more than
         the rest of the update (0.55-0.69 ms of ~1 ms per Linear per forward on an H200)."""
@@ -127,7 +126,7 @@ class LayerStats:
             self.reservoir = torch.cat([self.reservoir, x[:grow].to(torch.bfloat16)])
             self.groups.extend([group] * grow)
         if self._chain is None:
-            self._chain = _ReservoirChain(self.capacity, self.seed)
+            self._chain = ReservoirChain(self.capacity, self.seed)
         chosen = self._chain.take(start, start + n)  # {slot: row}, the last row per slot
         if not chosen:
             return
@@ -301,43 +300,6 @@ def _hist_index(a: torch.Tensor) -> torch.Tensor:
     bin or to its neighbour.)"""
     bits = (a if a.dtype == torch.bfloat16 else a.to(torch.bfloat16)).view(torch.int16)
     return (bits & 0x7FFF) >> (7 - HIST_MANTISSA_BITS)
-
-
-class _ReservoirChain:
-    """Which rows replace a slot of a full reservoir: Algorithm L (Li, 1994), exact uniform
-    reservoir sampling that draws three random numbers per *replacement* instead of one per row.
-    The chain is a function of the seed alone, so the sample does not depend on how the rows
-    were split into calls; after loading saved statistics it is replayed up to the rows already
-    seen (cheap: about capacity * ln(rows / capacity) steps)."""
-
-    def __init__(self, capacity: int, seed: int):
-        self.capacity = capacity
-        self.rng = random.Random(seed)
-        self.w = math.exp(math.log(self._u()) / capacity)
-        self.next = capacity - 1 + self._skip()  # the next row that takes a slot
-        self.slot = self.rng.randrange(capacity)
-
-    def _u(self) -> float:
-        return 1.0 - self.rng.random()  # (0, 1]
-
-    def _skip(self) -> int:
-        log_keep = math.log1p(-self.w) if self.w < 1.0 else -math.inf
-        if log_keep == 0.0:  # w underflowed: no further row is ever taken
-            return 1 << 62
-        return min(int(math.floor(math.log(self._u()) / log_keep)) + 1, 1 << 62)
-
-    def take(self, start: int, end: int) -> dict:
-        """{slot: row} for the rows in [start, end) that take a slot (the last one per slot:
-        later rows overwrite earlier ones, as in the sequential algorithm).  Rows below
-        ``start`` are skipped over (a chain resumed after loading saved statistics)."""
-        chosen = {}
-        while self.next < end:
-            if self.next >= start:
-                chosen[self.slot] = self.next
-            self.w *= math.exp(math.log(self._u()) / self.capacity)
-            self.next += self._skip()
-            self.slot = self.rng.randrange(self.capacity)
-        return chosen
 
 
 class _PinnedStaging:

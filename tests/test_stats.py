@@ -65,11 +65,11 @@ def test_reservoir_chain_is_uniform_whatever_the_split():
     split into calls (Algorithm L's chain depends on the row index and seed only)."""
     import random
 
-    from comfy_modelopt.stats import _ReservoirChain
+    from comfy_modelopt.reservoir import ReservoirChain
     rows, capacity, trials = 2000, 20, 1500
     deciles = [0] * 10
     for seed in range(trials):
-        slots, chain, split, r = list(range(capacity)), _ReservoirChain(capacity, seed), random.Random(-seed), 0
+        slots, chain, split, r = list(range(capacity)), ReservoirChain(capacity, seed), random.Random(-seed), 0
         while r < rows:
             n = min(split.randint(1, 300), rows - r)
             for slot, row in chain.take(r, r + n).items():
