@@ -10,7 +10,10 @@ up projection 21504 x 3072, the MLP's 3072 x 12288), a random weight and ``--row
 - ``hinv batched`` / ``hinv each``: the inverse-Hessian factor of three dampings as one batched
   Cholesky, or one call per Hessian (what ``_gptq_batch`` does);
 - ``3 x gptq``: three calls of ``gptq`` (one damping each); ``gptq_dampings``: the three in one
-  column loop.  The rounded weights are compared (they must be equal).
+  column loop.  The rounded weights are compared (equal on a CPU; on a GPU cuBLAS may pick
+  another kernel for another batch size);
+- ``eager loop s``: ``gptq_dampings`` with the block loop run eagerly instead of replayed from a
+  CUDA graph (``gptq._BlockGraph``; a GPU only), and whether both rounded the same (``graph equal``).
 
 Prints a markdown table and writes ``gptq_cost.json``.
 """
@@ -64,7 +67,11 @@ def one_shape(n: int, k: int, rows: int, device, act_order: bool) -> dict:
                                                 for d in gptq.DAMPINGS])
     together, t_together = timed(device, lambda: gptq.gptq_dampings(w, h, gptq.DAMPINGS, quant,
                                                                    act_order=act_order))
+    gptq._BlockGraph.ENABLED = False
+    eager, t_eager = timed(device, lambda: gptq.gptq_dampings(w, h, gptq.DAMPINGS, quant, act_order=act_order))
+    gptq._BlockGraph.ENABLED = True
     return {"shape": f"{n}x{k}", "rows": rows, "act_order": act_order,
+            "eager_loop_s": round(t_eager, 3), "graph_equal": all(torch.equal(a, b) for a, b in zip(eager, together)),
             "hinv_batched_s": round(batched, 3), "hinv_each_s": round(each, 3),
             "three_gptq_s": round(t_single, 3), "gptq_dampings_s": round(t_together, 3),
             "speedup": round(t_single / t_together, 2),
@@ -94,7 +101,8 @@ def main(argv=None):
     tables.print_markdown([("shape (out x in)", "shape"), ("rows", "rows"), ("act-order", "act_order"),
                            ("hinv batched s", "hinv_batched_s"), ("hinv each s", "hinv_each_s"),
                            ("3 x gptq s", "three_gptq_s"), ("gptq_dampings s", "gptq_dampings_s"),
-                           ("speed-up", "speed_up"), ("equal", "equal")], rows_out)
+                           ("speed-up", "speed_up"), ("equal", "equal"), ("eager loop s", "eager_loop_s"),
+                           ("graph equal", "graph_equal")], rows_out)
     tables.write_json(os.path.join(a.out, "gptq_cost.json"), {"env": env, "rows": rows_out})
     return rows_out
 
