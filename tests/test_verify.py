@@ -18,7 +18,8 @@ from comfy_modelopt.errors import ModelOptError, PlanError
 from comfy_modelopt.pipeline import quantize_file
 from comfy_modelopt.recipe import Recipe
 from comfy_modelopt.safetensors_io import SafetensorsFile, write_file
-from comfy_modelopt.verify import missing_layers, verify_file
+from comfy_modelopt.completeness import missing_layers
+from comfy_modelopt.verify import verify_file
 from mutations import mutate
 
 FUZZ_CASES = int(os.environ.get("COMFY_MODELOPT_FUZZ", "400"))
