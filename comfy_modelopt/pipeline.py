@@ -1,9 +1,9 @@
 """Whole-model quantization: plan the output, stream the source through ``quantize_layer`` into a
 sink (the atomic file writer, or an in-memory state dict for ComfyUI), one layer at a time.
 
-A source is anything with ``tensors`` (key -> (safetensors dtype, shape)), ``metadata`` and
-``read(key)``; a sink has ``open(entries, metadata)``, ``write(key, tensor)``,
-``close(metadata)`` and ``abort()``.
+Sources and sinks (sources.py): a source is anything with ``tensors`` (key -> (safetensors
+dtype, shape)), ``metadata`` and ``read(key)``; a sink has ``open(entries, metadata)``,
+``write(key, tensor)``, ``close(metadata)`` and ``abort()``.
 """
 from __future__ import annotations
 
@@ -26,116 +26,13 @@ from .planner import plan_budget
 from .layer import FEW_ROWS, kept_report, quantize_conv, quantize_layer
 from .recipe import Recipe
 from .report import LayerReport, QuantReport
+from .sources import DeviceSource, DictSink, DictSource, FileSink, FileSource, NullSink, numel
 from .publish import check_output_path
-from .safetensors_io import FLOAT_DTYPES, ITEMSIZE, ST_DTYPES, TORCH_DTYPES, SafetensorsFile, StreamWriter
+from .safetensors_io import FLOAT_DTYPES, ITEMSIZE, TORCH_DTYPES, SafetensorsFile
 from .stats import ActivationStats
 from .verify import verify
 
 Progress = Callable[[int, int, str], None]
-
-
-# ====================================================================== sources and sinks
-class FileSource:
-    def __init__(self, f: SafetensorsFile):
-        self.f = f
-        self.tensors = {k: (t.dtype, t.shape) for k, t in f.tensors.items()}
-        self.metadata = dict(f.metadata)
-        self.nbytes = {k: t.nbytes for k, t in f.tensors.items()}
-
-    def read(self, key: str) -> torch.Tensor:
-        return self.f.read(key)
-
-
-class DictSource:
-    """An in-memory state dict (tensors may be lazy: ``read`` calls ``loader(key)``)."""
-
-    def __init__(self, shapes: dict, loader: Callable[[str], torch.Tensor], metadata: dict | None = None):
-        self.tensors = dict(shapes)
-        self.metadata = dict(metadata or {})
-        self.nbytes = {k: ITEMSIZE[d] * _numel(s) for k, (d, s) in self.tensors.items()}
-        self.read = loader
-
-    @classmethod
-    def from_state_dict(cls, sd: dict, metadata: dict | None = None) -> "DictSource":
-        return cls({k: (ST_DTYPES[v.dtype], tuple(v.shape)) for k, v in sd.items()}, sd.__getitem__, metadata)
-
-
-class DeviceSource:
-    """``source`` read onto ``device``: the quantization math (clipping and smoothing searches,
-    GPTQ, low-rank splits) runs there - on a GPU a Flux-size model takes about a minute instead
-    of 6-30 on a CPU - while the sink writes from the CPU.  Tensors copied unchanged skip the
-    round trip (``base``)."""
-
-    def __init__(self, source, device):
-        self.base, self.device = source, torch.device(device)
-        self.tensors, self.metadata, self.nbytes = source.tensors, source.metadata, source.nbytes
-
-    def read(self, key: str) -> torch.Tensor:
-        return self.base.read(key).to(self.device)
-
-
-class FileSink:
-    def __init__(self, path: str, overwrite: bool = False):
-        self.path, self.overwrite, self.writer = path, overwrite, None
-
-    def open(self, entries, metadata):
-        self.writer = StreamWriter(self.path, entries, metadata, overwrite=self.overwrite)
-
-    def write(self, key, tensor):
-        self.writer.write(key, tensor)
-
-    def close(self, metadata):
-        return self.writer.close(metadata)
-
-    def abort(self):
-        if self.writer is not None:
-            self.writer.abort()
-
-
-class NullSink:
-    """What a rank other than 0 writes in a sharded run: nothing (rank 0 writes the file)."""
-
-    def open(self, entries, metadata):
-        pass
-
-    def write(self, key, tensor):
-        pass
-
-    def close(self, metadata):
-        return None
-
-    def abort(self):
-        pass
-
-
-class DictSink:
-    """Collects the output state dict (on ``device``, CPU by default)."""
-
-    def __init__(self, device="cpu"):
-        self.tensors, self.metadata, self.device = {}, {}, device
-
-    def open(self, entries, metadata):
-        self.entries, self.metadata = entries, metadata
-
-    def write(self, key, tensor):
-        self.tensors[key] = tensor.to(self.device)
-
-    def close(self, metadata):
-        missing = set(self.entries) - set(self.tensors)
-        if missing:
-            raise RuntimeError(f"{len(missing)} planned tensors were never produced, e.g. {sorted(missing)[:3]}")
-        self.metadata = metadata
-        return self.tensors
-
-    def abort(self):
-        self.tensors.clear()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _passthrough(source, key: str, folds: Folds, dtype: str, nonfinite: list | None = None) -> torch.Tensor:
@@ -184,7 +81,7 @@ def _check_memory(source, key: str, float32_copies: int = 0) -> None:
     """Refuse a tensor whose read (plus ``float32_copies`` float32 working copies) would not fit
     in memory, before allocating it: a clear error instead of the OOM killer or a traceback."""
     dtype, shape = source.tensors[key]
-    need = ITEMSIZE[dtype] * _numel(shape) + 4 * _numel(shape) * float32_copies
+    need = ITEMSIZE[dtype] * numel(shape) + 4 * numel(shape) * float32_copies
     have = available_memory()
     if have is not None and need > have:
         raise QuantizeError(f"{key}: {dtype}{list(shape)} needs about {need / 2**30:.1f} GiB of memory, "
@@ -542,4 +439,4 @@ def check_not_input(path, src, what: str) -> None:
 
 
 __all__ = ["quantize", "quantize_file", "check_not_input", "available_memory", "quantize_source", "FileSource",
-           "DictSource", "DeviceSource", "FileSink", "DictSink", "TORCH_DTYPES"]
+           "DictSource", "DeviceSource", "FileSink", "DictSink", "NullSink", "TORCH_DTYPES"]
