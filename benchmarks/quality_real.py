@@ -354,7 +354,7 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
     def calibration_error(m) -> float:  # what the end-to-end planner minimises: never the held-out prompts
         return errors(embed(m, tok, calib), ref_calib)["rel_err"]
     for fmt, name, fields in END_TO_END_VARIANTS:
-        if not end_to_end or (only and fmt not in only):
+        if not end_to_end or (only and fmt not in only) or not wanted(name, variants):
             continue
         t0 = time.perf_counter()
         q = quantize_module(model, Recipe(**fields), stats, native=True, evaluate=calibration_error)
@@ -406,7 +406,7 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
         print(f"(ModelOpt engine rows skipped: {e})")
     else:
         for fmt, name, fields, algorithm in ENGINE_VARIANTS:
-            if only and fmt not in only:
+            if (only and fmt not in only) or not wanted(name, variants):
                 continue
             recipe = Recipe(**{"format": fmt, **fields})
             t0 = time.perf_counter()

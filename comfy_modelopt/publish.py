@@ -92,7 +92,7 @@ def remove_stale_partials(path: str) -> list[str]:
     return removed
 
 
-def umask_now() -> int:
+def _umask() -> int:
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -110,7 +110,7 @@ def target_mode(path: str) -> int:
     try:
         return os.stat(path).st_mode & 0o7777
     except OSError:
-        return 0o666 & ~umask_now()
+        return 0o666 & ~_umask()
 
 
 def atomic_write_bytes(path: str, data: bytes, overwrite: bool = False) -> str:
