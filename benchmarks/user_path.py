@@ -39,6 +39,9 @@ ap.add_argument("--calib-steps", type=int, default=8)
 ap.add_argument("--skip-stock-file", action="store_true")
 ap.add_argument("--yardstick", action="store_true", help="also sample the same weights in the other 16-bit dtype (chaos yardstick)")
 ap.add_argument("--cpu-tiny", action="store_true", help="CPU smoke test with tiny configs")
+ap.add_argument("--then-runtime", action="append", default=[], metavar="LABEL",
+                help="after the node's runs, the same quantized model under this graph runtime too (repeatable; "
+                     "its CUDA-graph runner replaced, as the CUDA Graphs node does): side-by-side first runs")
 ap.add_argument("--log-info", action="store_true", help="log at INFO (the pack's compilation and capture lines)")
 A = ap.parse_args()
 if A.log_info:
@@ -251,6 +254,24 @@ def main():
                             with_lora(qmodel, lora) if lora else qmodel, pos, neg, cfg)
     rowq["vs_16bit_stock"] = round(row16["steady_s"] / rowq["steady_s"], 3)
     rowq["rel_vs_16bit"] = round(rel(latq, lat16), 5)
+    runner = qmodel.model_options.get("model_function_wrapper")
+    if runner is not None and hasattr(runner, "capture_seconds"):
+        rowq["graphs"] = {"captures": runner.captures, "capture_s": runner.capture_seconds,
+                          "compile_check_s": runner.compile_seconds, "pool_sizing": runner.pool_sizing,
+                          "compiled_checks": runner.compiled.checks if runner.compiled is not None else None}
+        log(json.dumps(rowq["graphs"], default=str))
+    RES["runtime_note"] = next((line for line in report.splitlines() if line.startswith("runtime")), None)
+    log(RES["runtime_note"])
+    for label in A.then_runtime:
+        from comfy_modelopt.comfyui.cuda_graphs import enable_cuda_graphs
+        from comfy_modelopt.comfyui.runtime import runtime_of
+        rt = runtime_of(label)
+        assert rt.cuda_graphs and not rt.int8_attention, f"--then-runtime takes a graph runtime, not {label!r}"
+        other, _ = enable_cuda_graphs(qmodel, compile_blocks=rt.compiled_blocks)
+        lato, rowo = timed_runs(f"{A.format} project node, then {label}", other, pos, neg, cfg)
+        rowo["vs_16bit_stock"] = round(row16["steady_s"] / rowo["steady_s"], 3)
+        rowo["rel_vs_16bit"] = round(rel(lato, lat16), 5)
+        del other; gc.collect()
 
     if not A.skip_stock_file and A.lowrank == 0:
         t0 = time.perf_counter()

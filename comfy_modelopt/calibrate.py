@@ -1,4 +1,5 @@
-"""Collect ActivationStats from real forward passes: hooks on every Linear input, nothing else.
+"""Collect ActivationStats from real forward passes: hooks on every Linear input, and the
+module's first call kept (``RecordedCall``: the shapes sampling uses, for a runtime to compile ahead).
 
 ``calibrate(module, forward_loop)`` hooks the input of every Linear layer of any torch module
 (ComfyUI's ``comfy.ops`` Linear classes are ``torch.nn.Linear`` subclasses), runs
@@ -22,6 +23,59 @@ class CalibrationOptions:
     seed: int = 0
     nonfinite: str = "error"           # "error": refuse NaN/Inf activations; "ignore": count them only
     cuda_graphs: bool = True           # replay the per-call statistics of CUDA inputs (same values)
+
+
+@dataclass(frozen=True)
+class RecordedCall:
+    """A module's first call during calibration: its arguments, tensors copied to the CPU (each
+    with the device it came from), and the grad/inference mode it ran under.  A runtime that
+    compiles per input shape (compiled blocks) replays it before the first image, so the image
+    does not pay the compilation; the non-tensor arguments are kept as they were (compiled code
+    guards on the options a block reads, such as the keys of ComfyUI's transformer_options)."""
+    args: tuple
+    kwargs: dict
+    grad_enabled: bool
+    inference_mode: bool
+
+    @classmethod
+    def of(cls, args, kwargs) -> "RecordedCall":
+        return cls(_tree(args, _to_host), _tree(kwargs, _to_host), torch.is_grad_enabled(),
+                   torch.is_inference_mode_enabled())
+
+    def replay(self, fn, device, first_tensor=None):
+        """``fn(*args, **kwargs)`` in the recorded mode, the CUDA tensors moved to ``device`` (the
+        CPU ones stay there); ``first_tensor(x)`` replaces the first positional argument (a
+        perturbed input)."""
+        def back(stored):
+            t, where = stored
+            return t.to(device if where != "cpu" else "cpu", copy=True)
+        # the copies are made in the recorded mode too: compiled code guards on whether its inputs
+        # are inference tensors
+        with torch.inference_mode(self.inference_mode), torch.set_grad_enabled(self.grad_enabled):
+            args, kwargs = _tree(self.args, back, _Stored), _tree(self.kwargs, back, _Stored)
+            if first_tensor is not None:
+                args = (first_tensor(args[0]), *args[1:])
+            return fn(*args, **kwargs)
+
+
+class _Stored(tuple):
+    """(a CPU copy of a tensor, the device type it came from)."""
+
+
+def _to_host(t: torch.Tensor):
+    return _Stored((t.detach().to("cpu", copy=True), t.device.type))
+
+
+def _tree(v, fn, kind=torch.Tensor):
+    """``v`` with every ``kind`` leaf mapped by ``fn``; dicts, lists and tuples copied, anything
+    else kept as it is."""
+    if isinstance(v, kind):
+        return fn(v)
+    if isinstance(v, dict):
+        return {k: _tree(x, fn, kind) for k, x in v.items()}
+    if isinstance(v, (list, tuple)) and not isinstance(v, _Stored):
+        return type(v)(_tree(x, fn, kind) for x in v) if type(v) in (list, tuple) else v
+    return v
 
 
 def is_linear(module: torch.nn.Module) -> bool:
@@ -84,8 +138,8 @@ def calibrate(module: torch.nn.Module, forward_loop: Callable[[torch.nn.Module],
     # loop runs in: tensors created there are inference tensors, which only inference mode may
     # update in place (and normal tensors loaded from a file may be updated there too).
     calls = [0]
-    first_call = stats.forward_calls
-    current = group if group is not None else (lambda: first_call + calls[0] - 1)
+    calls_before = stats.forward_calls
+    current = group if group is not None else (lambda: calls_before + calls[0] - 1)
 
     def make_hook(layer_stats: LayerStats):
         def hook(_module, args, kwargs=None):
@@ -96,10 +150,12 @@ def calibrate(module: torch.nn.Module, forward_loop: Callable[[torch.nn.Module],
         return hook
 
 
-    def count(_module, _args):
+    def count(_module, args, kwargs):
         calls[0] += 1
+        if stats.first_call is None:
+            stats.first_call = RecordedCall.of(args, kwargs)
 
-    handles = [module.register_forward_pre_hook(count)]
+    handles = [module.register_forward_pre_hook(count, with_kwargs=True)]
     try:
         for name, m in layers.items():
             handles.append(m.register_forward_pre_hook(make_hook(stats.layers[name])))

@@ -353,6 +353,9 @@ class ActivationStats:
     fingerprint: dict[str, list] = field(default_factory=dict)   # layer -> [out_features, in_features]
     forward_calls: int = 0
     info: dict = field(default_factory=dict)   # timesteps/sigmas seen, prompts, steps, sampler...
+    # the calibrated module's first call (calibrate.RecordedCall): in memory only, never saved -
+    # a runtime compiles for the shapes sampling will use from it before the first image
+    first_call: object = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ queries used by the planner
     def has(self, name: str) -> bool:

@@ -106,6 +106,37 @@ def test_hooks_removed_on_error_and_interrupt():
     assert all(not mod._forward_pre_hooks for mod in m.modules())
 
 
+def test_first_call_recorded_and_replayed(tmp_path):
+    """calibrate keeps the module's first call (what a runtime compiles ahead from): its tensors
+    copied to the CPU - later in-place changes by the caller do not reach it -, the non-tensor
+    arguments as they were, the grad/inference mode; replayed, the module gives that call's output
+    again, and a replacement first argument (a perturbed input) goes in instead.  A saved and
+    loaded statistics file has none (in memory only)."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, scale, options=None):
+            assert options["key"] == "v" and isinstance(options["t"], torch.Tensor)
+            return self.lin(x) * scale + options["t"]
+    m = Model()
+    xs = [torch.randn(2, 8) for _ in range(3)]
+    t = torch.ones(1)
+    with torch.inference_mode():
+        want = m(xs[0], 2.0, options={"key": "v", "t": t})
+        st = calibrate(m, lambda mod: [mod(x, 2.0, options={"key": "v", "t": t}) for x in xs])
+    xs[0].add_(1.0)
+    t.add_(1.0)
+    call = st.first_call
+    assert call.inference_mode and call.args[1] == 2.0 and call.kwargs["options"]["key"] == "v"
+    out = call.replay(m, "cpu")
+    assert out.is_inference() and torch.equal(out, want)
+    assert torch.equal(call.replay(m, "cpu", lambda x: x * 0), m.lin(xs[0] * 0).detach() * 2.0 + 1.0)
+    assert calibrate(m, lambda mod: mod(xs[1], 1.0, options={"key": "v", "t": t}), stats=st).first_call is call
+    assert ActivationStats.load(st.save(str(tmp_path / "s.safetensors"))).first_call is None
+
+
 def test_empty_calibration_refused():
     with pytest.raises(CalibrationError, match="no forward calls"):
         calibrate(mlp(), lambda mod: None)

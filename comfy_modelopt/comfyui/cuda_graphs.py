@@ -3,10 +3,11 @@
 ``CudaGraphs`` (installed as a model-function wrapper on a clone, so it works for 16-bit models
 too) captures each distinct input signature once and replays it; anything it cannot capture runs
 eagerly with the reason logged.  With ``compile_blocks`` the graphs are captured over
-TorchInductor-compiled blocks (``compiled_blocks``), compiled and checked against eager at a
-signature's first capture, before anything is replayed: the first run pays the compilation once per
-input shape (H200, the Quantize node's path: Flux ~11 s with a cold Inductor cache, ~3.4 s warm;
-SDXL ~47 s / ~9 s) and every later evaluation replays the compiled graph.  (Compiling in a
+TorchInductor-compiled blocks (``compiled_blocks``), checked against eager at a signature's first
+capture, before anything is replayed - and compiled there unless ``runtime`` compiled them ahead
+for the calibration's shapes (Quantize Model); else the first run pays the compilation once per
+input shape (H200: Flux ~11 s with a cold Inductor cache, ~3.4 s warm; SDXL ~47 s / ~9 s) and
+every later evaluation replays the compiled graph.  (Compiling in a
 background thread while the first runs replayed the uncompiled graph was tried: in the node path
 the compile thread, starved of the interpreter by the sampler's, had not landed after 9 runs,
 slowed runs 2-3 by up to 90%, and died with the process - "SubprocPool closed".)
@@ -210,7 +211,7 @@ class CudaGraphs:
         _walk_signature({"input": args["input"], "timestep": args["timestep"], "c": args["c"]}, flat)
         return tuple(flat)
 
-    def _compute_dtype(self):
+    def compute_dtype(self):
         model = self.patcher.model
         try:
             dtype = model.get_dtype_inference()
@@ -315,10 +316,14 @@ class CudaGraphs:
             t_compile = time.perf_counter()
 
             def warm_up():  # outside the capture: lazy inits, autotuning, compilation, dequant cache
-                ref = sized_warm_up(first, False)
-                return self.compiled is not None and self.compiled.validate(
-                    run, ref, lambda: apply_model(rounding_noise(static_x, self._compute_dtype()), static_t,
-                                                  **static_c))
+                if self.compiled is None or not self.compiled.enabled:
+                    sized_warm_up(first, False)
+                    return False
+                # the compiled forward is the one captured (unless it fails its check): its run is
+                # the recorded warm-up that sizes the pool, the eager reference is not
+                return self.compiled.validate(
+                    lambda: sized_warm_up(run, True), first(),
+                    lambda: apply_model(rounding_noise(static_x, self.compute_dtype()), static_t, **static_c))
             use_compiled = on_side_stream(warm_up, device)
             self.warmed.add(sig)
             if self.compiled is not None:

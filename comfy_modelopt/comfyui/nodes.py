@@ -301,7 +301,8 @@ class ModelOptQuantizeUNet(io.ComfyNode):
         except PlanError as e:
             raise NodeError(str(e)) from None
         qmodel = build_quantized_model(sink.tensors, sink.metadata, report, model)
-        qmodel, runtime_note = apply_runtime(qmodel, runtime, dequant_cache_gib)
+        qmodel, runtime_note = apply_runtime(qmodel, runtime, dequant_cache_gib,
+                                             first_call=getattr(calibration, "first_call", None))
         text = "\n".join([report.summary(), gpu_note(recipe.format), runtime_note])
         log(text)
         chart = torch.from_numpy(render_report(report, recipe.budget)).float().div(255.0).unsqueeze(0)

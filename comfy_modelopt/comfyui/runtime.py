@@ -7,9 +7,12 @@ installs one; ``gpu_note`` says what this GPU does with a format.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
+
+import comfy.model_management
 
 from ..formats import FORMATS
 from .attention import enable_int8_attention
@@ -25,34 +28,44 @@ class Runtime:
     cuda_graphs: bool = False      # capture and replay whole model evaluations
     compiled_blocks: bool = False  # ... over TorchInductor-compiled blocks
     int8_attention: bool = False   # kitchen's INT8 attention (changes attention numerics)
+    ahead_only: bool = False       # compiled blocks only where they compile before the first image
 
 
+AUTO = "auto"
 RUNTIMES = {r.label: r for r in (
+    Runtime(AUTO, cuda_graphs=True, compiled_blocks=True, ahead_only=True),
     Runtime("lean"),
     Runtime("lean + cuda graphs", cuda_graphs=True),
     Runtime("lean + compiled blocks + cuda graphs", cuda_graphs=True, compiled_blocks=True),
     Runtime("lean + cuda graphs + int8 attention", cuda_graphs=True, int8_attention=True),
     Runtime("stock", lean=False),
 )}
-# graphs by default: bit-exact with stock like lean, and what a whole run is made of - SDXL's fp8
-# steady run on lean alone is host-bound (2.85 s against fp16's 1.00 s on the H200), 0.82 s with
-# graphs; Flux 2.70 -> 2.36 s (bf16 3.08 s).  They stay captured between runs, their pool is
-# accounted to ComfyUI (which frees it to load another model), and anything they cannot replay -
-# offloading, patches or wrappers inside the model, a CPU - runs eagerly with the reason logged.
-# Not compiled blocks (measured through the nodes, H200, 2026-12-01): they are faster from the
-# second image (Flux 2.01 vs 2.37 s, SDXL 0.64 vs 0.83 s) but the first image pays the compilation
-# (Flux +3.4 s with a warm compile cache, +11 s cold; SDXL +9 / +47 s): behind until ~10 Flux / ~50
-# SDXL images of one size per process
-DEFAULT_RUNTIME = "lean + cuda graphs"
+# The default, measured through the nodes (benchmarks/user_path.py, H200, fp8, 20 steps, one
+# process each, docs/benchmarks.md 0a): graphs over compiled blocks where the blocks can be
+# compiled before the first image - Quantize Model with a calibration compiles them for the
+# calibration's shapes (Flux +14 s in the node with a cold compile cache, SDXL +52 s / +9 s
+# warm); no image compiles then: Flux first image 3.05 s, then 2.00 s = 1.56x bf16 (lean + graphs
+# 2.38 s = 1.31x, its first image 5.6 s in a process of its own), SDXL 3.05 s then 0.66 s (0.83 s).
+# Elsewhere (Load Quantized Model, no calibration, no Triton, no CUDA GPU) lean + graphs:
+# compiling at the first image made it slower than that whole runtime's first image (Flux +3.4 s
+# with a warm compile cache, +11 s cold; SDXL +9 / +47 s).  Graphs are bit-exact with stock, the
+# compiled blocks within eager's own rounding noise (checked at every new signature).
+DEFAULT_RUNTIME = AUTO
 
-RUNTIME_TOOLTIP = ("lean: the same kernels as stock ComfyUI without its per-layer Python dispatch "
+RUNTIME_TOOLTIP = ("auto (default): lean + compiled blocks + cuda graphs where the blocks can be compiled "
+                   "before the first image (Quantize Model with a calibration, on a CUDA GPU with Triton: it "
+                   "compiles them for the calibration's image size - Flux +14 s, SDXL +52 s with a cold compile "
+                   "cache, +3.5 s / +9 s warm), else lean + cuda graphs; the report says which and why. "
+                   "lean: the same kernels as stock ComfyUI without its per-layer Python dispatch "
                    "(bit-exact for fp8/int8); + cuda graphs: replay whole model evaluations, kept between "
                    "runs while the model stays loaded (bit-exact; falls back to eager when offloading or "
                    "patched); + compiled blocks: the graphs run TorchInductor-fused norms/modulation/"
                    "activations between the GEMMs - fastest steady runs (H200, fp8, 20 steps, through the nodes: "
-                   "Flux 1.57x bf16 vs 1.32x, SDXL 0.64 s vs 0.83 s per image); they compile during the first "
-                   "image of each size (Flux +11 s, +3.4 s with a warm compile cache; SDXL +47 s / +9 s), are "
-                   "checked against eager and turned off with a logged reason if they differ; needs Triton; + int8 attention: kitchen's SageAttention-style INT8 attention "
+                   "Flux 1.57x bf16 vs 1.32x, SDXL 0.64 s vs 0.83 s per image); they compile in Quantize Model for its "
+                   "calibration's image size, else during the first image of each size (Flux +11 s, +3.4 s with "
+                   "a warm compile cache; SDXL +47 s / +9 s), are checked against eager and turned off with a "
+                   "logged reason if they differ; needs Triton; + int8 attention: kitchen's SageAttention-style "
+                   "INT8 attention "
                    "(changes attention numerics; left off on Hopper, where it measured slower than cuDNN's "
                    "flash attention); stock: ComfyUI's own layers.")
 
@@ -70,11 +83,13 @@ def runtime_of(label: str) -> Runtime:
 
 
 def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.0,
-                  force_int8_attention: bool = False) -> tuple:
+                  force_int8_attention: bool = False, first_call=None) -> tuple:
     """Install ``runtime`` on a model this pack created; returns (model, note).  The model is a
     clone where CUDA graphs or INT8 attention need one; lean layers are rebound in place.
     INT8 attention is left out where it measured slower (``attention.SLOWER_ON``) unless
-    ``force_int8_attention`` (benchmarks)."""
+    ``force_int8_attention`` (benchmarks).  ``first_call`` (``calibrate.RecordedCall``, the
+    calibration's first model call): compiled blocks are compiled for its shapes here, on a
+    CUDA GPU, so that the first image at those shapes does not pay the compilation."""
     rt = runtime if isinstance(runtime, Runtime) else runtime_of(runtime)
     if not rt.lean:
         return patcher, "runtime: stock ComfyUI layers" + (
@@ -92,12 +107,54 @@ def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.
         except ValueError as e:
             note += f" (INT8 attention not enabled: {e})"
     if rt.cuda_graphs:
-        patcher, _ = enable_cuda_graphs(patcher, compile_blocks=rt.compiled_blocks)
+        compile_blocks, left_out = rt.compiled_blocks, None
+        if rt.ahead_only:
+            left_out = _why_not_ahead(first_call)
+            compile_blocks = left_out is None
+        patcher, runner = enable_cuda_graphs(patcher, compile_blocks=compile_blocks)
         if compute_device().type == "cuda":
-            note += " + CUDA graph replay" + (" over compiled blocks" if rt.compiled_blocks else "")
+            note += " + CUDA graph replay" + (" over compiled blocks" if compile_blocks else "")
+            if runner.compiled is not None:
+                note += _compile_ahead(patcher, runner, first_call)
+            elif left_out:
+                note += f" (compiled blocks left out: {left_out})"
         else:  # installed, and it runs the model eagerly: say so rather than promise replays
             note += " (CUDA graph replay: no CUDA GPU here, the model runs eagerly)"
+    if rt.label == AUTO:
+        note = note.replace("runtime:", "runtime (auto):", 1)
     return patcher, note
+
+
+def _why_not_ahead(first_call) -> str | None:
+    """Why compiled blocks cannot be compiled before the first image here, or None."""
+    if compute_device().type != "cuda":
+        return "no CUDA GPU"
+    from torch.utils._triton import has_triton
+    if not has_triton():
+        return "Triton is not installed (TorchInductor needs it on a GPU)"
+    if first_call is None:
+        return ("no calibration to compile them ahead from, and compiling at the first image makes it slower "
+                "than this runtime's whole first image; choose 'lean + compiled blocks + cuda graphs' for the "
+                "faster later images")
+    return None
+
+
+def _compile_ahead(patcher, runner, first_call) -> str:
+    """Compile the blocks at the calibration's shapes now, on the GPU (the model is loaded for
+    it, as the sampler would); returns what the note should add.  Without a recorded call the
+    first evaluation of each shape compiles them."""
+    if not runner.compiled.enabled:
+        return f" (compiled blocks off: {runner.compiled.reason})"
+    if first_call is None:
+        return " (the blocks compile at the first image of each size: no calibration to compile ahead from)"
+    t0 = time.perf_counter()
+    comfy.model_management.load_models_gpu([patcher])
+    ok = runner.compiled.compile_for(first_call, patcher.model.diffusion_model, patcher.load_device,
+                                     runner.compute_dtype())
+    if not ok:
+        return f" (compiled blocks off: {runner.compiled.reason})"
+    return (f" (blocks compiled for the calibration's shapes in {time.perf_counter() - t0:.1f} s; another "
+            "image size compiles at its first image)")
 
 
 def gpu_note(fmt_name: str) -> str:

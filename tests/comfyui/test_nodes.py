@@ -407,16 +407,17 @@ def test_lean_runtime_equals_stock(env, fmt):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback: this run has a GPU")
 def test_nodes_replay_cuda_graphs_by_default(env):
-    """Quantize Model and Load Quantized Model offer lean + CUDA graphs as their default runtime
-    (what an API workflow without the input gets too); it samples exactly what lean does (off a
-    GPU it runs eagerly, with that reason)."""
+    """Quantize Model and Load Quantized Model offer "auto" as their default runtime (what an API
+    workflow without the input gets too): off a GPU that is lean + CUDA graphs, running eagerly
+    with that reason, and it samples exactly what lean does."""
     from comfy_modelopt.comfyui.runtime import DEFAULT_RUNTIME
-    assert DEFAULT_RUNTIME == "lean + cuda graphs"
+    assert DEFAULT_RUNTIME == "auto"
     for node in (env["nodes"].ModelOptQuantizeUNet, env["nodes"].ModelOptUNetLoader):
         runtime = next(i for i in node.define_schema().inputs if i.id == "runtime")
         assert runtime.default == DEFAULT_RUNTIME
     graphs, text = quantize(env)
-    assert "CUDA graph replay" in text.split("\n\n")[0]
+    assert "runtime (auto): lean" in text and "CUDA graph replay: no CUDA GPU here" in text.split("\n\n")[0]
+    assert graphs.model_options["model_function_wrapper"].compiled is None  # nothing to compile ahead on
     lean, text = quantize(env, runtime="lean")
     assert "CUDA graph" not in text.split("\n\n")[0]
     assert torch.equal(sample(env, graphs, 2, 1), sample(env, lean, 2, 1))
@@ -437,6 +438,7 @@ def test_nodes_replay_cuda_graphs_by_default(env):
         env["nodes"].ModelOptCudaGraphs.execute(foreign)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback: this run has a GPU")
 def test_cuda_graphs_fall_back_off_gpu(env):
     clone, runner = env["nodes"].enable_cuda_graphs(env["model"])
     a, b = sample(env, clone, 2, 1), sample(env, env["model"], 2, 1)
@@ -568,12 +570,16 @@ def test_compiled_blocks_validated_against_eager(env):
     quantized = {id(m) for m in dm.modules() if getattr(m, "quant_format", None)}
     assert quantized and quantized <= {id(m) for m in cb.opaque}
     g = torch.Generator().manual_seed(0)
-    x, c = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 8, 768, generator=g)
+    # on a GPU the model is loaded there, as the sampler loads it, and gets its inputs there
+    comfy.model_management.load_models_gpu([model])
+    dev = model.load_device
+    x, c = torch.randn(1, 4, 8, 8, generator=g).to(dev), torch.randn(1, 8, 768, generator=g).to(dev)
+    t = torch.tensor([0.5], device=dev)
     with torch.inference_mode():
-        run = lambda: model.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)  # noqa: E731
+        run = lambda: model.model.apply_model(x, t, c_crossattn=c)  # noqa: E731
         ref = run()
         ok = cb.validate(run, ref, lambda: model.model.apply_model(blocks.rounding_noise(x, torch.bfloat16),
-                                                                   torch.tensor([0.5]), c_crossattn=c))
+                                                                   t, c_crossattn=c))
         assert ok, cb.reason
         check = cb.checks[-1]
         assert 0 < check["eager_rounding_noise"] and check["rel_l2"] <= check["limit"] <= cb.max_tol
@@ -619,6 +625,43 @@ def test_compiled_blocks_installed_for_one_thread(env):
         leave.set()
         th.join()
     assert cb._owner is None and not cb._lock.locked()
+
+
+def test_compiled_blocks_compile_ahead_from_the_calibration(env, monkeypatch):
+    """Calibrate Model keeps the diffusion model's first call; the graph runtime's blocks are
+    compiled from it (what Quantize Model does on a GPU before it returns) and serve a later
+    KSampler run at the calibration's size: nothing is compiled during that run (the node path's
+    first image paid the compilation: Flux +11 s with a cold cache on an H200), and its output is
+    eager's within the compiled tolerance."""
+    import comfy.model_management as mm
+    import torch._dynamo.utils
+    runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
+    call = env["stats"].first_call
+    assert call is not None and call.inference_mode and call.args[0][0].shape == (2, 4, 8, 8)
+    # the CPU's sub-quadratic attention sizes its chunks by the free memory, which compiled code
+    # guards on (a GPU runs SDPA): held still here
+    free = mm.get_free_memory
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (
+        (8 << 30, 8 << 30) if torch_free_too else 8 << 30) if mm.is_device_cpu(dev) else free(dev, torch_free_too))
+    model, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
+    torch._dynamo.reset()
+    clone, runner = graphs.enable_cuda_graphs(model, compile_blocks=True)
+    note = runtime._compile_ahead(clone, runner, call)
+    assert "blocks compiled for the calibration's shapes" in note, note
+    cb = runner.compiled
+    assert cb.checks[-1]["frames_compiled"] > 0
+
+    def compiled(apply_model, args):  # the blocks installed around each evaluation, as a capture does
+        with cb.installed():
+            return apply_model(args["input"], args["timestep"], **args["c"])
+    clone.model_options["model_function_wrapper"] = compiled  # on the CPU the graph runner runs eagerly
+    counters = torch._dynamo.utils.counters
+    frames = counters["frames"]["ok"]
+    out = sample(env, clone, 3, 3)
+    assert counters["frames"]["ok"] == frames, "the sampling run compiled frames the calibration's call had not"
+    ref = sample(env, model, 3, 3)
+    assert float((out - ref).norm() / ref.norm()) < cb.checks[-1]["limit"]
+    assert "no calibration to compile ahead from" in runtime._compile_ahead(clone, runner, None)
 
 
 def save_and_reload(env, qmodel, plain, filename, refusal):
@@ -932,6 +975,25 @@ def test_compiled_blocks_compile_before_the_first_capture():
     assert rel < runner.compiled.checks[-1]["limit"], rel
     assert torch.equal(run(clone, 1), out) and runner.captures == 1
     mm.unload_all_models()
+
+
+@CUDA_ONLY
+def test_auto_runtime_compiles_ahead_only_from_a_calibration(env):
+    """On a GPU the default runtime compiles the blocks in Quantize Model for the calibration's
+    shapes and a KSampler run at that size compiles nothing; Load Quantized Model (no calibration)
+    replays graphs without compiled blocks and says why."""
+    import torch._dynamo.utils
+    model, text = quantize(env)
+    runner = model.model_options["model_function_wrapper"]
+    assert runner.compiled is not None and runner.compiled.enabled, text
+    assert "blocks compiled for the calibration's shapes" in text
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    sample(env, model, 3, 3)
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames
+    assert runner.captures == 1 and all(e["compiled"] for e in runner.graphs.values())
+    plain = quantize(env, runtime="lean")[0]
+    _, note = pack_module("runtime").apply_runtime(plain, "auto")
+    assert "compiled blocks left out: no calibration to compile them ahead from" in note
 
 
 @CUDA_ONLY
