@@ -86,8 +86,9 @@ def relean(patcher, **options) -> None:
     """Make the quantized layers lean again with other options (the previous lean forward
     becomes the fallback underneath)."""
     for m in patcher.model.diffusion_model.modules():
-        if getattr(m, "_modelopt_lean", False):
-            m._modelopt_lean = False
+        rec = getattr(m, "_modelopt", None)  # comfyui.records.LayerRecord
+        if rec is not None and rec.lean:
+            rec.lean = False
     make_lean(patcher, **options)
 
 
@@ -218,7 +219,7 @@ def lean_dequantized(patcher) -> bool:
 def dequant_cache_rows(q, variant, x, sigma, kw, ref, rows, base_ms, stock_out):
     """The layers computed dequantized, with 16-bit copies cached within --dequant-cache-gib."""
     relean(q, dequant_cache_bytes=int(DEQUANT_CACHE_GIB * 2**30))
-    cache = q.model._modelopt_dequant_cache
+    cache = q.model._modelopt.dequant_cache
     fn, runner = common.graph_fn(q, x, sigma, kw)
     out = measure(f"{variant} lean + dequant cache + CUDA graphs", fn, ref, rows, base_ms)
     rows[-1].update({"dequant_cache_gib": round(cache.used / 2**30, 2), "cached_layers": len(cache.entries),

@@ -38,7 +38,7 @@ def convrot_formats() -> tuple:
 class Option:
     """How one recipe field is offered: a flag of the CLI (``--field-name``) and an input of the
     Quantize Model node, both made from this and the field's default (``cli.add_recipe_arguments``,
-    ``comfyui.nodes.recipe_input``), so that a new option is one field here.  ``help`` may hold
+    ``comfyui.recipe_inputs.recipe_input``), so that a new option is one field here.  ``help`` may hold
     ``{stats}`` where the option needs activation statistics: the CLI says how to make them, the
     node to connect a calibration."""
     help: str

@@ -168,7 +168,7 @@ class CompiledBlocks:
             by_position = "transformer_options" not in kwargs and len(args) > position
             topts = args[position] if by_position else kwargs.get("transformer_options")
             if isinstance(topts, dict) and any(k in topts for k in _PER_BLOCK_KEYS):
-                if _carried_patches(topts):
+                if carried_patches(topts):
                     return eager(*args, **kwargs)
                 if any(callable(v) for v in topts.values()):
                     # e.g. an optimized_attention_override, which may read the block's index:
@@ -244,7 +244,7 @@ class CompiledBlocks:
             with self.installed():
                 out = run()
         except Exception as e:  # an untraceable block, a compiler error: stay eager
-            return self._disable(f"compile failed: {type(e).__name__}: {str(e)[:200]}")
+            return self.disable(f"compile failed: {type(e).__name__}: {str(e)[:200]}")
         seconds, compiled = time.perf_counter() - t0, torch._dynamo.utils.counters["frames"]["ok"] - frames
         err = _rel_l2(out, ref)
         noise = _rel_l2(perturbed(), ref) if perturbed is not None else 0.0
@@ -252,7 +252,7 @@ class CompiledBlocks:
         self.checks.append({"rel_l2": err, "eager_rounding_noise": noise, "limit": limit,
                             "frames_compiled": compiled, "seconds": round(seconds, 3)})
         if not err <= limit:  # also catches NaN
-            return self._disable(f"compiled output differs from eager by {err:.4f} (relative L2; allowed "
+            return self.disable(f"compiled output differs from eager by {err:.4f} (relative L2; allowed "
                                  f"{limit:.4f} = 3x eager's own rounding noise {noise:.4f}, at least {self.tol})")
         logging.info(f"[comfy-modelopt] compiled blocks: {len(self.regions)} regions, {compiled} frames compiled "
                      f"in {seconds:.1f} s, relative L2 vs eager {err:.2e} (eager rounding noise {noise:.2e})")
@@ -267,7 +267,7 @@ class CompiledBlocks:
             return call.replay(diffusion_model, device, first_tensor)
         return self.validate(run, run(), lambda: run(lambda x: rounding_noise(x, dtype)))
 
-    def _disable(self, reason: str) -> bool:
+    def disable(self, reason: str) -> bool:
         self.enabled, self.reason = False, reason
         logging.warning(f"[comfy-modelopt] compiled blocks turned off: {reason}")
         return False
@@ -332,14 +332,14 @@ def raw_pointer_launches():
         _RAW_POINTERS.on = previous
 
 
-def _carried_patches(topts: dict) -> str | None:
+def carried_patches(topts: dict) -> str | None:
     """Which patch kind transformer_options carry (they run inside the blocks), else None."""
-    return next((key for key in ("patches", "patches_replace") if _nonempty(topts.get(key))), None)
+    return next((key for key in ("patches", "patches_replace") if nonempty(topts.get(key))), None)
 
 
-def _nonempty(v) -> bool:
+def nonempty(v) -> bool:
     if isinstance(v, dict):
-        return any(_nonempty(x) for x in v.values())
+        return any(nonempty(x) for x in v.values())
     if isinstance(v, (list, tuple)):
-        return any(_nonempty(x) for x in v) if v and isinstance(v[0], (dict, list, tuple)) else bool(v)
+        return any(nonempty(x) for x in v) if v and isinstance(v[0], (dict, list, tuple)) else bool(v)
     return bool(v)

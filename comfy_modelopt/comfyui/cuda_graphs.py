@@ -14,7 +14,7 @@ slowed runs 2-3 by up to 90%, and died with the process - "SubprocPool closed".)
 
 The graphs stay while the model stays loaded: a second sampling run with the same shapes
 captures nothing.  Their memory is accounted the way ComfyUI counts memory in use (``GraphPool``:
-under the caching allocator the pool's idle blocks are held by placeholders, so ComfyUI's
+under the caching allocator the pool's idle blocks are held by placeholders (``graph_pool``), so ComfyUI's
 free-memory estimate - reserved minus active - does not count memory only the graphs can use;
 under cudaMallocAsync, ComfyUI's default on CUDA 13 torch, the graphs hold driver memory the
 device reports as used), and it goes back when ComfyUI
@@ -39,14 +39,15 @@ import torch
 
 from comfy.patcher_extension import CallbacksMP, WrappersMP
 
-from ..cuda_streams import (allocator_backend, keep_forever, on_side_stream, shared_graph_pool, trim_graph_memory,
-                            work_stream)
+from ..cuda_streams import allocator_backend, keep_forever, on_side_stream, trim_graph_memory, work_stream
 from ..device_constants import ConstantsOnDevice, HostCopies
-from ..graph_memory import (ROUND_LARGE, SMALL_SIZE, AllocationTrace, large_events, peak_in_use, pool_need,
-                            release_blas_workspaces, seed_pool, without_unfreed)
-from .compiled_blocks import (CompiledBlocks, _carried_patches, _nonempty, install_raw_pointer_launches,
+from ..graph_memory import (ROUND_LARGE, AllocationTrace, large_events, peak_in_use, pool_need, release_blas_workspaces,
+                            without_unfreed)
+from .compiled_blocks import (CompiledBlocks, carried_patches, install_raw_pointer_launches, nonempty,
                               raw_pointer_launches, rounding_noise)
-from .lean import release_on_detach
+from .graph_inputs import clone_tree, tensors_of, walk_signature
+from .graph_pool import GraphPool, pool_accounting
+from .lean import dequant_cache_of, release_on_detach
 
 
 # wrapper kinds that run around the model evaluation, never inside the captured region
@@ -54,82 +55,6 @@ _WRAPPERS_OUTSIDE_MODEL = frozenset({WrappersMP.OUTER_SAMPLE, WrappersMP.PREPARE
                                      WrappersMP.PREDICT_NOISE, WrappersMP.CALC_COND_BATCH})
 # every ModelPatcher callback kind ComfyUI defines: lifecycle events, none runs inside a forward
 _PATCHER_LIFECYCLE_CALLBACKS = frozenset(v for k, v in vars(CallbacksMP).items() if k.startswith("ON_"))
-
-
-def _pool_accounting() -> str | None:
-    """How graphs kept between runs stay counted as memory in use, or None (they go back after
-    every run): ``mempool`` - the caching allocator, a MemPool whose idle blocks are held
-    (``GraphPool``); ``device`` - cudaMallocAsync (ComfyUI's default on CUDA 13 torch), whose
-    graph memory the driver holds and ``mem_get_info`` reports as used."""
-    if not torch.cuda.is_available():
-        return None
-    if allocator_backend() == "cudaMallocAsync":
-        return "device"
-    return "mempool" if hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool") else None
-
-
-class GraphPool:
-    """The memory pool a model's graphs share.  ``accounted`` under the caching allocator: a
-    MemPool whose idle blocks are held by placeholder tensors (``occupy``) between captures, so
-    they count as memory in use; else a plain graph pool (given back after every run) - or, under
-    cudaMallocAsync, no shared pool at all (``handle`` None: each graph holds driver memory the
-    device counts as used) - on which ``occupy``/``vacate`` do nothing."""
-
-    def __init__(self, accounted: bool = True):
-        self.accounting = _pool_accounting() if accounted else None
-        self.pool = torch.cuda.MemPool() if self.accounting == "mempool" else None
-        self.handle = self.pool.id if self.pool is not None else shared_graph_pool()
-        self.fillers: list = []
-
-    def _segments(self) -> list:
-        if self.handle is None:
-            return []
-        return [seg for seg in torch.cuda.memory_snapshot()
-                if tuple(seg.get("segment_pool_id", ())) == tuple(self.handle)]
-
-    def idle_bytes(self) -> int:
-        return sum(b["size"] for seg in self._segments() for b in seg["blocks"] if b["state"] == "inactive")
-
-    def reserved_bytes(self, kind: str | None = None) -> int:
-        """Bytes of the pool's segments (``kind``: only "large" or "small" ones)."""
-        return sum(seg["total_size"] for seg in self._segments() if kind in (None, seg.get("segment_type")))
-
-    def seed(self, segments: list, stream, device) -> None:
-        """Free segments of these sizes for the captures on ``stream`` to split (``graph_memory``)."""
-        if self.pool is not None and segments:
-            seed_pool(self.pool, segments, stream, device)
-
-    def vacate(self) -> None:
-        """Free the placeholders (before a capture: the new graph reuses those blocks)."""
-        self.fillers.clear()
-
-    def occupy(self) -> None:
-        """Hold the pool's idle blocks with placeholders of their exact sizes.  The caching
-        allocator keeps free blocks per stream, and the graphs were captured on a stream of their
-        own: each placeholder is allocated on its block's stream.  Only blocks of large segments
-        above the small-request size (1 MiB) are held (a request is served from the segment kind
-        its size picks); the rest (a few MiB at most) stays idle.  An allocation that would need
-        new memory is given back and ends the filling: placeholders never grow the pool."""
-        self.vacate()
-        if self.pool is None:
-            return
-        by_stream: dict = {}
-        for seg in self._segments():
-            if seg.get("segment_type") != "large":
-                continue
-            for b in seg["blocks"]:
-                if b["state"] == "inactive" and b["size"] > SMALL_SIZE:
-                    by_stream.setdefault((seg["device"], seg["stream"]), []).append(b["size"])
-        with torch.cuda.use_mem_pool(self.pool):
-            for (device, stream), sizes in by_stream.items():
-                with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
-                    for size in sorted(sizes, reverse=True):
-                        before = torch.cuda.memory_reserved(device)
-                        filler = torch.empty(size, dtype=torch.uint8, device=f"cuda:{device}")
-                        if torch.cuda.memory_reserved(device) > before:
-                            del filler
-                            return
-                        self.fillers.append(filler)
 
 
 _RESIZE_MIN_SAVING = 32 << 20  # a first capture whose pool grew this much (and 5%) past its fitted segment is redone
@@ -154,13 +79,13 @@ class CudaGraphs:
         # capture's memory must never be freed
         self.malloc_async = allocator_backend() == "cudaMallocAsync"
         if self.compiled is not None and self.compiled.enabled and self.malloc_async and not install_raw_pointer_launches():
-            self.compiled._disable("this torch's Inductor kernels cannot be captured under cudaMallocAsync; "
+            self.compiled.disable("this torch's Inductor kernels cannot be captured under cudaMallocAsync; "
                                    "start ComfyUI with --disable-cuda-malloc to use compiled blocks")
         self.graphs: dict = {}
         self.pool = None
         # keep the graphs between sampling runs where their memory can be accounted (else they go
         # back after every run, and each run captures again)
-        self.persistent = _pool_accounting() is not None if persistent is None else persistent
+        self.persistent = pool_accounting() is not None if persistent is None else persistent
         self.warned: set = set()
         self.eager_calls = self.replays = self.captures = self.releases = 0
         self.capture_seconds: list = []  # wall time of each capture (with its warm-up / compilation)
@@ -208,7 +133,7 @@ class CudaGraphs:
 
     def _signature(self, args):
         flat: list = []
-        _walk_signature({"input": args["input"], "timestep": args["timestep"], "c": args["c"]}, flat)
+        walk_signature({"input": args["input"], "timestep": args["timestep"], "c": args["c"]}, flat)
         return tuple(flat)
 
     def compute_dtype(self):
@@ -227,7 +152,7 @@ class CudaGraphs:
     def _blocker(self, args) -> str | None:
         # what the model carries first, the device last: a CPU test then sees every other reason
         topts = args["c"].get("transformer_options", {})
-        patched = _carried_patches(topts)
+        patched = carried_patches(topts)
         if patched:
             return f"transformer_options carries {patched}"
         # ComfyUI's sampler copies the patcher's wrappers and callbacks into transformer_options
@@ -235,10 +160,10 @@ class CudaGraphs:
         # that run inside the model evaluation would be frozen into a graph; patcher callbacks
         # are lifecycle events (load, detach, cleanup, ...) that never run during it.
         for kind, per_key in (topts.get("wrappers") or {}).items():
-            if kind not in _WRAPPERS_OUTSIDE_MODEL and _nonempty(per_key):
+            if kind not in _WRAPPERS_OUTSIDE_MODEL and nonempty(per_key):
                 return f"transformer_options carries {kind} wrappers"
         for kind, per_key in (topts.get("callbacks") or {}).items():
-            if kind not in _PATCHER_LIFECYCLE_CALLBACKS and _nonempty(per_key):
+            if kind not in _PATCHER_LIFECYCLE_CALLBACKS and nonempty(per_key):
                 return f"transformer_options carries {kind} callbacks"
         model = self.patcher.model
         if getattr(model, "model_lowvram", False) or getattr(model, "lowvram_patch_counter", 0):
@@ -279,7 +204,7 @@ class CudaGraphs:
                 return self._eager(apply_model, args, self.failed[sig])
             self.graphs[sig] = entry
             return entry["out"].clone()
-        for dst, src in zip(entry["static"], _tensors(args["input"], args["timestep"], c)):
+        for dst, src in zip(entry["static"], tensors_of(args["input"], args["timestep"], c)):
             dst.copy_(src, non_blocking=True)
         entry["graph"].replay()
         self.replays += 1
@@ -293,13 +218,13 @@ class CudaGraphs:
         # anyway, so the static copies live there; replays copy new values into them.
         device = args["input"].device
         static_x = args["input"].clone()
-        static_t = _clone_tree(args["timestep"], device)
-        static_c = _clone_tree(c, device)
+        static_t = clone_tree(args["timestep"], device)
+        static_c = clone_tree(c, device)
         static_c["transformer_options"] = topts
         use_compiled = self.compiled is not None and self.compiled.enabled and sig in self.validated
         run = lambda: self._model_call(apply_model, static_x, static_t, static_c)  # noqa: E731
         first = lambda: self._model_call(apply_model, static_x, static_t, static_c, check_host_copies=True)  # noqa: E731
-        cache = getattr(self.patcher.model, "_modelopt_dequant_cache", None)
+        cache = dequant_cache_of(self.patcher.model)
         # a graph that will get a pool of its own, not sized yet: its warm-up is recorded, and the
         # pool seeded from that record, so the capture needs no second take into a fitted pool
         # (H200: the first capture 0.94 -> 0.75 s SDXL, 0.85 -> 0.65 s Flux).  The capture is
@@ -382,7 +307,7 @@ class CudaGraphs:
         self.pool.occupy()
         self.capture_seconds.append(round(time.perf_counter() - t0, 3))
         static_c.pop("transformer_options")
-        return {"graph": graph, "static": _tensors(static_x, static_t, static_c), "out": out, "weights": weights,
+        return {"graph": graph, "static": tensors_of(static_x, static_t, static_c), "out": out, "weights": weights,
                 "compiled": use_compiled}
 
     @staticmethod
@@ -399,7 +324,7 @@ class CudaGraphs:
             release_blas_workspaces()
         if trace.entries is None:
             return out, None
-        keep = {t.untyped_storage().data_ptr() for t in _tensors(out)}
+        keep = {t.untyped_storage().data_ptr() for t in tensors_of(out)}
         events = large_events(trace.entries, stream=torch.cuda.current_stream(device).cuda_stream)
         return out, pool_need(without_unfreed(events, keep))
 
@@ -454,59 +379,6 @@ class CudaGraphs:
             raise RuntimeError(f"the forward copies tensors from the CPU to the GPU ({', '.join(sorted(set(copies.ops)))}),"
                                " which a CUDA graph cannot capture")
         return out
-
-
-def _clone_tree(v, device):
-    """Static copies of every tensor in ``v``, on ``device``."""
-    if isinstance(v, torch.Tensor):
-        return v.to(device, copy=True)
-    if isinstance(v, dict):
-        return {k: _clone_tree(x, device) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_clone_tree(x, device) for x in v]
-    if isinstance(v, tuple):
-        return tuple(_clone_tree(x, device) for x in v)
-    return v
-
-
-def _tensors(*trees) -> list:
-    out: list = []
-    for t in trees:
-        _walk_tensors(t, out)
-    return out
-
-
-# The walks are module functions, not closures: a closure that calls itself is a reference cycle
-# (function -> cell -> function) holding whatever it collected.  The tensors of every model
-# evaluation (ComfyUI's conditioning, a fresh 4 MiB Flux context per step) then lived until the
-# garbage collector ran: 80 MiB more at the peak of a Flux run (measured on the H200, allocator
-# history of a steady run).
-def _walk_tensors(v, out: list) -> None:
-    if isinstance(v, torch.Tensor):
-        out.append(v)
-    elif isinstance(v, dict):
-        for k in sorted(v, key=str):
-            _walk_tensors(v[k], out)
-    elif isinstance(v, (list, tuple)):
-        for x in v:
-            _walk_tensors(x, out)
-
-
-def _walk_signature(v, flat: list) -> None:
-    if isinstance(v, torch.Tensor):
-        flat.append(("T", tuple(v.shape), v.dtype, str(v.device)))
-    elif isinstance(v, dict):
-        for k in sorted(v, key=str):
-            flat.append(("K", str(k)))
-            _walk_signature(v[k], flat)
-    elif isinstance(v, (list, tuple)):
-        flat.append(("L", len(v)))
-        for x in v:
-            _walk_signature(x, flat)
-    elif isinstance(v, (int, float, str, bool, type(None))):
-        flat.append(("V", v))
-    else:
-        raise TypeError(type(v).__name__)
 
 
 _CALLBACK_KEY = "comfy_modelopt_cuda_graphs"  # the patcher callbacks a runner installs

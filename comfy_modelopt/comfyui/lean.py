@@ -29,6 +29,7 @@ import comfy.model_management
 from comfy.patcher_extension import CallbacksMP
 
 from ..formats import CONVROT_GROUP_DEFAULT, FORMATS
+from .records import layer_record, model_record
 
 try:
     from comfy.quant_ops import QuantizedTensor
@@ -39,9 +40,9 @@ try:  # the kernel behind ck.scaled_mm, called without its dispatch (bit-exact w
 except ImportError:  # pragma: no cover - other kitchen versions: fp8 layers stay on the stock path
     scaled_mm_v2 = None
 try:  # private in kitchen 0.2.x: the output-dtype code of its int8_linear op
-    from comfy_kitchen.tensor.int8 import _dtype_code
+    from comfy_kitchen.tensor.int8 import _dtype_code as dtype_code
 except ImportError:  # pragma: no cover - other kitchen versions: the public ck.int8_linear
-    _dtype_code = None
+    dtype_code = None
 
 
 def native_formats(device) -> set:
@@ -81,7 +82,7 @@ def _bias(module, x):
     return b if (b.dtype == x.dtype and b.device == x.device) else b.to(device=x.device, dtype=x.dtype)
 
 
-def _fp8_mm(x, qdata, scale_a, scale_b, bias, fast_accum: bool):
+def fp8_mm(x, qdata, scale_a, scale_b, bias, fast_accum: bool):
     """fp8 with a static input scale on plain tensors (also the compiled blocks' operator,
     ``traced_layers``)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -96,7 +97,7 @@ def _fp8_mm(x, qdata, scale_a, scale_b, bias, fast_accum: bool):
 
 def _fp8_forward(module, x, fast_accum: bool):
     w = module.weight
-    return _fp8_mm(x, w._qdata, module.input_scale, w._params.scale, _bias(module, x), fast_accum)
+    return fp8_mm(x, w._qdata, module.input_scale, w._params.scale, _bias(module, x), fast_accum)
 
 
 def int8_params(w) -> tuple:
@@ -108,10 +109,10 @@ def int8_params(w) -> tuple:
 def _int8_forward(module, x):
     w = module.weight
     scale, convrot, group = int8_params(w)
-    if _dtype_code is None:  # public entry point (its backend dispatch costs a little per call)
+    if dtype_code is None:  # public entry point (its backend dispatch costs a little per call)
         return ck.int8_linear(x.contiguous(), w._qdata, scale, _bias(module, x), x.dtype, convrot, group)
     return torch.ops.comfy_kitchen.int8_linear(x.contiguous(), w._qdata, scale, _bias(module, x),
-                                               _dtype_code(x.dtype), convrot, group)
+                                               dtype_code(x.dtype), convrot, group)
 
 
 def _dequant_forward(module, x, cache=None):
@@ -197,32 +198,39 @@ def _reserve_cache_memory(model, cache: DequantCache) -> None:
     model.memory_required = memory_required
 
 
+def dequant_cache_of(model):
+    """The ``DequantCache`` ``make_lean`` gave ComfyUI's ``model``, or None."""
+    rec = model_record(model)
+    return rec.dequant_cache if rec is not None else None
+
+
 def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -> int:
     """Rebind quantized Linear forwards of ``patcher``'s own model; returns how many.
 
     ``dequant_cache_bytes``: budget of a ``DequantCache`` for the layers computed dequantized
-    (``patcher.model._modelopt_dequant_cache`` afterwards; none for 0)."""
+    (``model_record(patcher.model).dequant_cache`` afterwards; none for 0)."""
     device = patcher.load_device
     native = native_formats(device)
     count = dequantized = 0
-    cache = getattr(patcher.model, "_modelopt_dequant_cache", None)
+    cache = dequant_cache_of(patcher.model)
     new_cache = dequant_cache_bytes > 0 and cache is None
     if new_cache:
         cache = DequantCache(patcher, dequant_cache_bytes)
-        patcher.model._modelopt_dequant_cache = cache
+        model_record(patcher.model, create=True).dequant_cache = cache
         _reserve_cache_memory(patcher.model, cache)
         patcher.add_callback_with_key(CallbacksMP.ON_DETACH, "comfy_modelopt_dequant_cache",
                                       release_on_detach(cache.release))
     for module in patcher.model.diffusion_model.modules():
         fmt = getattr(module, "quant_format", None)
-        if fmt is None or getattr(module, "_modelopt_lean", False):
+        rec = layer_record(module)
+        if fmt is None or (rec is not None and rec.lean):
             continue
         # own-loader layers wrap their base forward: make that one lean, keep the wrapper; a
         # forward injected by someone else (ComfyUI's bypass LoRA hook keeps the layer's own one
         # in ``original_forward``) stays on top, the lean one goes underneath it
         owner, attr = module, "forward"
-        if hasattr(module, "_modelopt_base_forward"):
-            attr = "_modelopt_base_forward"
+        if rec is not None and rec.base_forward is not None:
+            owner, attr = rec, "base_forward"
         elif "forward" in module.__dict__ and getattr(module.forward, "__self__", module) is not module:
             hook = module.forward.__self__
             if getattr(hook, "original_forward", None) is None:
@@ -253,9 +261,10 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
             return _stock(input, *args, **kwargs)
         bound = types.MethodType(forward, module)
         setattr(owner, attr, bound)
-        module._modelopt_lean = True
+        rec = layer_record(module, create=True)
+        rec.lean = True
         if kind is not None and owner is module and attr == "forward":
-            module._modelopt_lean_kernel, module._modelopt_lean_forward = kind, bound
+            rec.lean_kernel, rec.lean_forward = kind, bound
         count += 1
     if new_cache:
         # never reserve more than the layers computed dequantized can use (at the compute dtype)

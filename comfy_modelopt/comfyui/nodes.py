@@ -22,11 +22,13 @@ from ..modelopt_engine import ALGORITHMS as MODELOPT_ALGORITHMS, ENGINE_FORMATS,
 from ..pipeline import DictSink, quantize_source
 from ..progress import Progress
 from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS
-from ..recipe import recipe_default, recipe_from_values, recipe_options
+from ..recipe import recipe_from_values
 from ..safetensors_io import write_file
 from ..stats import ActivationStats
 from .compat import check_kitchen
 from .cuda_graphs import enable_cuda_graphs
+from .recipe_inputs import (QUANTIZE_INPUTS, QUANTIZE_INPUTS_AFTER_RUNTIME, QUANTIZE_INPUTS_BEFORE_CALIBRATION,
+                            recipe_input)
 from .runtime import DEFAULT_RUNTIME, DEQUANT_CACHE_TOOLTIP, RUNTIME_TOOLTIP, RUNTIMES, apply_runtime, gpu_note
 from . import ownloader
 from .report_image import render as render_report
@@ -64,38 +66,6 @@ def _calibration_parts(calibration):
     if isinstance(calibration, EngineCalibration):
         return calibration.stats, calibration.engine
     return calibration, None
-
-
-_RECIPE_OPTIONS = {f.name: (f, o) for f, o in recipe_options()}
-
-
-def recipe_input(name: str):
-    """The Quantize node's input for recipe field ``name``, made from the field (``recipe.Option``):
-    a combo for choices, a toggle, a number with its bounds, or text for a list of names."""
-    f, o = _RECIPE_OPTIONS[name]
-    default = recipe_default(f)
-    kw = {"tooltip": o.tooltip or o.help.replace("{stats}", "needs calibration") + "."}
-    if o.advanced:
-        kw["advanced"] = True
-    if o.optional:
-        kw["optional"] = True
-    if o.choices:
-        return io.Combo.Input(name, options=list(o.choices), default=default, **kw)
-    if isinstance(default, bool):
-        return io.Boolean.Input(name, default=default, **kw)
-    if isinstance(default, tuple):
-        return io.String.Input(name, multiline=True, default="", **kw)
-    lo, hi, step = o.bounds
-    return (io.Int if isinstance(default, int) else io.Float).Input(name, default=default, min=lo, max=hi, step=step, **kw)
-
-
-# The Quantize node's recipe inputs in the order its widgets were added: a saved UI workflow stores
-# widget values by position, so new fields only ever go at the end
-QUANTIZE_INPUTS_BEFORE_CALIBRATION = ("format",)
-QUANTIZE_INPUTS = ("weight_scale", "input_scale", "smoothing", "gptq", "convrot", "lowrank", "conv",
-                   "static_nvfp4_input", "keep", "budget", "max_error")
-QUANTIZE_INPUTS_AFTER_RUNTIME = ("gptq_act_order", "percentile", "smooth_alpha", "sensitivity", "convrot_groupsize",
-                                 "linear_dtype", "candidates", "allow_nonfinite")
 
 
 # ====================================================================== calibrate

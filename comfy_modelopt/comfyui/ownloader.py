@@ -53,6 +53,7 @@ from ..verify import Verification, read_conf_of, state_dict_entries, verify
 from ..fileformat import (COMFY_QUANT, CONV_FORMAT, LOWRANK_PREFIX, LOWRANK_SUFFIXES, QUANT_METADATA,
                           comfy_quant_tensor, decode_comfy_quant, decode_quantization_metadata,
                           encode_quantization_metadata, needs_own_loader, stock_conf)
+from .records import layer_record, model_record
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
@@ -195,7 +196,7 @@ def _load(sd: dict, metadata: dict | None, where: str, **load_options):
             divisors["diffusion_model." + name + ".weight"] = ex["smooth_scale"].float()  # per input column
         if ex.get("conv_scale") is not None:
             divisors["diffusion_model." + name + ".weight"] = ex["conv_scale"].float().view(-1, 1, 1, 1)
-    patcher.model._modelopt_stored_basis = divisors
+    model_record(patcher.model, create=True).stored_basis = divisors
     if divisors:
         # a subclass, not an instance attribute: ModelPatcher.clone() keeps self.__class__, and
         # where ComfyUI picks another class (a non-dynamic copy of a dynamic patcher) our
@@ -261,7 +262,7 @@ def attach(patcher, extras: dict) -> int:
             module.weight = torch.nn.Parameter(ex["conv_weight"], requires_grad=False)
             module.register_buffer("weight_scale", ex["conv_scale"])
             module.forward = types.MethodType(_conv_fp8_forward, module)
-            module._modelopt_conv_fp8 = True
+            layer_record(module, create=True).conv_fp8 = True
             continue
         if not hasattr(module, "in_features"):
             raise CheckpointError(f"{name}: a low-rank layer needs a Linear, the model has {type(module).__name__}")
@@ -277,7 +278,7 @@ def attach(patcher, extras: dict) -> int:
             if t is not None and buf != "smooth_scale":
                 t = t.to(dtype=dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32)
             module.register_buffer(buf, t)
-        module._modelopt_base_forward = module.forward
+        layer_record(module, create=True).base_forward = module.forward
         module.forward = types.MethodType(_branch_forward, module)
     return len(extras)
 
@@ -292,7 +293,8 @@ def _basis_aware(cls):
         return cls
     if cls not in _PATCHER_CLASSES:
         def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
-            divisors = getattr(self.model, "_modelopt_stored_basis", {})
+            rec = model_record(self.model)
+            divisors = rec.stored_basis if rec is not None else {}
             mapped = {}
             for k, v in patches.items():
                 key, offset, fn = (k, None, None) if isinstance(k, str) else (k[0], k[1], k[2] if len(k) > 2 else None)
@@ -303,8 +305,8 @@ def _basis_aware(cls):
 
         def clone(self, *args, **kwargs):
             n = cls.clone(self, *args, **kwargs)
-            if not getattr(type(n), "_modelopt_basis_aware", False) and \
-                    getattr(n.model, "_modelopt_stored_basis", None):
+            rec = model_record(n.model)
+            if not getattr(type(n), "_modelopt_basis_aware", False) and rec is not None and rec.stored_basis:
                 n.__class__ = _basis_aware(type(n))
             return n
         _PATCHER_CLASSES[cls] = type(cls.__name__, (cls,), {"add_patches": add_patches, "clone": clone,
@@ -337,7 +339,7 @@ def _branch_forward(self, x, *args, **kwargs):
     cast = comfy.model_management.cast_to_device
     if self.smooth_scale is not None:
         x = x * cast(self.smooth_scale, x.device, x.dtype)
-    y = self._modelopt_base_forward(x, *args, **kwargs)
+    y = self._modelopt.base_forward(x, *args, **kwargs)  # records.LayerRecord
     down = cast(self.lowrank_down, x.device, x.dtype)
     up = cast(self.lowrank_up, x.device, x.dtype)
     return y + torch.nn.functional.linear(torch.nn.functional.linear(x, down), up)

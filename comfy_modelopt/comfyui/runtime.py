@@ -17,7 +17,7 @@ import comfy.model_management
 from ..formats import FORMATS
 from .attention import enable_int8_attention
 from .cuda_graphs import enable_cuda_graphs
-from .lean import make_lean, native_formats
+from .lean import dequant_cache_of, make_lean, native_formats
 from .model import compute_device
 
 
@@ -96,7 +96,7 @@ def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.
             " (dequant cache ignored: it needs a lean runtime)" if dequant_cache_gib > 0 else "")
     n = make_lean(patcher, dequant_cache_bytes=int(dequant_cache_gib * 2**30))
     note = f"runtime: lean ({n} quantized layers on direct kernel calls)"
-    cache = getattr(patcher.model, "_modelopt_dequant_cache", None)
+    cache = dequant_cache_of(patcher.model)
     if cache is not None:
         note += (f" + dequantized-weight cache of up to {cache.budget / 2**30:.2f} GiB" if cache.budget
                  else " (dequant cache unused: every layer runs natively on this GPU)")

@@ -12,7 +12,7 @@ and Wan 2.1's compiled blocks 578 MiB against 458 - memory a CUDA graph then kee
 With the layers as operators the block is one graph whose buffers Inductor frees at their last
 use.
 
-The operator runs exactly the lean kernel (``lean._fp8_mm``; kitchen's ``int8_linear`` op; the
+The operator runs exactly the lean kernel (``lean.fp8_mm``; kitchen's ``int8_linear`` op; the
 16-bit ``linear`` ComfyUI's cast path ends in when the weight is already on the device in the
 input's dtype), so each layer's output is bit-identical to the eager one; a 16-bit Conv2d is
 ``F.conv2d`` with its geometry, as torch's Conv2d calls it (Inductor may hand it another memory
@@ -29,6 +29,8 @@ import types
 from typing import Optional
 
 import torch
+
+from .records import layer_record
 
 _lean = None  # the lean module, imported at the first installation (it needs ComfyUI and kitchen)
 
@@ -68,8 +70,8 @@ def _register() -> bool:
         def fp8_linear(x: torch.Tensor, qdata: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                        bias: Optional[torch.Tensor], fast_accum: bool) -> torch.Tensor:
             """The lean fp8 kernel as one operator: kitchen's static-scale activation quantizer +
-            ``scaled_mm`` (``lean._fp8_mm``)."""
-            return _lean_module()._fp8_mm(x, qdata, scale_a, scale_b, bias, fast_accum)
+            ``scaled_mm`` (``lean.fp8_mm``)."""
+            return _lean_module().fp8_mm(x, qdata, scale_a, scale_b, bias, fast_accum)
 
         @fp8_linear.register_fake
         def _fp8_linear_fake(x, qdata, scale_a, scale_b, bias, fast_accum):
@@ -89,17 +91,18 @@ def _plain(t):
 
 
 def _traced(self, input, *args, **kwargs):
-    """The forward Dynamo traces: one operator for the layer (``_modelopt_traced``: kind, weight,
+    """The forward Dynamo traces: one operator for the layer (its record's ``traced``: kind, weight,
     bias, the kind's other arguments); any other call takes the layer's own forward."""
+    rec = self._modelopt  # records.layer_record, read as the plain attribute Dynamo guards
     if args or kwargs or not torch.compiler.is_compiling():
-        return self._modelopt_untraced(input, *args, **kwargs)
-    kind, weight, bias, extra = self._modelopt_traced
+        return rec.untraced(input, *args, **kwargs)
+    kind, weight, bias, extra = rec.traced
     sixteen_bit = kind in ("linear", "conv2d")
     if input.device != weight.device or input.requires_grad or (sixteen_bit and input.dtype != weight.dtype):
-        return self._modelopt_untraced(input)
+        return rec.untraced(input)
     if bias is not None and bias.dtype != input.dtype:
         if sixteen_bit:  # the cast path would convert it: left to it
-            return self._modelopt_untraced(input)
+            return rec.untraced(input)
         bias = bias.to(input.dtype)
     if kind == "fp8":
         scale_a, scale_b, fast_accum = extra
@@ -107,15 +110,15 @@ def _traced(self, input, *args, **kwargs):
     if kind == "int8":
         scale, convrot, group = extra
         return torch.ops.comfy_kitchen.int8_linear(input.contiguous(), weight, scale, bias,
-                                                   _lean._dtype_code(input.dtype), convrot, group)
+                                                   _lean.dtype_code(input.dtype), convrot, group)
     if kind == "conv2d":
         return torch.nn.functional.conv2d(input, weight, bias, *extra)
     return torch.nn.functional.linear(input, weight, bias)
 
 
 def traced_forward(m, untraced):
-    """A forward for layer ``m`` that Dynamo traces as one operator, with what it reads set on the
-    module (``_modelopt_traced``) - or None where the layer must stay opaque.  ``untraced``: the
+    """A forward for layer ``m`` that Dynamo traces as one operator, with what it reads in the
+    layer's record (``records.LayerRecord.traced``) - or None where the layer must stay opaque.  ``untraced``: the
     opaque forward every other call takes (and a traced call whose input is on another device)."""
     lean = _lean_module()
     w, b = getattr(m, "weight", None), getattr(m, "bias", None)
@@ -127,33 +130,36 @@ def traced_forward(m, untraced):
     own = m.__dict__.get("forward")
     bias = _plain(b) if b is not None else None
     if QuantizedTensor and isinstance(w, QuantizedTensor):
-        kind = getattr(m, "_modelopt_lean_kernel", None)
-        if kind is None or own is None or own is not getattr(m, "_modelopt_lean_forward", None):
+        rec = layer_record(m)
+        kind = rec.lean_kernel if rec is not None else None
+        if kind is None or own is None or own is not rec.lean_forward:
             return None  # not (or no longer) the lean forward: the own loader's, a LoRA hook's
         if kind[0] == "fp8" and _FP8_OP:
-            m._modelopt_traced = ("fp8", w._qdata, bias, (_plain(m.input_scale), w._params.scale, kind[1]))
-        elif kind[0] == "int8" and lean._dtype_code is not None:
-            m._modelopt_traced = ("int8", w._qdata, bias, lean.int8_params(w))
+            traced = ("fp8", w._qdata, bias, (_plain(m.input_scale), w._params.scale, kind[1]))
+        elif kind[0] == "int8" and lean.dtype_code is not None:
+            traced = ("int8", w._qdata, bias, lean.int8_params(w))
         else:
             return None
     elif own is None and type(m).__name__ == "Linear" and hasattr(m, "weight_function") and w.dim() == 2:
         # a 16-bit ComfyUI Linear on its class's forward: with the weight on the device in the
         # input's dtype, its cast path hands this very weight to F.linear
-        m._modelopt_traced = ("linear", _plain(w), bias, ())
+        traced = ("linear", _plain(w), bias, ())
     elif (own is None and type(m).__name__ == "Conv2d" and hasattr(m, "weight_function") and w.dim() == 4
           and getattr(m, "padding_mode", None) == "zeros"):
         # a 16-bit ComfyUI Conv2d on its class's forward (a UNet's ResBlocks, downsamplers):
         # uncast, or cast by its class with nothing to cast, it is torch's Conv2d._conv_forward
         # with the layer's own weight - F.conv2d with the module's geometry
-        m._modelopt_traced = ("conv2d", _plain(w), bias, (m.stride, m.padding, m.dilation, m.groups))
+        traced = ("conv2d", _plain(w), bias, (m.stride, m.padding, m.dilation, m.groups))
     else:
         return None
-    m._modelopt_untraced = untraced
+    rec = layer_record(m, create=True)
+    rec.traced, rec.untraced = traced, untraced
     return types.MethodType(_traced, m)
 
 
 def clear(m) -> None:
     """Forget what ``traced_forward`` set on ``m`` (the weights may move or change before the next
     installation)."""
-    for name in ("_modelopt_traced", "_modelopt_untraced"):
-        m.__dict__.pop(name, None)
+    rec = layer_record(m)
+    if rec is not None:
+        rec.traced = rec.untraced = None

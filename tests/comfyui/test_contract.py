@@ -296,6 +296,7 @@ def test_compiled_blocks_trace_the_lean_layers(family, fmt):
     from torch._dynamo.utils import counters
 
     from comfy_modelopt.comfyui.compiled_blocks import CompiledBlocks, rounding_noise
+    from comfy_modelopt.comfyui.records import layer_record
     from comfy_modelopt.comfyui.traced_layers import traced_forward
     patcher, x, kw = _w8a8_lean(family, fmt)
     dm = patcher.model.diffusion_model
@@ -315,7 +316,7 @@ def test_compiled_blocks_trace_the_lean_layers(family, fmt):
         assert counters["stats"]["unique_graphs"] > 0
         for conv in convs[:2]:  # a 16-bit convolution (a UNet's) is an operator too: F.conv2d, as eager
             assert traced_forward(conv, conv.forward) is not None
-            kind, weight, bias, extra = conv._modelopt_traced
+            kind, weight, bias, extra = layer_record(conv).traced
             h = torch.randn(1, conv.in_channels, 8, 8, dtype=weight.dtype, device=weight.device)
             assert kind == "conv2d" and torch.equal(torch.nn.functional.conv2d(h, weight, bias, *extra), conv(h))
             conv.comfy_cast_weights = True  # as ComfyUI's lowvram loading flags a layer whose weight it moved
@@ -324,19 +325,19 @@ def test_compiled_blocks_trace_the_lean_layers(family, fmt):
             finally:
                 del conv.comfy_cast_weights
 
-        lin = next(m for m in dm.modules() if getattr(m, "_modelopt_lean_kernel", None))
+        lin = next(m for m in dm.modules() if layer_record(m) and layer_record(m).lean_kernel)
         h = torch.randn(3, lin.weight.shape[1], dtype=torch.bfloat16).to(lin.weight.device)
         eager = lin.forward(h)
         traced = traced_forward(lin, lin.forward)
-        assert traced is not None and lin._modelopt_traced[1] is lin.weight._qdata
-        kind, qdata, bias, extra = lin._modelopt_traced
+        assert traced is not None and layer_record(lin).traced[1] is lin.weight._qdata
+        kind, qdata, bias, extra = layer_record(lin).traced
         bias = None if bias is None else bias.to(h.dtype)
         if kind == "fp8":
             op = torch.ops.comfy_modelopt.fp8_linear(h, qdata, *extra[:2], bias, extra[2])
         else:
-            from comfy_modelopt.comfyui.lean import _dtype_code
+            from comfy_modelopt.comfyui.lean import dtype_code
             assert kind == "int8" and extra[1]  # ConvRot
-            op = torch.ops.comfy_kitchen.int8_linear(h, qdata, extra[0], bias, _dtype_code(h.dtype), *extra[1:])
+            op = torch.ops.comfy_kitchen.int8_linear(h, qdata, extra[0], bias, dtype_code(h.dtype), *extra[1:])
         assert torch.equal(op, eager)
         assert torch.equal(traced(h), eager)  # not compiling: the layer's own forward
         lin.weight_function.append(lambda w: w)

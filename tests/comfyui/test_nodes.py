@@ -385,7 +385,7 @@ def test_lean_runtime_equals_stock(env, fmt):
                 m._full_precision_mm = False
         for m in lean.model.diffusion_model.modules():
             if getattr(m, "quant_format", None) == fmt:
-                m._modelopt_lean = False
+                m._modelopt.lean = False  # records.LayerRecord
         orig = lean_runtime.native_formats
         lean_runtime.native_formats = lambda d: orig(d) | {"float8_e4m3fn"}
         try:
@@ -490,13 +490,13 @@ def test_cuda_graph_replays_leave_no_tensor_to_the_garbage_collector(env):
     cycle keeps it (the runtime's recursive walks were closures, each one a cycle holding the
     tensors it collected - on Flux 80 MiB more at a run's peak, found on the H200)."""
     import gc
-    from comfy_modelopt.comfyui.cuda_graphs import _tensors
+    from comfy_modelopt.comfyui.graph_inputs import tensors_of
     clone, runner = env["nodes"].enable_cuda_graphs(env["model"])
     runner._blocker = lambda args: None  # as on a GPU
 
     def capture(apply_model, args, c, topts, weights, sig):  # a graph that replays nothing
         return {"graph": types.SimpleNamespace(replay=lambda: None), "weights": weights, "compiled": False,
-                "static": [t.clone() for t in _tensors(args["input"], args["timestep"], c)],
+                "static": [t.clone() for t in tensors_of(args["input"], args["timestep"], c)],
                 "out": apply_model(args["input"], args["timestep"], **args["c"])}
     runner._capture = capture
     sample(env, clone, 2, 0)  # captured at its first evaluation
@@ -691,7 +691,7 @@ def test_lowrank_own_loader(env):
     plain, _ = quantize(env, format="nvfp4", runtime="stock")
     qmodel, report = quantize(env, format="nvfp4", lowrank=16, smoothing="awq", runtime="lean")
     assert "modelopt_lowrank_nvfp4" in report
-    branched = [m for m in qmodel.model.diffusion_model.modules() if hasattr(m, "_modelopt_base_forward")]
+    branched = [m for m in qmodel.model.diffusion_model.modules() if getattr(getattr(m, "_modelopt", None), "base_forward", None)]
     assert len(branched) == 71 and all(m.lowrank_up.shape[1] == 16 for m in branched)
     # not a QUANT_ALGOS key: the stock loader refuses, it never drops the branch
     reloaded, _, err_a, err_p, _ = save_and_reload(env, qmodel, plain, "test/sd15-lowrank", (Exception, {}))
@@ -744,7 +744,7 @@ def test_conv_fp8_own_loader(env):
     qmodel, report = quantize(env, conv="fp8", runtime="lean")
     assert "convolutions:" in report and "fp8 (per output channel" in report
     dm = qmodel.model.diffusion_model
-    convs = {n: m for n, m in dm.named_modules() if getattr(m, "_modelopt_conv_fp8", False)}
+    convs = {n: m for n, m in dm.named_modules() if getattr(getattr(m, "_modelopt", None), "conv_fp8", False)}
     assert len(convs) >= 4
     for m in convs.values():
         assert m.weight.dtype == torch.float8_e4m3fn and m.weight.dim() == 4 and m.weight_scale.shape == (m.out_channels,)
@@ -828,8 +828,8 @@ def test_own_loader_models_can_be_rebuilt_by_comfyui(env):
         assert original.cached_patcher_init is not None
         copy = original.clone(force_deepcopy=True)  # the path ComfyUI takes through cached_patcher_init
         assert copy.model is not original.model
-        assert type(copy)._modelopt_basis_aware and copy.model._modelopt_stored_basis
-        convs = [m for m in copy.model.diffusion_model.modules() if getattr(m, "_modelopt_conv_fp8", False)]
+        assert type(copy)._modelopt_basis_aware and copy.model._modelopt.stored_basis
+        convs = [m for m in copy.model.diffusion_model.modules() if getattr(getattr(m, "_modelopt", None), "conv_fp8", False)]
         assert convs and all(m.weight.dtype == torch.float8_e4m3fn for m in convs)
         with torch.inference_mode():
             a = original.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)
@@ -1015,7 +1015,7 @@ def test_cuda_graphs_refill_the_dequant_cache():
     plain, cached = (ownloader.load_state_dict(dict(sink.tensors), dict(sink.metadata)) for _ in range(2))
     lean.make_lean(plain)
     lean.make_lean(cached, dequant_cache_bytes=1 << 40)
-    cache = cached.model._modelopt_dequant_cache
+    cache = cached.model._modelopt.dequant_cache
     n = sum(getattr(m, "quant_format", None) == "nvfp4" for m in cached.model.diffusion_model.modules())
     (gp, rp), (gc, rc) = cuda_graphs.enable_cuda_graphs(plain), cuda_graphs.enable_cuda_graphs(cached)
     ref = run(gp, 1)
@@ -1037,7 +1037,7 @@ def test_dequant_cache_bit_exact_budgeted_and_invalidated(env):
     run = lambda p: p.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)  # noqa: E731
     plain, _ = quantize(env, format="nvfp4", runtime="lean")
     full, note = quantize(env, format="nvfp4", runtime="lean", dequant_cache_gib=64.0)
-    cache = full.model._modelopt_dequant_cache
+    cache = full.model._modelopt.dequant_cache
     layers = [m for m in full.model.diffusion_model.modules() if getattr(m, "quant_format", None) == "nvfp4"]
     itemsize = torch.empty((), dtype=full.model.get_dtype_inference()).element_size()
     total = sum(m.weight.numel() for m in layers) * itemsize
@@ -1051,7 +1051,7 @@ def test_dequant_cache_bit_exact_budgeted_and_invalidated(env):
         assert torch.equal(run(full), ref) and cache.hits == len(layers)
     # a budget for about half the layers: never exceeded, the rest dequantize per call, same output
     half, _ = quantize(env, format="nvfp4", runtime="lean", dequant_cache_gib=total / 2 / 2**30)
-    hc = half.model._modelopt_dequant_cache
+    hc = half.model._modelopt.dequant_cache
     with torch.inference_mode():
         assert torch.equal(run(half), ref)
     assert 0 < hc.fills < len(layers) and hc.used <= hc.budget == total // 2

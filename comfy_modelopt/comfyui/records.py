@@ -1,0 +1,50 @@
+"""What the runtime changed on a ComfyUI module or model, in one record each.
+
+A layer made lean, traced by compiled blocks or given its extras by the own loader, and a model
+given a dequantized-weight cache or a stored basis, carry one ``_modelopt`` attribute: a
+``LayerRecord`` / ``ModelRecord`` that says what was changed and holds what the changed forwards
+need - instead of one private attribute per concern on ComfyUI's and torch's objects, so that
+what the runtime did to a module is one read (``layer_record(m)``), and a test or a benchmark can
+print it.  (An attribute rather than a side table: compiled blocks read a layer's record inside
+the code Dynamo traces, where an attribute read is a plain guarded load.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ATTR = "_modelopt"
+
+
+@dataclass(eq=False)
+class LayerRecord:
+    lean: bool = False                # its quantized forward runs a direct kernel (``lean.make_lean``)
+    lean_kernel: tuple | None = None  # what compiled blocks may trace as one operator: ("fp8", fast_accum) | ("int8",)
+    lean_forward: object = None       # the lean forward installed as ``forward`` (a hook on top hides it)
+    base_forward: object = None       # own loader: the layer's stock forward its wrapper calls (made lean there)
+    conv_fp8: bool = False            # own loader: an fp8 convolution, dequantized per call
+    traced: tuple | None = None       # while compiled blocks are installed: (kind, weight, bias, extra)
+    untraced: object = None           # ... and the forward any other call takes
+
+
+@dataclass(eq=False)
+class ModelRecord:
+    dequant_cache: object = None      # lean.DequantCache of the layers computed dequantized
+    stored_basis: dict = field(default_factory=dict)  # own loader: weight key -> what a delta is divided by
+
+
+def layer_record(module, create: bool = False) -> LayerRecord | None:
+    """``module``'s record (made with ``create``), or None."""
+    return _record(module, LayerRecord, create)
+
+
+def model_record(model, create: bool = False) -> ModelRecord | None:
+    """The record of ComfyUI's ``BaseModel`` (``patcher.model``) (made with ``create``), or None."""
+    return _record(model, ModelRecord, create)
+
+
+def _record(obj, kind, create: bool):
+    rec = obj.__dict__.get(ATTR)
+    if rec is None and create:
+        rec = kind()
+        setattr(obj, ATTR, rec)
+    return rec
