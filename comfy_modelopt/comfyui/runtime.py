@@ -148,9 +148,13 @@ def _compile_ahead(patcher, runner, first_call) -> str:
     if first_call is None:
         return " (the blocks compile at the first image of each size: no calibration to compile ahead from)"
     t0 = time.perf_counter()
-    comfy.model_management.load_models_gpu([patcher])
-    ok = runner.compiled.compile_for(first_call, patcher.model.diffusion_model, patcher.load_device,
-                                     runner.compute_dtype())
+    try:
+        comfy.model_management.load_models_gpu([patcher])
+        ok = runner.compiled.compile_for(first_call, patcher.model.diffusion_model, patcher.load_device,
+                                         runner.compute_dtype())
+    except Exception as e:  # out of memory, a forward that fails on these inputs: the model still comes back
+        # (ComfyUI's interrupt is a BaseException: a cancel still cancels)
+        ok = runner.compiled.disable(f"compiling ahead failed: {type(e).__name__}: {str(e)[:200]}")
     if not ok:
         return f" (compiled blocks off: {runner.compiled.reason})"
     return (f" (blocks compiled for the calibration's shapes in {time.perf_counter() - t0:.1f} s; another "

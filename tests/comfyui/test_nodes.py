@@ -663,6 +663,13 @@ def test_compiled_blocks_compile_ahead_from_the_calibration(env, monkeypatch):
     assert float((out - ref).norm() / ref.norm()) < cb.checks[-1]["limit"]
     assert "no calibration to compile ahead from" in runtime._compile_ahead(clone, runner, None)
 
+    def fails(*_args):  # e.g. out of memory while compiling: the node's model still comes back, uncompiled
+        raise RuntimeError("no room")
+    clone, runner = graphs.enable_cuda_graphs(model, compile_blocks=True)
+    monkeypatch.setattr(runner.compiled, "compile_for", fails)
+    assert runtime._compile_ahead(clone, runner, call).endswith("compiling ahead failed: RuntimeError: no room)")
+    assert not runner.compiled.enabled
+
 
 def save_and_reload(env, qmodel, plain, filename, refusal):
     """Save ``qmodel``, check stock ComfyUI refuses the file (``refusal``: pytest.raises args),
