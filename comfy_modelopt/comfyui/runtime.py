@@ -44,7 +44,7 @@ RUNTIMES = {r.label: r for r in (
 # process each, docs/benchmarks.md 0a): graphs over compiled blocks where the blocks can be
 # compiled before the first image - Quantize Model with a calibration compiles them for the
 # calibration's shapes (Flux +14 s in the node with a cold compile cache, SDXL +52 s / +9 s
-# warm); no image compiles then: Flux first image 3.05 s, then 2.00 s = 1.56x bf16 (lean + graphs
+# warm); no image compiles then: Flux first image 2.7-3.1 s, then 2.00 s = 1.56x bf16 (lean + graphs
 # 2.38 s = 1.31x, its first image 5.6 s in a process of its own), SDXL 3.05 s then 0.66 s (0.83 s).
 # Elsewhere (Load Quantized Model, no calibration, no Triton, no CUDA GPU) lean + graphs:
 # compiling at the first image made it slower than that whole runtime's first image (Flux +3.4 s
