@@ -24,10 +24,13 @@ from typing import Callable
 
 import torch
 
-# dampings a layer's GPTQ tries when held-out calibration prompts can choose (layer.encode):
-# on the real-weights benchmark a stronger one helped most layers (fp8 and nvfp4 alike), but
-# which is best is the layer's - so it is chosen per layer on prompts the rounding did not see
-DAMPINGS = (0.01, 0.1, 1.0)
+from . import gptq_kernel
+
+# the damping (a fraction of the mean diagonal added to H): one pass per layer at 0.1.  Choosing
+# among 0.01 / 0.1 / 1.0 per layer on held-out prompts and rounding once more from every row (four
+# passes) was within 1% of it on two real models (fp8 0.0521 vs 0.0522, nvfp4 0.1747 vs 0.1746
+# on all-mpnet-base-v2; docs/algorithms.md "Defaults") at twice the time
+DAMPING = 0.1
 
 
 def gram(x: torch.Tensor) -> torch.Tensor:
@@ -70,38 +73,10 @@ def gptq(w: torch.Tensor, h: torch.Tensor, quantize_columns: Callable[[torch.Ten
         return _gptq_batch(w, [damped(h, damp) if damp else h], quantize_columns, block, _order(h, act_order))[0]
 
 
-def gptq_dampings(w: torch.Tensor, h: torch.Tensor, dampings, quantize_columns, block: int = 128,
-                  act_order: bool = False) -> list[torch.Tensor]:
-    """``gptq`` of ``w`` for each damping of the undamped ``h`` (``damped``), as many at once as
-    memory allows: one column loop over a batch of Hessians.  The loop is a few small kernels per
-    column - launch-bound on a GPU - so on the H200 three dampings cost 1.3x one (2-3x less
-    than three calls, benchmarks/gptq_cost.py).  The same numbers as one call per damping on a
-    CPU (the column steps are elementwise; a block's update is a batched product of the same
-    terms); on a GPU the batched float32 product may differ from the single one in the last bits
-    (cuBLAS picks its kernel by batch size)."""
-    out, dampings = [], list(dampings)
-    per = 4 * h.shape[0] ** 2 * 4  # a float32 inverse Hessian and the Cholesky temporaries
-    size = max(1, min(len(dampings), batch_room(h.device) // per))
-    order = _order(h, act_order)
-    with full_float32():
-        for i in range(0, len(dampings), size):
-            out += _gptq_batch(w, [damped(h, d) for d in dampings[i:i + size]], quantize_columns, block, order)
-    return out
-
-
 def _order(h: torch.Tensor, act_order: bool) -> torch.Tensor | None:
     """act-order's column order: decreasing input energy, read on the undamped H (a damping adds
     the same to every diagonal entry - in float32 it can round near-ties apart differently)."""
     return torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else None
-
-
-def batch_room(device: torch.device) -> int:
-    """Bytes a batch of Hessians may take: a quarter of the GPU's free memory, 1 GiB on a CPU
-    (a Flux-width down-projection's batch of three needs ~22 GiB: it runs one at a time on a
-    24 GB card)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] // 4
-    return 1 << 30
 
 
 def _gptq_batch(w: torch.Tensor, hs: list[torch.Tensor], quantize_columns, block: int,
@@ -125,10 +100,18 @@ def _gptq_batch(w: torch.Tensor, hs: list[torch.Tensor], quantize_columns, block
         wb = wb[:, order]
     places = order.tolist() if order is not None else None  # on the host once: no sync per column
     q = torch.empty_like(wb)
-    graph = _BlockGraph.make(wb, block, quantize_columns) if k >= 2 * block else None
+    fused = block == 128 and gptq_kernel.usable(wb, quantize_columns)
+    graph = _BlockGraph.make(wb, block, quantize_columns) if k >= 2 * block and not fused else None
+    err_block = torch.empty(d, block, w.shape[0], dtype=torch.float32, device=w.device) if fused else None
+    if fused:  # each column's place in w, where the kernel reads its block scale and anchors
+        places_at = (order if order is not None else torch.arange(k, device=w.device)).to(torch.int32)
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
-        if graph is not None and i2 - i1 == block:
+        if fused and i2 - i1 == block:
+            err1 = err_block
+            gptq_kernel.run_block(wb[:, i1:i2], hinv[:, i1:i2, i1:i2], q[:, i1:i2], err1, quantize_columns,
+                                  places_at[i1:i2])
+        elif graph is not None and i2 - i1 == block:
             err1 = graph.run(wb[:, i1:i2], hinv[:, i1:i2, i1:i2], q[:, i1:i2])
         else:
             w1 = wb[:, i1:i2].clone()  # [D, B, N]
@@ -138,7 +121,9 @@ def _gptq_batch(w: torch.Tensor, hs: list[torch.Tensor], quantize_columns, block
     del graph
     if order is not None:
         q = q[:, torch.argsort(order)]
-    return list(q.transpose(1, 2).float())
+    # row-major again: a transposed view would reach the encoder, and fp8 scaled_mm refuses its
+    # qdata (cuBLASLt multiplies only row- by column-major)
+    return list(q.transpose(1, 2).contiguous())
 
 
 def _columns(w1, hinv1, err1, q1, quantize_columns, i1: int, places) -> None:
@@ -218,6 +203,7 @@ def fp8_column_quantizer(scale: float, dtype: torch.dtype):
     def quant(cols, _index):
         return (cols * (1.0 / scale)).clamp(-fmax, fmax).to(dtype).float() * scale
     quant.index_free = True  # one scale for every column: a block's loop can be a CUDA graph
+    quant.fused = ("fp8", scale, dtype)  # ... or one Triton kernel (gptq_kernel)
     return quant
 
 
@@ -227,6 +213,7 @@ def int8_column_quantizer(row_scale: torch.Tensor):
     def quant(cols, _index):
         return (cols / s).round().clamp(-128, 127) * s
     quant.index_free = True  # per-row scales, the same for every column
+    quant.fused = ("int8", s)
     return quant
 
 
@@ -241,11 +228,12 @@ def anchors(w: torch.Tensor, block: int) -> torch.Tensor:
 
 def grid_column_quantizer(scale: torch.Tensor, block: int, anchor: torch.Tensor, qmax: float,
                           round_fn: Callable[[torch.Tensor], torch.Tensor],
-                          anchor_to: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                          anchor_to: Callable[[torch.Tensor], torch.Tensor] | None = None, grid: str | None = None):
     """Columns rounded on a grid ``round_fn`` (values in [-qmax, qmax]) with one fixed scale per
     row and block of ``block`` columns (``scale`` [N, K / block]); anchored elements go to
     +-qmax, or to +-``anchor_to(|v|)`` of their scaled magnitude.  A zero scale (an all-zero
-    block) rounds to zero."""
+    block) rounds to zero.  ``grid``: which grid ``round_fn`` rounds to, for the block kernel
+    ("int": integers, half to even; "e2m1": nvfp4's values) - None keeps the eager loop."""
     scale = scale.float()
 
     def quant(cols, index):
@@ -258,6 +246,8 @@ def grid_column_quantizer(scale: torch.Tensor, block: int, anchor: torch.Tensor,
         to = qmax if anchor_to is None else anchor_to(v.abs())
         q = torch.where(a, torch.where(cols < 0, -to, to), q)
         return torch.where(s == 0, torch.zeros_like(q), q * s)
+    if grid is not None and anchor_to is None:
+        quant.fused = ("grid", scale.contiguous(), block, anchor.to(torch.uint8).contiguous(), float(qmax), grid)
     return quant
 
 

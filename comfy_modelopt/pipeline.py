@@ -139,6 +139,8 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
     or ``recipe.max_error``."""
     t0 = time.perf_counter()
     _check_needs_stats(recipe, stats)
+    no_gptq = stats is None and recipe.gptq
+    recipe = recipe.without_statistics() if stats is None else recipe
     if engine is not None and stats is None:
         raise PlanError("the ModelOpt engine's choices go with activation statistics of the same model: "
                         "calibrate it too (the same forward loop) and pass both")
@@ -151,6 +153,8 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
     if prices is not None and not recipe.planned:
         raise PlanError("prices are the planner's: give a budget or max_error too")
     plan, report = _plan_and_report(source, recipe, stats, family, refuse_unknown, progress, prices)
+    if no_gptq:
+        report.notes.append("gptq: off - it needs activation statistics (calibrate for error-compensated rounding)")
     folds = Folds()
     plan.engine = engine
     given = {n: l.smooth for n, l in engine.layers.items() if l.smooth is not None} if engine is not None else {}

@@ -69,7 +69,6 @@ CASES = [
     ("unknown architecture", _unknown, [], 2, "no diffusion-model architecture comfy-modelopt knows, and no "
                                              "diffusion-model structure (numbered attention + MLP blocks beside a "
                                              "timestep embedding): pass --family generic"),
-    ("gptq without stats", None, ["--gptq"], 2, "gptq needs activation statistics"),
     ("smoothing without stats", None, ["--smoothing", "awq", "--format", "nvfp4"], 2,
      "smoothing=awq needs activation statistics"),
     ("static nvfp4 input without stats", None, ["--format", "nvfp4", "--static-nvfp4-input"], 2,

@@ -192,3 +192,16 @@ def test_convrot_group_fits_each_layer(tmp_path):
             deq = fmt.from_stored(stored, conf, tuple(t.shape)).dequantize().float()
             assert float((deq - t).norm() / t.norm()) < 0.02
     assert any("convrot_groupsize=64" in l.notes for l in rep.quantized)
+
+
+@pytest.mark.parametrize("name,opts", VARIANTS)
+def test_a_transposed_weight_encodes_row_major(name, opts):
+    """kitchen keeps its input's strides; a column-major qdata (a transposed view, as GPTQ's
+    column-major loop held it) makes ComfyUI's fp8 scaled_mm fail on a GPU: every format encodes
+    row-major whatever it is given, and the same bits as from a contiguous copy."""
+    fmt = get_format(name)
+    w = weight(512, 256).T  # a [256, 512] view with column-major strides
+    tensors, qt = fmt.encode(w, **opts)
+    want, _ = fmt.encode(w.contiguous(), **opts)
+    assert qt._qdata.is_contiguous()
+    assert tensors.keys() == want.keys() and all(torch.equal(tensors[k], want[k]) for k in tensors)

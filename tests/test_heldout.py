@@ -93,10 +93,9 @@ def test_gptq_is_kept_only_where_held_out_prompts_agree(fmt):
         assert b.held_err <= a.held_err * (1 + 1e-3), (b.name, b.notes)
 
 
-def test_gptq_chosen_on_held_out_prompts_is_rounded_again_from_every_row(monkeypatch):
-    """The damping is chosen (and GPTQ kept) on held-out prompts; the written weight is then
-    GPTQ with that damping from the Hessian of every sampled row - the fit rows' alone estimate
-    it worse."""
+def test_gptq_is_one_pass_from_the_fit_rows_at_the_default_damping(monkeypatch):
+    """One GPTQ pass per layer, at the default damping, from the Hessian of the fit prompts' rows
+    alone: the held-out prompts then judge it against plain rounding, so they must not be in it."""
     from comfy_modelopt import gptq as gptq_mod
     model = _model()
     stats = _calibrate(model, [torch.randn(8, 64) * (1 + i % 3) for i in range(8)])
@@ -104,31 +103,39 @@ def test_gptq_chosen_on_held_out_prompts_is_rounded_again_from_every_row(monkeyp
     real = gptq_mod.gptq
     monkeypatch.setattr(gptq_mod, "gptq", lambda w, h, *a, **k: (seen.append((h, k.get("damp"))),
                                                                  real(w, h, *a, **k))[1])
-    out, _m, report = quantize(_sd(model), Recipe(format="int8_tensorwise", gptq=True, convrot=False), stats,
-                               family="generic")
-    layers = {l.name: l for l in report.quantized}
-    for name in ("0", "2"):
-        notes = layers[name].notes
-        if "then rounded from all" not in notes:
-            continue
-        x = stats.layer(name).sample().float()
-        damp = float(notes.split("gptq damp ")[1].split(" ")[0])
-        want = gptq_mod.gram(x)
-        assert any(h.shape == want.shape and torch.allclose(h, want) and d == damp for h, d in seen), name
-        assert f"all {x.shape[0]} rows" in notes
-    assert any("then rounded from all" in l.notes for l in report.quantized)
+    _out, _m, report = quantize(_sd(model), Recipe(format="int8_tensorwise", gptq=True, convrot=False), stats,
+                                family="generic")
+    assert len(seen) == len(report.quantized) and all(d == gptq_mod.DAMPING for _h, d in seen)
+    for layer in report.quantized:
+        fit, _held = stats.layer(layer.name).held_out_split()
+        want = gptq_mod.gram(stats.layer(layer.name).sample().float()[fit])
+        assert any(h.shape == want.shape and torch.allclose(h, want) for h, _d in seen), layer.name
+        assert "gptq" in layer.notes and "held-out" in layer.notes
 
 
 
 def test_act_order_is_on_by_default_and_an_option_of_gptq():
     """act-order is on by default and means something only with GPTQ: without it the recipe is
     accepted and nothing changes; the layers of a GPTQ recipe say they used GPTQ."""
-    assert Recipe().gptq_act_order and not Recipe().gptq
+    assert Recipe().gptq_act_order and Recipe().gptq
     model = _model()
     sd = _sd(model)
     stats = _calibrate(model, [torch.randn(8, 64) for _ in range(8)])
-    on, _m, _r = quantize(dict(sd), Recipe(format="nvfp4"), stats, family="generic")
-    off, _m, _r = quantize(dict(sd), Recipe(format="nvfp4", gptq_act_order=False), stats, family="generic")
+    on, _m, _r = quantize(dict(sd), Recipe(format="nvfp4", gptq=False), stats, family="generic")
+    off, _m, _r = quantize(dict(sd), Recipe(format="nvfp4", gptq=False, gptq_act_order=False), stats,
+                           family="generic")
     assert on.keys() == off.keys() and all(torch.equal(on[k], off[k]) for k in on)
     _o, _m, report = quantize(dict(sd), Recipe(format="nvfp4", gptq=True), stats, family="generic")
     assert all("gptq" in l.notes for l in report.quantized)
+
+
+def test_gptq_is_off_without_statistics_and_the_file_says_so():
+    """GPTQ is on by default but needs statistics: without them the layers are rounded to nearest,
+    the report says why and the recipe the file records has gptq off (what was done)."""
+    model = _model()
+    sd = _sd(model)
+    out, meta, report = quantize(dict(sd), Recipe(format="float8_e4m3fn"), None, family="generic")
+    plain, _m, _r = quantize(dict(sd), Recipe(format="float8_e4m3fn", gptq=False), None, family="generic")
+    assert out.keys() == plain.keys() and all(torch.equal(out[k], plain[k]) for k in out)
+    assert any("gptq: off" in n and "statistics" in n for n in report.notes)
+    assert report.recipe["gptq"] is False and not any("gptq" in l.notes for l in report.quantized)

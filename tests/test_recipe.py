@@ -95,10 +95,12 @@ def test_cli_offers_every_recipe_field_with_the_recipes_default():
 
 def test_defaults_are_the_measured_ones():
     """The defaults docs/algorithms.md ('Defaults') measured: ConvRot on for int8_tensorwise
-    (ignored by formats without it: their options never see it), GPTQ off for its cost,
-    act-order on for when GPTQ is asked for (ignored without it)."""
+    (ignored by formats without it: their options never see it), GPTQ on with act-order where
+    there are statistics (off without them: the recipe a file records is what was done)."""
     r = Recipe()
-    assert r.convrot and not r.gptq and r.gptq_act_order
+    assert r.convrot and r.gptq and r.gptq_act_order
+    assert not r.without_statistics().gptq and r.without_statistics().convrot
+    assert "gptq" not in " ".join(r.needs_statistics())
     assert Recipe("int8_tensorwise").format_options()["convrot"] is True
     for name in ("float8_e4m3fn", "nvfp4", "mxfp8"):
         assert "convrot" not in Recipe(name).format_options()

@@ -114,7 +114,9 @@ class Format:
         return self._kitchen(prepared, **{**self.layout_kwargs(**opts), **extra})
 
     def _kitchen(self, tensor: torch.Tensor, **kw) -> QuantizedTensor:
-        qdata, params = self._kitchen_raw(tensor, **kw)
+        # kitchen keeps its input's strides: a transposed weight would give a column-major qdata,
+        # which ComfyUI's fp8 scaled_mm refuses
+        qdata, params = self._kitchen_raw(tensor.contiguous(), **kw)
         return QuantizedTensor(qdata, self.layout, params)
 
     def _kitchen_raw(self, tensor: torch.Tensor, **kw):

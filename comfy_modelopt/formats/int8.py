@@ -167,7 +167,7 @@ def _anchored_rows(fmt: RowwiseIntFormat, w: torch.Tensor, alpha):
         absmax = absmax * _row_alpha(alpha, w)
     scale = absmax.clamp(min=1e-10) / fmt.qmax
     return gptq.grid_column_quantizer(scale, w.shape[1], gptq.anchors(w, w.shape[1]), float(fmt.qmax),
-                                      torch.round), None
+                                      torch.round, grid="int"), None
 
 
 # int8: per-row weight scale, dynamic per-row int8 activations; optional ConvRot rotation

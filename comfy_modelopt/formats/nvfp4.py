@@ -140,7 +140,7 @@ class NvFp4Format(Format):
         anchor = gptq.anchors(w, 16)
         if block_bound is not None:
             anchor &= (scales <= _nvfp4_block_scales(bmax, g)).repeat_interleave(16, dim=1)
-        return gptq.grid_column_quantizer(scales * g, 16, anchor, F4_E2M1_MAX, _round_e2m1), g
+        return gptq.grid_column_quantizer(scales * g, 16, anchor, F4_E2M1_MAX, _round_e2m1, grid="e2m1"), g
 
     def fake_act(self, x, input_scale=None, **opts):
         amax = None if input_scale is None else torch.tensor(input_scale * F8_E4M3_MAX * F4_E2M1_MAX)
