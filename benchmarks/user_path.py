@@ -33,6 +33,7 @@ ap.add_argument("--budget", type=float, default=0.0)
 ap.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=None, help="default: the recipe's")
 ap.add_argument("--gptq-act-order", action=argparse.BooleanOptionalAction, default=None, help="default: the recipe's")
 ap.add_argument("--convrot", action=argparse.BooleanOptionalAction, default=None, help="default: the recipe's")
+ap.add_argument("--sensitivity", action=argparse.BooleanOptionalAction, default=None, help="default: the recipe's")
 ap.add_argument("--lora", type=int, default=0, help="rank of a random LoRA applied (strength 1) to every block Linear, on both the 16-bit and the quantized model")
 ap.add_argument("--calib-prompts", type=int, default=2)
 ap.add_argument("--calib-steps", type=int, default=8)
@@ -75,7 +76,8 @@ def log(*a):
 
 
 def save():
-    tag = "".join(f"_{k}{int(v)}" for k, v in (("gptq", A.gptq), ("convrot", A.convrot)) if v is not None)
+    tag = "".join(f"_{k}{int(v)}" for k, v in (("gptq", A.gptq), ("convrot", A.convrot), ("sensitivity", A.sensitivity))
+                  if v is not None)
     with open(os.path.join(A.out, f"verify_{A.model}_{A.format}{'_b' + str(A.budget) if A.budget else ''}{'_lora' if A.lora else ''}{tag}.json"), "w") as f:
         json.dump(RES, f, indent=1, default=str)
 
@@ -238,9 +240,9 @@ def main():
 
     t0 = time.perf_counter()
     from comfy_modelopt.recipe import Recipe
-    given = {k: v for k, v in (("gptq", A.gptq), ("gptq_act_order", A.gptq_act_order), ("convrot", A.convrot))
-             if v is not None}
-    chosen = {k: given.get(k, getattr(Recipe(), k)) for k in ("gptq", "gptq_act_order", "convrot")}
+    flags = ("gptq", "gptq_act_order", "convrot", "sensitivity")
+    given = {k: getattr(A, k) for k in flags if getattr(A, k) is not None}
+    chosen = {k: given.get(k, getattr(Recipe(), k)) for k in flags}
     RES["recipe_flags"] = chosen
     out = N.ModelOptQuantizeUNet.execute(model=base, format=A.format, weight_scale="mse", input_scale="mse",
                                          smoothing=A.smoothing, static_nvfp4_input=False,

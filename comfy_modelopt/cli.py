@@ -27,8 +27,8 @@ def add_recipe_arguments(q: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         text = o.help.replace("{stats}", STATS_HOW)
         if isinstance(default, bool):
-            q.add_argument(flag, action=argparse.BooleanOptionalAction if default else "store_true",
-                           default=default, help=text)
+            # --x and --no-x both, whatever the default: a script keeps working when a default turns
+            q.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
         elif isinstance(default, tuple):  # repeatable, each value comma-separated; "%(default).0s": no "(default: [])"
             q.add_argument(flag, action="append", default=[], metavar=o.metavar, help=text + "%(default).0s")
         else:

@@ -109,8 +109,10 @@ class Recipe:
     gptq_act_order: bool = _opt(True, help="with gptq: round each layer's columns by decreasing input energy "
                                            "(act-order) instead of in order (on by default: it won for fp8 and "
                                            "nvfp4 on real weights, at the same cost); ignored without gptq")
-    sensitivity: bool = _opt(True, help="with statistics: measure every layer's output error in every format "
-                                        "(the report's sensitivity column; the planner measures it anyway)")
+    sensitivity: bool = _opt(False, help="with statistics: also measure every layer's output error in every "
+                                         "format (the file report's per-layer sensitivity; off by default: a "
+                                         "third of the 110M real model's fp8 time, and the planner measures it "
+                                         "anyway)")
     convrot: bool = _opt(True, optional=False,
                          help="int8_tensorwise: Hadamard-rotate weights and activations (ConvRot: outlier "
                               "channels spread over a group); on by default - 0.28-0.36x a naive int8 converter's "

@@ -204,7 +204,7 @@ def test_cli_with_stats_writes_w8a8_and_sensitivity(flux_file, tmp_path):
     st = calibrate(tree, lambda mod: [mod(i) for i in range(3)], info={"source": "synthetic"})
     stats_path = st.save(str(tmp_path / "stats.safetensors"))
     out = tmp_path / "w8a8.safetensors"
-    assert cli.main(["quantize", flux_file, "-o", str(out), "--stats", stats_path, "-q"]) == 0
+    assert cli.main(["quantize", flux_file, "-o", str(out), "--stats", stats_path, "-q", "--sensitivity"]) == 0
     with SafetensorsFile(str(out)) as f:
         layers = json.loads(f.metadata["_quantization_metadata"])["layers"]
         report = json.loads(f.metadata["comfy_modelopt.report"])["layers"]
