@@ -15,6 +15,20 @@ def outlier_inputs(m: int, k: int, seed: int = 0, channels: int = 4, low: float 
     return x
 
 
+def gptq_problem(name: str, opts: dict, n: int, k: int, device: str = "cpu"):
+    """A GPTQ rounding problem as layer.encode poses it: the format, the weight in its search
+    space (rotated for ConvRot), the column rounder and the Hessian of outlier inputs."""
+    from comfy_modelopt.formats import get_format
+    from comfy_modelopt.gptq import gram
+    fmt = get_format(name)
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(n, k, generator=g) / 16).to(device)
+    x = outlier_inputs(300, k, seed=6).to(device)
+    ws = fmt.search_space(w, **opts)
+    quantize_columns, _scale = fmt.gptq_rounding(ws, None, **opts)
+    return fmt, ws, quantize_columns, gram(fmt.search_space(x, **opts))
+
+
 class LinearTree(nn.Module):
     """nn.Linear modules at the names of a key layout, each fed its own synthetic inputs.
 

@@ -19,7 +19,7 @@ from comfy_modelopt import gptq as gptq_mod
 from comfy_modelopt import gptq_kernel
 from comfy_modelopt.formats import get_format
 
-from helpers import outlier_inputs
+from helpers import gptq_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,14 +76,8 @@ def test_kernel_rounds_as_the_eager_loop_on_a_gpu(name, opts, act_order):
     """On a GPU the kernel's results are the eager loop's but where the eager update's cuBLAS
     product rounded a sum differently and a value on a rounding boundary went the other way."""
     pytest.importorskip("triton")
-    fmt = get_format(name)
-    g = torch.Generator().manual_seed(4)
-    w = (torch.randn(200, 640, generator=g) / 16).cuda()
-    x = outlier_inputs(300, 640, seed=6).cuda()
-    ws, xs = fmt.search_space(w, **opts), fmt.search_space(x, **opts)
-    quant, _scale = fmt.gptq_rounding(ws, None, **opts)
+    _fmt, ws, quant, h = gptq_problem(name, opts, 200, 640, "cuda")
     assert gptq_kernel.usable(ws, quant)
-    h = gptq_mod.gram(xs)
     fused = gptq_mod.gptq(ws, h, quant, act_order=act_order, damp=0.1)
     try:
         gptq_kernel.ENABLED, gptq_mod._BlockGraph.ENABLED = False, False

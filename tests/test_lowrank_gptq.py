@@ -7,7 +7,7 @@ from comfy_modelopt.formats import kitchen_reference
 from comfy_modelopt.gptq import damped, gptq, gram
 from comfy_modelopt.lowrank import lowrank_split
 
-from helpers import outlier_inputs
+from helpers import gptq_problem, outlier_inputs
 
 
 def error_by_rank(w, fmt, ranks):
@@ -265,14 +265,8 @@ def test_block_graph_rounds_as_the_eager_loop(name, opts, act_order):
     cuBLAS, captured, summed a block's products in another order and a value on a rounding
     boundary went the other way (measured on an H200: none for fp8, a few int8 steps)."""
     from comfy_modelopt import gptq as gptq_mod
-    fmt = get_format(name)
-    g = torch.Generator().manual_seed(4)
-    w = (torch.randn(96, 512, generator=g) / 16).cuda()
-    x = outlier_inputs(300, 512, seed=6).cuda()
-    ws, xs = fmt.search_space(w, **opts), fmt.search_space(x, **opts)
-    quantize_columns, _scale = fmt.gptq_rounding(ws, None, **opts)
+    _fmt, ws, quantize_columns, h = gptq_problem(name, opts, 96, 512, "cuda")
     assert quantize_columns.index_free
-    h = gptq_mod.gram(xs)
     from comfy_modelopt import gptq_kernel
     try:
         gptq_kernel.ENABLED = False  # the graph is what runs where Triton is missing
