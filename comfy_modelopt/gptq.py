@@ -247,7 +247,8 @@ def grid_column_quantizer(scale: torch.Tensor, block: int, anchor: torch.Tensor,
         q = torch.where(a, torch.where(cols < 0, -to, to), q)
         return torch.where(s == 0, torch.zeros_like(q), q * s)
     if grid is not None and anchor_to is None:
-        quant.fused = ("grid", scale.contiguous(), block, anchor.to(torch.uint8).contiguous(), float(qmax), grid)
+        quant.fused = ("grid", scale.contiguous(), block, anchor.to(torch.uint8).contiguous(), float(qmax), grid,
+                       round_fn)
     return quant
 
 

@@ -89,3 +89,26 @@ def test_kernel_rounds_as_the_eager_loop_on_a_gpu(name, opts, act_order):
     assert float((fused - eager).norm() / eager.norm()) < 5e-3
     if quant.fused[0] != "grid":  # one scale per tensor or row: the rounded weights are on its grid
         assert torch.equal(quant(fused, slice(0, fused.shape[1])), fused)
+
+
+def test_a_kernel_that_cannot_build_leaves_the_loop_eager(monkeypatch, caplog):
+    """Where Triton cannot build or run the kernel for a rounder (no fp8 casts before Ada, no
+    compiler), GPTQ must still run: a test block is checked once per device and kind, the reason
+    logged, and the eager loop rounds - the same weights as without the kernel."""
+    pytest.importorskip("triton", reason="Triton is not installed (requirements-test.txt pins it)")
+    monkeypatch.setattr(gptq_kernel, "_CHECKED", {})
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # a CPU device counts as the kernel's here
+
+    def broken(*_a, **_k):
+        raise RuntimeError("type fp8e4nv not supported in this architecture")
+    monkeypatch.setattr(gptq_kernel, "run_block", broken)
+    _fmt, ws, quant, h = gptq_problem("float8_e4m3fn", {}, 40, 256)
+    with caplog.at_level("WARNING"):
+        assert not gptq_kernel.usable(ws, quant)
+    assert "not used for fp8" in caplog.text and "fp8e4nv" in caplog.text
+    eager = gptq_mod.gptq(ws, h, quant, act_order=True, damp=gptq_mod.DAMPING)
+    gptq_kernel.ENABLED = False
+    try:
+        assert torch.equal(eager, gptq_mod.gptq(ws, h, quant, act_order=True, damp=gptq_mod.DAMPING))
+    finally:
+        gptq_kernel.ENABLED = True
