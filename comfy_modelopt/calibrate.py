@@ -8,6 +8,8 @@ statistics.  Hooks are always removed, also when the loop raises or is interrupt
 """
 from __future__ import annotations
 
+import math
+import uuid
 from dataclasses import dataclass
 from typing import Callable
 
@@ -56,6 +58,89 @@ class RecordedCall:
             if first_tensor is not None:
                 args = (first_tensor(args[0]), *args[1:])
             return fn(*args, **kwargs)
+
+
+    def signature(self) -> dict | None:
+        """The call described in JSON (tensors by shape, dtype and device; the options as they
+        are), for a file to carry: a loader in a fresh process compiles ahead from it
+        (``from_signature``).  None where an argument is nothing JSON can describe (a function
+        in the options, say): compiled code may guard on it."""
+        try:
+            return {"args": _describe(self.args), "kwargs": _describe(self.kwargs),
+                    "grad_enabled": self.grad_enabled, "inference_mode": self.inference_mode}
+        except TypeError:
+            return None
+
+    @classmethod
+    def from_signature(cls, sig) -> "RecordedCall":
+        """A call of ``signature``'s shapes and options with made-up tensor values (compiled code
+        specialises on shapes, dtypes and options, not values).  ``sig`` comes from a file: every
+        part is checked (ValueError names the first that is not what ``signature`` writes) and
+        the tensors are bounded (``MAX_SIGNATURE_ELEMENTS``)."""
+        if not isinstance(sig, dict) or not isinstance(sig.get("args"), dict) or \
+                not isinstance(sig.get("kwargs"), dict):
+            raise ValueError("not a call signature")
+        budget = [MAX_SIGNATURE_ELEMENTS]
+        args, kwargs = _build(sig["args"], budget), _build(sig["kwargs"], budget)
+        if not isinstance(args, tuple) or not isinstance(kwargs, dict):
+            raise ValueError("a call signature's args must be a tuple and its kwargs a dict")
+        return cls(args, kwargs, bool(sig.get("grad_enabled")), bool(sig.get("inference_mode")))
+
+
+# what a call signature read from a file may make: a Flux 1024^2 call holds 2.4M elements, Wan
+# 2.1 at 81 frames of 832x480 about 9M
+MAX_SIGNATURE_ELEMENTS = 1 << 28
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+                               torch.int32, torch.bool)}
+
+
+def _describe(v):
+    if isinstance(v, _Stored):
+        t, where = v
+        if str(t.dtype) not in _DTYPES:
+            raise TypeError(t.dtype)
+        return {"tensor": list(t.shape), "dtype": str(t.dtype), "device": where}
+    if isinstance(v, dict):
+        if not all(isinstance(k, str) for k in v):
+            raise TypeError("key")
+        # pairs, not an object: the file's JSON sorts object keys, and compiled code guards on the
+        # order of the options' keys (ComfyUI loops over them)
+        return {"dict": [[k, _describe(x)] for k, x in v.items()]}
+    if type(v) in (list, tuple):
+        return {type(v).__name__: [_describe(x) for x in v]}
+    if isinstance(v, uuid.UUID):
+        return {"uuid": True}
+    if v is None or type(v) in (bool, int, float, str):
+        return {"value": v}
+    raise TypeError(type(v).__name__)
+
+
+def _build(d, budget: list):
+    if isinstance(d, dict) and set(d) == {"tensor", "dtype", "device"}:
+        shape, dtype, where = d["tensor"], _DTYPES.get(d["dtype"]), d["device"]
+        if dtype is None or not (isinstance(where, str) and where.isalpha()) or not isinstance(shape, list) \
+                or len(shape) > 8 or not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError(f"not a described tensor: {str(d)[:80]}")
+        budget[0] -= math.prod(shape)
+        if budget[0] < 0:
+            raise ValueError(f"a call signature's tensors hold more than {MAX_SIGNATURE_ELEMENTS} elements")
+        t = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype) if dtype.is_floating_point \
+            else torch.zeros(shape, dtype=dtype)
+        return _Stored((t, where))
+    if not isinstance(d, dict) or len(d) != 1:
+        raise ValueError(f"not a described value: {str(d)[:80]}")
+    (kind, v), = d.items()
+    if kind == "value" and (v is None or type(v) in (bool, int, float, str)):
+        return v
+    if kind == "uuid":
+        return uuid.uuid4()
+    if kind in ("list", "tuple") and isinstance(v, list):
+        items = [_build(x, budget) for x in v]
+        return items if kind == "list" else tuple(items)
+    if kind == "dict" and isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                                                      for p in v):
+        return {k: _build(x, budget) for k, x in v}
+    raise ValueError(f"not a described value: {str(d)[:80]}")
 
 
 class _Stored(tuple):

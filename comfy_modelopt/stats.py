@@ -415,7 +415,13 @@ class ActivationStats:
         return out
 
     def summary_json(self) -> str:
-        return json.dumps(self.summary(), sort_keys=True)
+        """The summary a quantized file carries; with the calibration's first model call described
+        (``RecordedCall.signature``) so that a loader compiles ahead for its shapes."""
+        out = self.summary()
+        signature = self.first_call.signature() if self.first_call is not None else None
+        if signature is not None:
+            out["first_call"] = signature
+        return json.dumps(out, sort_keys=True)
 
     # ------------------------------------------------------------------ file (statsfile.py)
     def save(self, path: str, overwrite: bool = False) -> str:

@@ -137,6 +137,39 @@ def test_first_call_recorded_and_replayed(tmp_path):
     assert ActivationStats.load(st.save(str(tmp_path / "s.safetensors"))).first_call is None
 
 
+def test_first_call_described_for_a_file_and_rebuilt():
+    """A quantized file carries the first call described (shapes, dtypes, devices, the options in
+    their order) in its calibration summary; a loader rebuilds a call of those shapes from it with
+    made-up values.  The description is untrusted input there: oversized or malformed ones are
+    refused (ValueError), an argument JSON cannot describe leaves no description."""
+    import json
+    import uuid
+    from comfy_modelopt.calibrate import MAX_SIGNATURE_ELEMENTS, RecordedCall
+    options = {"wrappers": {}, "cond_or_uncond": [1, 0], "uuids": [uuid.uuid4()], "sigmas": torch.ones(1),
+               "a_flag": True}
+    call = RecordedCall.of((torch.randn(2, 4, 8, 8), torch.tensor([1.0, 2.0])),
+                           {"context": torch.randn(2, 7, 16, dtype=torch.bfloat16), "control": None,
+                            "transformer_options": options})
+    st = ActivationStats()
+    st.first_call = call
+    sig = json.loads(st.summary_json())["first_call"]  # sorted JSON keys, as the file stores it
+    assert sig == call.signature()
+    again = RecordedCall.from_signature(sig)
+    assert list(again.kwargs["transformer_options"]) == list(options)  # the options' order kept
+    assert [(t.shape, t.dtype) for t, _ in again.args] == [(t.shape, t.dtype) for t, _ in call.args]
+    assert again.kwargs["context"][0].dtype == torch.bfloat16 and again.kwargs["control"] is None
+    assert isinstance(again.kwargs["transformer_options"]["uuids"][0], uuid.UUID)
+    big = json.loads(json.dumps(sig))
+    big["args"]["tuple"][0]["tensor"] = [MAX_SIGNATURE_ELEMENTS, 2]
+    for bad in (big, {"args": {"value": 1}, "kwargs": {"dict": []}}, {"args": {"tuple": [{"eval": "x"}]}},
+                {"args": {"tuple": [{"tensor": [-1], "dtype": "torch.float32", "device": "cpu"}]},
+                 "kwargs": {"dict": []}}, "nonsense"):
+        with pytest.raises(ValueError):
+            RecordedCall.from_signature(bad)
+    assert RecordedCall.of((torch.zeros(1),), {"hook": print}).signature() is None
+    assert "first_call" not in json.loads(ActivationStats().summary_json())
+
+
 def test_empty_calibration_refused():
     with pytest.raises(CalibrationError, match="no forward calls"):
         calibrate(mlp(), lambda mod: None)

@@ -29,7 +29,8 @@ from .compat import check_kitchen
 from .cuda_graphs import enable_cuda_graphs
 from .recipe_inputs import (QUANTIZE_INPUTS, QUANTIZE_INPUTS_AFTER_RUNTIME, QUANTIZE_INPUTS_BEFORE_CALIBRATION,
                             recipe_input)
-from .runtime import DEFAULT_RUNTIME, DEQUANT_CACHE_TOOLTIP, RUNTIME_TOOLTIP, RUNTIMES, apply_runtime, gpu_note
+from .runtime import (DEFAULT_RUNTIME, DEQUANT_CACHE_TOOLTIP, RUNTIME_TOOLTIP, RUNTIMES, apply_runtime, first_call_of,
+                      gpu_note)
 from . import ownloader
 from .report_image import render as render_report
 from .model import NodeError, PatcherSource, artifact_of, build_quantized_model, compute_device, log
@@ -392,7 +393,7 @@ class ModelOptUNetLoader(io.ComfyNode):
         if patcher is None:
             raise NodeError(f"{unet_name}: ComfyUI could not detect the model in this file")
         info.verification = patcher.modelopt_verification  # what the loader checked, values included
-        patcher, note = apply_runtime(patcher, runtime, dequant_cache_gib)
+        patcher, note = apply_runtime(patcher, runtime, dequant_cache_gib, first_call=first_call_of(info, unet_name))
         return io.NodeOutput(patcher, info.text() + "\n" + note)
 
 

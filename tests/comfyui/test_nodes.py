@@ -672,6 +672,61 @@ def test_compiled_blocks_compile_ahead_from_the_calibration(env, monkeypatch):
     assert not runner.compiled.enabled
 
 
+def test_load_quantized_model_compiles_ahead_from_the_call_its_file_describes(env, monkeypatch):
+    """A calibrated file carries the calibration's first model call as shapes, dtypes and options
+    (no values); Load Quantized Model in a fresh process hands it to the runtime, which compiles
+    the blocks for it before the first image as Quantize Model does from the calibration: a
+    KSampler run at those shapes then compiles nothing.  A described call this loader refuses
+    (too large, not a description) leaves the model loading, uncompiled ahead."""
+    import comfy.model_management as mm
+    import torch._dynamo.utils
+    nodes = env["nodes"]
+    runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
+    calibrate_mod = sys.modules[PACK + ".comfy_modelopt.calibrate"]
+    free = mm.get_free_memory
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (
+        (8 << 30, 8 << 30) if torch_free_too else 8 << 30) if mm.is_device_cpu(dev) else free(dev, torch_free_too))
+    qmodel, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
+    with torch.inference_mode():
+        path = nodes.ModelOptSaveQuantized.execute(model=qmodel, filename="test/sd15-call", overwrite=True).args[0]
+    with SafetensorsFile(path) as f:
+        signature = json.loads(f.metadata["comfy_modelopt.calibration"])["first_call"]
+    want = env["stats"].first_call
+    assert signature == want.signature()
+    handed = {}
+    real = nodes.apply_runtime
+    monkeypatch.setattr(nodes, "apply_runtime", lambda *a, **k: (handed.update(k), real(*a, **k))[1])
+    loaded, _text = nodes.ModelOptUNetLoader.execute(unet_name="test/sd15-call.safetensors", runtime="lean").args
+    call = handed["first_call"]
+    assert isinstance(call, calibrate_mod.RecordedCall) and call.signature() == signature
+    assert [t.shape for t, _ in call.args] == [t.shape for t, _ in want.args]
+    # ComfyUI loops over the options' keys and compiled code guards on their order: kept through JSON
+    assert list(call.kwargs["transformer_options"]) == list(want.kwargs["transformer_options"])
+    torch._dynamo.reset()
+    clone, runner = graphs.enable_cuda_graphs(loaded, compile_blocks=True)
+    note = runtime._compile_ahead(clone, runner, call)
+    assert "blocks compiled for the calibration's shapes" in note, note
+    cb = runner.compiled
+
+    def compiled(apply_model, args):
+        with cb.installed():
+            return apply_model(args["input"], args["timestep"], **args["c"])
+    clone.model_options["model_function_wrapper"] = compiled
+    counters = torch._dynamo.utils.counters
+    frames = counters["frames"]["ok"]
+    sample(env, clone, 3, 3)
+    assert counters["frames"]["ok"] == frames, "the sampling run compiled frames the file's call had not"
+
+    class Info:  # what inspect_file says of a file whose description was tampered with
+        ours = {"calibration": {"first_call": {**signature, "args": {"tuple": [
+            {"tensor": [1 << 20, 1 << 20], "dtype": "torch.float32", "device": "cpu"}]}}}}
+    assert runtime.first_call_of(Info, "x.safetensors") is None
+    Info.ours = {"calibration": {"first_call": {"args": {"eval": "os.system"}, "kwargs": {"dict": []}}}}
+    assert runtime.first_call_of(Info, "x.safetensors") is None
+    Info.ours = {"calibration": {"forward_calls": 3}}  # a file from before, or quantized without a calibration
+    assert runtime.first_call_of(Info, "x.safetensors") is None
+
+
 def save_and_reload(env, qmodel, plain, filename, refusal):
     """Save ``qmodel``, check stock ComfyUI refuses the file (``refusal``: pytest.raises args),
     reload it with Load Quantized Model; outputs of the 16-bit model, ``qmodel``, the reloaded
