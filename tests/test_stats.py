@@ -111,7 +111,7 @@ def test_first_call_recorded_and_replayed(tmp_path):
     copied to the CPU - later in-place changes by the caller do not reach it -, the non-tensor
     arguments as they were, the grad/inference mode; replayed, the module gives that call's output
     again, and a replacement first argument (a perturbed input) goes in instead.  A saved and
-    loaded statistics file has none (in memory only)."""
+    loaded statistics file has it described (shapes and options; made-up values)."""
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
@@ -134,7 +134,9 @@ def test_first_call_recorded_and_replayed(tmp_path):
     assert out.is_inference() and torch.equal(out, want)
     assert torch.equal(call.replay(m, "cpu", lambda x: x * 0), m.lin(xs[0] * 0).detach() * 2.0 + 1.0)
     assert calibrate(m, lambda mod: mod(xs[1], 1.0, options={"key": "v", "t": t}), stats=st).first_call is call
-    assert ActivationStats.load(st.save(str(tmp_path / "s.safetensors"))).first_call is None
+    # a statistics file carries it described: loaded, a call of the same shapes and options
+    back = ActivationStats.load(st.save(str(tmp_path / "s.safetensors"))).first_call
+    assert back.signature() == call.signature() and back.args[0][0].shape == call.args[0][0].shape
 
 
 def test_first_call_described_for_a_file_and_rebuilt():
