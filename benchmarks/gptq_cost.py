@@ -82,7 +82,8 @@ def one_shape(n: int, k: int, rows: int, device, rounder: str) -> dict:
         gptq_kernel.ENABLED, gptq._BlockGraph.ENABLED = True, True
     graphed = device.type == "cuda" and getattr(quant, "index_free", False)
     return {"shape": f"{n}x{k}", "rows": rows, "rounder": rounder,
-            "kernel_s": round(t_fused, 3) if gptq_kernel.usable(ws, quant) else None,
+            "kernel_s": round(t_fused, 3) if gptq_kernel.usable(ws, quant) and gptq.kernel_trusted(ws.device, quant)
+            else None,
             "graph_s": round(t_graph, 3) if graphed else None, "eager_s": round(t_eager, 3),
             "differ": round(float((fused != eager).float().mean()), 6),
             "rel_diff": round(float((fused - eager).norm() / eager.norm()), 6)}

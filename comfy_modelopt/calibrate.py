@@ -8,6 +8,7 @@ statistics.  Hooks are always removed, also when the loop raises or is interrupt
 """
 from __future__ import annotations
 
+import logging
 import math
 import uuid
 from dataclasses import dataclass
@@ -59,7 +60,6 @@ class RecordedCall:
                 args = (first_tensor(args[0]), *args[1:])
             return fn(*args, **kwargs)
 
-
     def signature(self) -> dict | None:
         """The call described in JSON (tensors by shape, dtype and device; the options as they
         are), for a file to carry: a loader in a fresh process compiles ahead from it
@@ -85,6 +85,17 @@ class RecordedCall:
         if not isinstance(args, tuple) or not isinstance(kwargs, dict):
             raise ValueError("a call signature's args must be a tuple and its kwargs a dict")
         return cls(args, kwargs, bool(sig.get("grad_enabled")), bool(sig.get("inference_mode")))
+
+    @classmethod
+    def read(cls, sig, where: str) -> "RecordedCall | None":
+        """``from_signature`` of a description read from the file ``where``; None for one it
+        refuses (logged: a runtime then compiles at the first image instead of ahead)."""
+        try:
+            return cls.from_signature(sig)
+        except (ValueError, RecursionError) as e:
+            logging.warning(f"[comfy-modelopt] {where}: the model call it describes is not usable ({e}); "
+                            "compiled blocks are not compiled ahead from it")
+            return None
 
 
 # what a call signature read from a file may make: a Flux 1024^2 call holds 2.4M elements, Wan

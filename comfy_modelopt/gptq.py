@@ -19,6 +19,7 @@ the e4m3 grid (to at least 240, the first grid value above 224): ``e4m3_up``.
 """
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from typing import Callable
 
@@ -100,7 +101,7 @@ def _gptq_batch(w: torch.Tensor, hs: list[torch.Tensor], quantize_columns, block
         wb = wb[:, order]
     places = order.tolist() if order is not None else None  # on the host once: no sync per column
     q = torch.empty_like(wb)
-    fused = block == 128 and gptq_kernel.usable(wb, quantize_columns)
+    fused = block == 128 and gptq_kernel.usable(wb, quantize_columns) and kernel_trusted(wb.device, quantize_columns)
     graph = _BlockGraph.make(wb, block, quantize_columns) if k >= 2 * block and not fused else None
     err_block = torch.empty(d, block, w.shape[0], dtype=torch.float32, device=w.device) if fused else None
     if fused:  # each column's place in w, where the kernel reads its block scale and anchors
@@ -124,6 +125,49 @@ def _gptq_batch(w: torch.Tensor, hs: list[torch.Tensor], quantize_columns, block
     # row-major again: a transposed view would reach the encoder, and fp8 scaled_mm refuses its
     # qdata (cuBLASLt multiplies only row- by column-major)
     return list(q.transpose(1, 2).contiguous())
+
+
+_TRUSTED: dict = {}  # (device, rounder kind) -> None where the block kernel works, else why not
+
+
+def kernel_trusted(device: torch.device, quantize_columns) -> bool:
+    """Whether the block kernel rounds as the eager loop does for rounders of this kind on
+    ``device``: checked once per device and kind on a test block (Triton cannot cast to fp8
+    before Ada, say); where not, the reason is logged and the loop runs without the kernel."""
+    spec = quantize_columns.fused
+    key = (str(device), spec[0], spec[2] if spec[0] == "fp8" else spec[5] if spec[0] == "grid" else None)
+    if key not in _TRUSTED:
+        _TRUSTED[key] = _kernel_check(device, spec)
+        if _TRUSTED[key] is not None:
+            logging.warning(f"[comfy-modelopt] GPTQ's block kernel is not used for {key[1]} on {key[0]}: "
+                            f"{_TRUSTED[key]}; the column loop runs without it")
+    return _TRUSTED[key] is None
+
+
+def _kernel_check(device: torch.device, spec: tuple) -> str | None:
+    """One block of a small problem with a rounder of ``spec``'s kind through the kernel and
+    through the eager loop: None where they agree, else the reason not to use the kernel."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=g).to(device)
+    hinv = _upper_inverse_factor(damped(gram(torch.randn(256, 128, generator=g)), 0.1)).to(device)
+    if spec[0] == "fp8":
+        quant = fp8_column_quantizer(float(w.abs().max()) / float(torch.finfo(spec[2]).max), spec[2])
+    elif spec[0] == "int8":
+        quant = int8_column_quantizer(w.abs().amax(dim=1) / 127.0)
+    else:
+        qmax, grid, round_fn = spec[4], spec[5], spec[6]
+        scale = w.abs().reshape(64, 8, 16).amax(dim=-1) / qmax
+        quant = grid_column_quantizer(scale, 16, anchors(w, 16), qmax, round_fn, grid=grid)
+    wb = w.T.contiguous()[None]  # [1, B, N], as the layer's loop holds it
+    try:
+        q1, e1 = torch.empty_like(wb), torch.empty_like(wb)
+        gptq_kernel.run_block(wb, hinv[None], q1, e1, quant, torch.arange(128, dtype=torch.int32, device=device))
+        q2, e2 = torch.empty_like(wb), torch.empty_like(wb)
+        _columns(wb.clone(), hinv[None], e2, q2, quant, 0, None)
+    except Exception as e:  # noqa: BLE001 - a compiler or driver that cannot build it: the loop stays eager
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    differ = float((q1 != q2).float().mean())
+    return None if differ < 0.01 else f"it rounded {differ:.1%} of a test block apart from the eager loop"
 
 
 def _columns(w1, hinv1, err1, q1, quantize_columns, i1: int, places) -> None:

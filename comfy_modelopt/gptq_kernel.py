@@ -17,7 +17,6 @@ last bit, as the CUDA-graph replay's does.
 """
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -35,52 +34,12 @@ _INT8, _GRID_INT, _GRID_E2M1 = 2, 3, 4
 
 
 def usable(w: torch.Tensor, quantize_columns) -> bool:
-    """Whether the block kernel can run GPTQ's loop for this rounder on ``w``'s device: Triton is
-    there and the kernel, on a test block of the same kind, compiled and rounded as the eager loop
-    does (checked once per device and kind - Triton cannot cast to fp8 before Ada, say; the reason
-    is logged and the loop runs without the kernel)."""
-    spec = getattr(quantize_columns, "fused", None)
-    if triton is None or spec is None or not ENABLED:
+    """Whether the block kernel can be asked to run GPTQ's loop for this rounder on ``w``'s device
+    (Triton is there, the rounder says how to round in it).  Whether it builds and rounds as the
+    eager loop does here is ``gptq.kernel_trusted``'s to check."""
+    if triton is None or getattr(quantize_columns, "fused", None) is None or not ENABLED:
         return False
-    if not (w.is_cuda or (w.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")):
-        return False
-    key = (str(w.device), spec[0], spec[2] if spec[0] == "fp8" else spec[5] if spec[0] == "grid" else None)
-    if key not in _CHECKED:
-        _CHECKED[key] = _self_check(w.device, spec)
-        if _CHECKED[key] is not None:
-            logging.warning(f"[comfy-modelopt] GPTQ's block kernel is not used for {key[1]} on {key[0]}: "
-                            f"{_CHECKED[key]}; the column loop runs without it")
-    return _CHECKED[key] is None
-
-
-_CHECKED: dict = {}  # (device, rounder kind) -> None where the kernel works, else why not
-
-
-def _self_check(device: torch.device, spec: tuple) -> str | None:
-    """One block of a small problem with a rounder of ``spec``'s kind through the kernel and
-    through the eager loop: None where they agree, else the reason not to use the kernel."""
-    from . import gptq
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(64, 128, generator=g).to(device)
-    hinv = gptq._upper_inverse_factor(gptq.damped(gptq.gram(torch.randn(256, 128, generator=g)), 0.1)).to(device)
-    if spec[0] == "fp8":
-        quant = gptq.fp8_column_quantizer(float(w.abs().max()) / float(torch.finfo(spec[2]).max), spec[2])
-    elif spec[0] == "int8":
-        quant = gptq.int8_column_quantizer(w.abs().amax(dim=1) / 127.0)
-    else:
-        qmax, grid, round_fn = spec[4], spec[5], spec[6]
-        scale = w.abs().reshape(64, 8, 16).amax(dim=-1) / qmax
-        quant = gptq.grid_column_quantizer(scale, 16, gptq.anchors(w, 16), qmax, round_fn, grid=grid)
-    wb = w.T.contiguous()[None]  # [1, B, N], as the layer's loop holds it
-    try:
-        q1, e1 = torch.empty_like(wb), torch.empty_like(wb)
-        run_block(wb, hinv[None], q1, e1, quant, torch.arange(128, dtype=torch.int32, device=device))
-        q2, e2 = torch.empty_like(wb), torch.empty_like(wb)
-        gptq._columns(wb.clone(), hinv[None], e2, q2, quant, 0, None)
-    except Exception as e:  # noqa: BLE001 - a compiler or driver that cannot build it: the loop stays eager
-        return f"{type(e).__name__}: {str(e)[:200]}"
-    differ = float((q1 != q2).float().mean())
-    return None if differ < 0.01 else f"it rounded {differ:.1%} of a test block apart from the eager loop"
+    return w.is_cuda or (w.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def run_block(w1: torch.Tensor, hinv1: torch.Tensor, q1: torch.Tensor, err1: torch.Tensor, quantize_columns,

@@ -418,10 +418,14 @@ class ActivationStats:
         """The summary a quantized file carries; with the calibration's first model call described
         (``RecordedCall.signature``) so that a loader compiles ahead for its shapes."""
         out = self.summary()
-        signature = self.first_call.signature() if self.first_call is not None else None
+        signature = self.first_call_signature()
         if signature is not None:
             out["first_call"] = signature
         return json.dumps(out, sort_keys=True)
+
+    def first_call_signature(self) -> dict | None:
+        """The recorded first model call described for a file (``RecordedCall.signature``), or None."""
+        return self.first_call.signature() if self.first_call is not None else None
 
     # ------------------------------------------------------------------ file (statsfile.py)
     def save(self, path: str, overwrite: bool = False) -> str:

@@ -6,7 +6,6 @@ a bad one is a CalibrationError naming the file and the layer."""
 from __future__ import annotations
 
 import json
-import logging
 
 import torch
 
@@ -36,7 +35,7 @@ def save(stats: ActivationStats, path: str, overwrite: bool = False) -> str:
                 tensors[f"{name}::groups"] = torch.tensor(s.groups, dtype=torch.int64)
     doc = {"format_version": FORMAT_VERSION, "forward_calls": stats.forward_calls, "info": stats.info,
            "fingerprint": stats.fingerprint, "layers": per_layer}
-    signature = stats.first_call.signature() if stats.first_call is not None else None
+    signature = stats.first_call_signature()
     if signature is not None:  # the first model call described: what a runtime compiles ahead for
         doc["first_call"] = signature
     return write_file(path, tensors, {META_STATS: json.dumps(doc, sort_keys=True)}, overwrite=overwrite)
@@ -62,10 +61,7 @@ def load(path: str) -> ActivationStats:
         stats = _load_doc(f, doc)
         if "first_call" in doc:  # a call of the described shapes, made-up values (refused: none)
             from .calibrate import RecordedCall
-            try:
-                stats.first_call = RecordedCall.from_signature(doc["first_call"])
-            except (ValueError, RecursionError) as e:
-                logging.warning(f"[comfy-modelopt] {f.name}: its described first call is not usable ({e})")
+            stats.first_call = RecordedCall.read(doc["first_call"], f.name)
     if stats.forward_calls == 0:
         raise CalibrationError(f"{f.name}: the calibration recorded no forward calls")
     return stats

@@ -40,7 +40,7 @@ def test_kernel_rounds_bit_for_bit_as_the_eager_loop_in_the_interpreter():
             x[:, ::40] *= 25.0
             ws, xs = fmt.search_space(w, **opts), fmt.search_space(x, **opts)
             quant, _scale = fmt.gptq_rounding(ws, None, **opts)
-            assert gptq_kernel.usable(ws, quant)
+            assert gptq_kernel.usable(ws, quant) and gptq.kernel_trusted(ws.device, quant)
             h = gptq.gram(xs)
             for act_order in (False, True):
                 fused = gptq.gptq(ws, h, quant, act_order=act_order, damp=gptq.DAMPING)
@@ -77,7 +77,7 @@ def test_kernel_rounds_as_the_eager_loop_on_a_gpu(name, opts, act_order):
     product rounded a sum differently and a value on a rounding boundary went the other way."""
     pytest.importorskip("triton")
     _fmt, ws, quant, h = gptq_problem(name, opts, 200, 640, "cuda")
-    assert gptq_kernel.usable(ws, quant)
+    assert gptq_kernel.usable(ws, quant) and gptq_mod.kernel_trusted(ws.device, quant)
     fused = gptq_mod.gptq(ws, h, quant, act_order=act_order, damp=0.1)
     try:
         gptq_kernel.ENABLED, gptq_mod._BlockGraph.ENABLED = False, False
@@ -96,7 +96,7 @@ def test_a_kernel_that_cannot_build_leaves_the_loop_eager(monkeypatch, caplog):
     compiler), GPTQ must still run: a test block is checked once per device and kind, the reason
     logged, and the eager loop rounds - the same weights as without the kernel."""
     pytest.importorskip("triton", reason="Triton is not installed (requirements-test.txt pins it)")
-    monkeypatch.setattr(gptq_kernel, "_CHECKED", {})
+    monkeypatch.setattr(gptq_mod, "_TRUSTED", {})
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # a CPU device counts as the kernel's here
 
     def broken(*_a, **_k):
@@ -104,7 +104,7 @@ def test_a_kernel_that_cannot_build_leaves_the_loop_eager(monkeypatch, caplog):
     monkeypatch.setattr(gptq_kernel, "run_block", broken)
     _fmt, ws, quant, h = gptq_problem("float8_e4m3fn", {}, 40, 256)
     with caplog.at_level("WARNING"):
-        assert not gptq_kernel.usable(ws, quant)
+        assert not (gptq_kernel.usable(ws, quant) and gptq_mod.kernel_trusted(ws.device, quant))
     assert "not used for fp8" in caplog.text and "fp8e4nv" in caplog.text
     eager = gptq_mod.gptq(ws, h, quant, act_order=True, damp=gptq_mod.DAMPING)
     gptq_kernel.ENABLED = False

@@ -7,7 +7,6 @@ installs one; ``gpu_note`` says what this GPU does with a format.
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -128,20 +127,15 @@ def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.
 
 def first_call_of(info, name: str):
     """The calibration's first model call a comfy-modelopt file describes (``inspect_file``'s
-    ``ours``; ``calibrate.RecordedCall.from_signature``): what Load Quantized Model compiles the
-    blocks ahead for, as Quantize Model does from the calibration itself.  None without one, or
-    for one this loader refuses (logged: the blocks then compile at the first image)."""
+    ``ours``; ``calibrate.RecordedCall.read``): what Load Quantized Model compiles the blocks
+    ahead for, as Quantize Model does from the calibration itself.  None without one, or for one
+    this loader refuses (logged)."""
     calibration = info.ours.get("calibration")
     signature = calibration.get("first_call") if isinstance(calibration, dict) else None
     if signature is None:
         return None
     from ..calibrate import RecordedCall
-    try:
-        return RecordedCall.from_signature(signature)
-    except (ValueError, RecursionError) as e:
-        logging.warning(f"[comfy-modelopt] {name}: the calibration call it describes is not usable ({e}); "
-                        "compiled blocks are not compiled ahead")
-        return None
+    return RecordedCall.read(signature, name)
 
 
 def _why_not_ahead(first_call) -> str | None:
