@@ -11,6 +11,8 @@ project's):
   2. calibrate with the project's `calibrate(module, forward_loop)` on sampling runs of that model
   3. Quantize Model node (ModelOptQuantizeUNet.execute) with the runtime under test -> KSampler runs
   4. Save Quantized Model node -> stock comfy.sd.load_diffusion_model -> KSampler runs
+  5. --fresh-load: a fresh process of this script builds the same 16-bit model, then Load Quantized Model
+     (its default runtime) on the saved file -> KSampler runs, both side by side in that process
   optional: --lora R applies a random rank-R LoRA (ComfyUI's load_lora_for_models) to every block Linear
   of the 16-bit, the node's and the stock-loaded model; --budget F runs the planner.
 Prints wall times, speed ratios vs stock 16-bit, latent rel-L2 between variants, peak VRAM; writes JSON to --out.
@@ -26,7 +28,7 @@ ap.add_argument("--out", default=os.environ.get("OUT", "verify_out"))
 ap.add_argument("--steps", type=int, default=20)
 ap.add_argument("--runs", type=int, default=3)
 ap.add_argument("--format", default="float8_e4m3fn")
-ap.add_argument("--runtime", default=None)
+ap.add_argument("--runtime", default=None, help="default: the nodes' default (auto)")
 ap.add_argument("--smoothing", default="none")
 ap.add_argument("--lowrank", type=int, default=0)
 ap.add_argument("--budget", type=float, default=0.0)
@@ -44,6 +46,14 @@ ap.add_argument("--then-runtime", action="append", default=[], metavar="LABEL",
                 help="after the node's runs, the same quantized model under this graph runtime too (repeatable; "
                      "its CUDA-graph runner replaced, as the CUDA Graphs node does): side-by-side first runs")
 ap.add_argument("--log-info", action="store_true", help="log at INFO (the pack's compilation and capture lines)")
+ap.add_argument("--fresh-load", action="store_true",
+                help="after Save Quantized Model, a fresh process of this script loads the file with Load Quantized "
+                     "Model (its default runtime) next to the stock 16-bit model; its rows are added here")
+ap.add_argument("--keep-files", default=None, metavar="DIR",
+                help="write the 16-bit model and the saved quantized file to DIR and keep them (for server_path.py)")
+ap.add_argument("--load-file", default=None, help=argparse.SUPPRESS)  # the fresh process's side of --fresh-load
+ap.add_argument("--profile-node", action="store_true",
+                help="run the Quantize node under cProfile; the top functions go to profile_node.txt in --out")
 A = ap.parse_args()
 if A.log_info:
     import logging
@@ -206,21 +216,63 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
+def quantized_from_file(path, lora, row16, lat16, pos, neg, cfg):
+    """The fresh process of --fresh-load: Load Quantized Model (default runtime) on the saved file."""
+    folder_paths.add_model_folder_path("diffusion_models", os.path.dirname(path), is_default=True)
+    t0 = time.perf_counter()
+    model, report = N.ModelOptUNetLoader.execute(unet_name=os.path.basename(path)).args
+    RES["load_s"] = round(time.perf_counter() - t0, 1)
+    RES["runtime_note"] = next((line for line in report.splitlines() if line.startswith("runtime")), None)
+    log(f"Load Quantized Model {RES['load_s']} s; {RES['runtime_note']}")
+    lat, row = timed_runs(f"{A.format} file, Load Quantized Model (fresh process)" + (f" + LoRA r{A.lora}" if lora else ""),
+                          with_lora(model, lora) if lora else model, pos, neg, cfg)
+    row["load_s"] = RES["load_s"]
+    row["vs_16bit_stock"] = round(row16["steady_s"] / row["steady_s"], 3)
+    row["rel_vs_16bit"] = round(rel(lat, lat16), 5)
+
+
+def fresh_load(path):
+    """Runs this script again in a new process on the saved file; returns its rows."""
+    import subprocess
+    sub = os.path.join(A.out, "fresh")
+    cmd = [sys.executable, os.path.abspath(__file__), "--load-file", path, "--out", sub, "--model", A.model,
+           "--format", A.format, "--runs", str(A.runs), "--steps", str(A.steps), "--lora", str(A.lora)]
+    cmd += ["--cpu-tiny"] * A.cpu_tiny + ["--log-info"] * A.log_info
+    log("fresh process: " + " ".join(cmd))
+    subprocess.run(cmd, check=True)
+    with open(next(os.path.join(sub, f) for f in os.listdir(sub) if f.endswith(".json"))) as f:
+        child = json.load(f)
+    RES["fresh_process"] = {k: child.get(k) for k in ("load_s", "runtime_note")}
+    return child["rows"]
+
+
 def main():
     dtype = torch.bfloat16 if A.model == "flux" else torch.float16
-    runtime = A.runtime or ("lean + compiled blocks + cuda graphs" if A.model == "flux" else "lean + cuda graphs")
+    from comfy_modelopt.comfyui.runtime import DEFAULT_RUNTIME
+    runtime = A.runtime or DEFAULT_RUNTIME  # the nodes' default
     RES["runtime"] = runtime
-    tmp = os.path.join(A.out, "models"); os.makedirs(tmp, exist_ok=True)
+    tmp = A.keep_files or os.path.join(A.out, "models"); os.makedirs(tmp, exist_ok=True)
     folder_paths.add_model_folder_path("diffusion_models", tmp, is_default=True)
     t0 = time.perf_counter()
     sd, mc = random_state_dict(A.model, dtype)
     log(f"random weights built in {time.perf_counter() - t0:.1f} s, {sum(v.numel() for v in sd.values()) / 1e9:.2f} G params")
     pos, neg, cfg = conds(A.model, dtype)
+    if A.keep_files:
+        import safetensors.torch
+        t0 = time.perf_counter()
+        safetensors.torch.save_file(sd, os.path.join(tmp, f"bench-{A.model}-16bit.safetensors"))
+        log(f"16-bit file written in {time.perf_counter() - t0:.1f} s")
 
     base = comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options={"dtype": dtype})
     lora = random_lora(sd, A.lora) if A.lora else None
     RES["lora_tensors"] = len(lora) if lora else 0
     lat16, row16 = timed_runs(f"{dtype} stock" + (f" + LoRA r{A.lora}" if lora else ""), with_lora(base, lora) if lora else base, pos, neg, cfg)
+    if A.load_file:
+        del base, sd; gc.collect(); mm.unload_all_models(); mm.soft_empty_cache()
+        quantized_from_file(A.load_file, lora, row16, lat16, pos, neg, cfg)
+        RES["rows"][0]["vs_16bit_stock"] = 1.0
+        save()
+        return
     if A.yardstick:
         other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
         alt = comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options={"dtype": other})
@@ -244,11 +296,23 @@ def main():
     given = {k: getattr(A, k) for k in flags if getattr(A, k) is not None}
     chosen = {k: given.get(k, getattr(Recipe(), k)) for k in flags}
     RES["recipe_flags"] = chosen
-    out = N.ModelOptQuantizeUNet.execute(model=base, format=A.format, weight_scale="mse", input_scale="mse",
-                                         smoothing=A.smoothing, static_nvfp4_input=False,
-                                         keep="", runtime=runtime, lowrank=A.lowrank, calibration=stats,
-                                         **chosen, **({"budget": A.budget} if A.budget else {}))
-    t_q = time.perf_counter() - t0
+    node = lambda: N.ModelOptQuantizeUNet.execute(model=base, format=A.format, weight_scale="mse", input_scale="mse",
+                                                  smoothing=A.smoothing, static_nvfp4_input=False,
+                                                  keep="", runtime=runtime, lowrank=A.lowrank, calibration=stats,
+                                                  **chosen, **({"budget": A.budget} if A.budget else {}))
+    if A.profile_node:
+        import cProfile, io as _io, pstats
+        prof = cProfile.Profile()
+        out = prof.runcall(node)
+        t_q = time.perf_counter() - t0
+        text = _io.StringIO()
+        for key in ("cumulative", "tottime"):
+            pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
+        with open(os.path.join(A.out, f"profile_node_{A.model}_{A.format}.txt"), "w") as f:
+            f.write(text.getvalue())
+    else:
+        out = node()
+        t_q = time.perf_counter() - t0
     qmodel, report = out.args[0], out.args[1]
     log(f"quantize node {t_q:.1f} s"); log(report.splitlines()[0:4])
     RES["calibrate_s"] = round(t_cal, 1); RES["quantize_s"] = round(t_q, 1); RES["report_head"] = report[:2000]
@@ -275,21 +339,28 @@ def main():
         rowo["rel_vs_16bit"] = round(rel(lato, lat16), 5)
         del other; gc.collect()
 
-    if not A.skip_stock_file and A.lowrank == 0:
+    if (A.fresh_load or A.keep_files or not A.skip_stock_file) and A.lowrank == 0:
         t0 = time.perf_counter()
-        sv = N.ModelOptSaveQuantized.execute(model=qmodel, filename=f"verify-{A.model}-{A.format}", overwrite=True)
+        sv = N.ModelOptSaveQuantized.execute(model=qmodel, filename=f"bench-{A.model}-{A.format}", overwrite=True)
         path = sv.args[0]
         t_s = time.perf_counter() - t0
         RES["save_s"] = round(t_s, 1); RES["file_gib"] = round(os.path.getsize(path) / 2**30, 3)
         log(f"saved {RES['file_gib']} GiB in {t_s:.1f} s")
         del qmodel; gc.collect(); mm.soft_empty_cache()
-        stock = comfy.sd.load_diffusion_model(path)
-        lats, rows = timed_runs(f"{A.format} file, stock ComfyUI loader" + (f" + LoRA r{A.lora}" if lora else ""),
-                                with_lora(stock, lora) if lora else stock, pos, neg, cfg)
-        rows["vs_16bit_stock"] = round(row16["steady_s"] / rows["steady_s"], 3)
-        rows["rel_vs_16bit"] = round(rel(lats, lat16), 5)
-        rowq["rel_vs_stock_file"] = round(rel(latq, lats), 5)
-        os.remove(path)
+        if A.fresh_load:  # its ratio and latent difference are against its own 16-bit run (same weights, inputs)
+            mm.unload_all_models(); mm.soft_empty_cache()
+            child = fresh_load(path)
+            RES["notes"].append({"fresh process 16-bit": child[0]})
+            RES["rows"].extend(child[1:]); save()
+        if not A.skip_stock_file:
+            stock = comfy.sd.load_diffusion_model(path)
+            lats, rows = timed_runs(f"{A.format} file, stock ComfyUI loader" + (f" + LoRA r{A.lora}" if lora else ""),
+                                    with_lora(stock, lora) if lora else stock, pos, neg, cfg)
+            rows["vs_16bit_stock"] = round(row16["steady_s"] / rows["steady_s"], 3)
+            rows["rel_vs_16bit"] = round(rel(lats, lat16), 5)
+            rowq["rel_vs_stock_file"] = round(rel(latq, lats), 5)
+        if not A.keep_files:
+            os.remove(path)
     RES["rows"][0]["vs_16bit_stock"] = 1.0
     save()
     for r in RES["rows"]:

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cuda_streams import allocator_backend
+
 # the CUDA caching allocator's constants (c10/cuda/CUDACachingAllocator.cpp)
 SMALL_SIZE = 1 << 20           # kSmallSize: requests up to it are packed into small segments
 MIN_LARGE_ALLOC = 10 << 20     # kMinLargeAlloc: below it a new large segment is a 20 MiB buffer
@@ -150,9 +152,15 @@ def release_blas_workspaces() -> None:
     the graph does - so freeing the workspaces later can never pull memory from under a graph -
     and the workspaces left behind by the background compilation's thread, the warm-ups and
     eager runs go back to the allocator at the next capture (the compilation's was 0.08x of
-    Flux's 16-bit activation peak, measured on the H200).  No-op where torch lacks it."""
+    Flux's 16-bit activation peak, measured on the H200).  No-op where torch lacks it.
+
+    No-op under cudaMallocAsync (ComfyUI's default allocator on CUDA 13 torch): there a workspace
+    made during a capture is a graph allocation, and freeing it outside the graph before the graph
+    has run is invalid - cudaFreeAsync "invalid argument", raised in a destructor, aborted a
+    ComfyUI server at its first capture (H200, comfy-aimdo on).  There the workspace the warm-ups
+    made on the capture's stream stays, and the capture uses it rather than making one."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None and torch.cuda.is_available():
+    if clear is not None and torch.cuda.is_available() and allocator_backend() != "cudaMallocAsync":
         clear()
 
 
