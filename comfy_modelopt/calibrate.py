@@ -31,34 +31,33 @@ class CalibrationOptions:
 @dataclass(frozen=True)
 class RecordedCall:
     """A module's first call during calibration: its arguments, tensors copied to the CPU (each
-    with the device it came from), and the grad/inference mode it ran under.  A runtime that
-    compiles per input shape (compiled blocks) replays it before the first image, so the image
-    does not pay the compilation; the non-tensor arguments are kept as they were (compiled code
-    guards on the options a block reads, such as the keys of ComfyUI's transformer_options)."""
+    with the device it came from).  A runtime that compiles per input shape (compiled blocks)
+    replays it before the first image, so the image does not pay the compilation; the non-tensor
+    arguments are kept as they were (compiled code guards on the options a block reads, such as
+    the keys of ComfyUI's transformer_options)."""
     args: tuple
     kwargs: dict
-    grad_enabled: bool
-    inference_mode: bool
 
     @classmethod
     def of(cls, args, kwargs) -> "RecordedCall":
-        return cls(_tree(args, _to_host), _tree(kwargs, _to_host), torch.is_grad_enabled(),
-                   torch.is_inference_mode_enabled())
+        return cls(_tree(args, _to_host), _tree(kwargs, _to_host))
 
     def replay(self, fn, device, first_tensor=None):
-        """``fn(*args, **kwargs)`` in the recorded mode, the CUDA tensors moved to ``device`` (the
-        CPU ones stay there); ``first_tensor(x)`` replaces the first positional argument (a
-        perturbed input)."""
+        """``fn(*args, **kwargs)``, the CUDA tensors moved to ``device`` (the CPU ones stay there);
+        ``first_tensor(x)`` replaces the first positional argument (a perturbed input).
+
+        It runs in the caller's grad/inference mode, not the calibration's: compiled code guards
+        on whether its inputs are inference tensors, and the sampler that follows runs in the mode
+        of the process it is in - a ComfyUI server runs every node under inference mode, a script
+        may not - while a file's calibration may have run elsewhere (a server loading a file
+        calibrated in a script compiled every block twice, H200)."""
         def back(stored):
             t, where = stored
             return t.to(device if where != "cpu" else "cpu", copy=True)
-        # the copies are made in the recorded mode too: compiled code guards on whether its inputs
-        # are inference tensors
-        with torch.inference_mode(self.inference_mode), torch.set_grad_enabled(self.grad_enabled):
-            args, kwargs = _tree(self.args, back, _Stored), _tree(self.kwargs, back, _Stored)
-            if first_tensor is not None:
-                args = (first_tensor(args[0]), *args[1:])
-            return fn(*args, **kwargs)
+        args, kwargs = _tree(self.args, back, _Stored), _tree(self.kwargs, back, _Stored)
+        if first_tensor is not None:
+            args = (first_tensor(args[0]), *args[1:])
+        return fn(*args, **kwargs)
 
     def signature(self) -> dict | None:
         """The call described in JSON (tensors by shape, dtype and device; the options as they
@@ -66,8 +65,7 @@ class RecordedCall:
         (``from_signature``).  None where an argument is nothing JSON can describe (a function
         in the options, say): compiled code may guard on it."""
         try:
-            return {"args": _describe(self.args), "kwargs": _describe(self.kwargs),
-                    "grad_enabled": self.grad_enabled, "inference_mode": self.inference_mode}
+            return {"args": _describe(self.args), "kwargs": _describe(self.kwargs)}
         except TypeError:
             return None
 
@@ -84,7 +82,7 @@ class RecordedCall:
         args, kwargs = _build(sig["args"], budget), _build(sig["kwargs"], budget)
         if not isinstance(args, tuple) or not isinstance(kwargs, dict):
             raise ValueError("a call signature's args must be a tuple and its kwargs a dict")
-        return cls(args, kwargs, bool(sig.get("grad_enabled")), bool(sig.get("inference_mode")))
+        return cls(args, kwargs)
 
     @classmethod
     def read(cls, sig, where: str) -> "RecordedCall | None":

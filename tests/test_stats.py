@@ -109,8 +109,8 @@ def test_hooks_removed_on_error_and_interrupt():
 def test_first_call_recorded_and_replayed(tmp_path):
     """calibrate keeps the module's first call (what a runtime compiles ahead from): its tensors
     copied to the CPU - later in-place changes by the caller do not reach it -, the non-tensor
-    arguments as they were, the grad/inference mode; replayed, the module gives that call's output
-    again, and a replacement first argument (a perturbed input) goes in instead.  A saved and
+    arguments as they were; replayed (in the caller's grad/inference mode), the module gives that
+    call's output again, and a replacement first argument (a perturbed input) goes in instead.  A saved and
     loaded statistics file has it described (shapes and options; made-up values)."""
     class Model(nn.Module):
         def __init__(self):
@@ -129,9 +129,12 @@ def test_first_call_recorded_and_replayed(tmp_path):
     xs[0].add_(1.0)
     t.add_(1.0)
     call = st.first_call
-    assert call.inference_mode and call.args[1] == 2.0 and call.kwargs["options"]["key"] == "v"
+    assert call.args[1] == 2.0 and call.kwargs["options"]["key"] == "v"
+    # replayed in the caller's mode (the sampler's in its process), whatever the calibration's
     out = call.replay(m, "cpu")
     assert out.is_inference() and torch.equal(out, want)
+    with torch.inference_mode(False):
+        assert not call.replay(m, "cpu").is_inference()
     assert torch.equal(call.replay(m, "cpu", lambda x: x * 0), m.lin(xs[0] * 0).detach() * 2.0 + 1.0)
     assert calibrate(m, lambda mod: mod(xs[1], 1.0, options={"key": "v", "t": t}), stats=st).first_call is call
     # a statistics file carries it described: loaded, a call of the same shapes and options
