@@ -46,18 +46,21 @@ class RecordedCall:
         """``fn(*args, **kwargs)``, the CUDA tensors moved to ``device`` (the CPU ones stay there);
         ``first_tensor(x)`` replaces the first positional argument (a perturbed input).
 
-        It runs in the caller's grad/inference mode, not the calibration's: compiled code guards
-        on whether its inputs are inference tensors, and the sampler that follows runs in the mode
-        of the process it is in - a ComfyUI server runs every node under inference mode, a script
-        may not - while a file's calibration may have run elsewhere (a server loading a file
-        calibrated in a script compiled every block twice, H200)."""
+        It runs as the sampler that follows will run, not as the calibration did (compiled code
+        guards on the grad mode and on whether its inputs are inference tensors): without grad -
+        ComfyUI's samplers are decorated with ``torch.no_grad`` - and in the caller's inference
+        mode, which is the process's: a ComfyUI server runs every node under inference mode, a
+        script may not, and a file's calibration may have run elsewhere (a server loading a file
+        calibrated in a script compiled every block twice; a script whose node ran with grad on
+        failed to compile ahead at all - H200)."""
         def back(stored):
             t, where = stored
             return t.to(device if where != "cpu" else "cpu", copy=True)
-        args, kwargs = _tree(self.args, back, _Stored), _tree(self.kwargs, back, _Stored)
-        if first_tensor is not None:
-            args = (first_tensor(args[0]), *args[1:])
-        return fn(*args, **kwargs)
+        with torch.no_grad():
+            args, kwargs = _tree(self.args, back, _Stored), _tree(self.kwargs, back, _Stored)
+            if first_tensor is not None:
+                args = (first_tensor(args[0]), *args[1:])
+            return fn(*args, **kwargs)
 
     def signature(self) -> dict | None:
         """The call described in JSON (tensors by shape, dtype and device; the options as they

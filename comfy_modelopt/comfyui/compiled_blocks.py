@@ -91,7 +91,11 @@ def _is_weight_layer(m) -> bool:
                                              isinstance(getattr(m, "weight", None), torch.Tensor))
 
 
-_PER_BLOCK_KEYS = ("block", "block_index", "transformer_index")  # per-block constants for patch lookups
+# what a region is called without (unless the options carry patches or callables): the per-block
+# constants ComfyUI sets for patch lookups, and the sampler's whole sigma schedule - no block reads
+# it (the models that do read it at the top level), but compiled code guarded on its length, so
+# blocks compiled ahead from an 8-step calibration compiled again at a 20-step image (H200, Flux)
+_KEYS_LEFT_OUT = ("block", "block_index", "transformer_index", "sample_sigmas")
 
 
 class CompiledBlocks:
@@ -167,14 +171,14 @@ class CompiledBlocks:
                 return compiled(*args, **kwargs)
             by_position = "transformer_options" not in kwargs and len(args) > position
             topts = args[position] if by_position else kwargs.get("transformer_options")
-            if isinstance(topts, dict) and any(k in topts for k in _PER_BLOCK_KEYS):
+            if isinstance(topts, dict) and any(k in topts for k in _KEYS_LEFT_OUT):
                 if carried_patches(topts):
                     return eager(*args, **kwargs)
                 if any(callable(v) for v in topts.values()):
                     # e.g. an optimized_attention_override, which may read the block's index:
                     # compiled as it is (one variant per block, but the same behaviour)
                     return compiled(*args, **kwargs)
-                topts = {k: v for k, v in topts.items() if k not in _PER_BLOCK_KEYS}
+                topts = {k: v for k, v in topts.items() if k not in _KEYS_LEFT_OUT}
                 if by_position:
                     args = (*args[:position], topts, *args[position + 1:])
                 else:

@@ -672,6 +672,41 @@ def test_compiled_blocks_compile_ahead_from_the_calibration(env, monkeypatch):
     assert not runner.compiled.enabled
 
 
+@pytest.mark.parametrize("inference", [True, False], ids=["server", "script"])
+def test_compiled_ahead_blocks_serve_another_step_count_in_either_mode(env, monkeypatch, inference):
+    """The blocks compiled ahead from the calibration (3 steps) serve a KSampler run of another
+    step count, whether the process runs its nodes under inference mode (a ComfyUI server) or
+    with grad on (a script): nothing is compiled during the run.  On an H200 the sampler's sigma
+    schedule in the options made a 20-step image compile again, a server compiled every block
+    twice for a file calibrated in a script, and a script's node failed to compile ahead."""
+    import comfy.model_management as mm
+    import comfy.sample
+    import torch._dynamo.utils
+    runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
+    free = mm.get_free_memory
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (
+        (8 << 30, 8 << 30) if torch_free_too else 8 << 30) if mm.is_device_cpu(dev) else free(dev, torch_free_too))
+    model, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
+    torch._dynamo.reset()
+    with torch.inference_mode(inference), torch.enable_grad():
+        clone, runner = graphs.enable_cuda_graphs(model, compile_blocks=True)
+        note = runtime._compile_ahead(clone, runner, env["stats"].first_call)
+        assert "blocks compiled for the calibration's shapes" in note, note
+        cb = runner.compiled
+
+        def compiled(apply_model, args):  # the blocks installed around each evaluation, as a capture does
+            with cb.installed():
+                return apply_model(args["input"], args["timestep"], **args["c"])
+        clone.model_options["model_function_wrapper"] = compiled
+        cond = env["clip"].encode_from_tokens_scheduled(env["clip"].tokenize("a cat"))
+        latent = torch.zeros(1, 4, 8, 8)
+        frames = torch._dynamo.utils.counters["frames"]["ok"]
+        out = comfy.sample.sample(clone, comfy.sample.prepare_noise(latent, 3), 4, 4.0, "euler", "simple", cond,
+                                  cond, latent, seed=3)
+        assert torch._dynamo.utils.counters["frames"]["ok"] == frames, "the run compiled again"
+        assert torch.isfinite(out).all() and cb.enabled
+
+
 def test_load_quantized_model_compiles_ahead_from_the_call_its_file_describes(env, monkeypatch):
     """A calibrated file carries the calibration's first model call as shapes, dtypes and options
     (no values); Load Quantized Model in a fresh process hands it to the runtime, which compiles
