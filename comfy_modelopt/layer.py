@@ -304,7 +304,7 @@ def measure(w: torch.Tensor, x: torch.Tensor | None, deq: torch.Tensor, choice: 
     if x is not None:
         scale = choice.input_scale if not layer.weight_only else None
 
-        def out_err(xs: torch.Tensor) -> float:  # rows in the smoothed basis: xs @ smoothed^T == x @ w^T
+        def out_err(xs: torch.Tensor, scale=scale) -> float:  # rows in the smoothed basis: xs @ smoothed^T == x @ w^T
             act = fmt.fake_act(xs, scale, **opts)
             if lowrank is None:
                 q_out = act @ fmt.search_space(deq, **opts).T
@@ -315,6 +315,8 @@ def measure(w: torch.Tensor, x: torch.Tensor | None, deq: torch.Tensor, choice: 
         report.out_err = out_err(choice.x)
         if choice.split is not None:
             report.held_err = out_err(choice.split.held)
+            if scale is not None:  # what rounding the activations adds to the weight's error (held out; >= 0)
+                report.act_err = max(report.held_err - out_err(choice.split.held, None), 0.0)
         if plan.recipe.sensitivity:
             report.sensitivity = sensitivity(w, x[:SENSITIVITY_ROWS], layer_stats)
     if choice.input_scale is not None:

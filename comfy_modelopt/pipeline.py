@@ -225,7 +225,7 @@ def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto
         report.passthrough_bytes += nbytes
         report.passthrough_bytes_16bit += nbytes // ITEMSIZE[dtype] * 2 if dtype in FLOAT_DTYPES else nbytes
     _add_notes(plan, report, stats)
-    report.notes.extend(plan.unmatched_keep)
+    report.notes.extend(plan.unmatched_patterns)
     if plan.odd:
         shown = ", ".join(f"{k} {list(sh)}" for k, sh in plan.odd[:3])
         report.notes.append(f"{len(plan.odd)} tensors named like Linear weights are not 2-D and were copied "

@@ -60,7 +60,7 @@ class Plan:
     fmt: Format | None = None    # the recipe's format, resolved
     opts: dict = field(default_factory=dict)   # its options (Recipe.format_options)
     recognised: str = ""         # no known family: why it was taken for a diffusion model (families.py)
-    unmatched_keep: list = field(default_factory=list)  # warnings: --keep patterns that matched nothing
+    unmatched_patterns: list = field(default_factory=list)  # warnings: --keep / --weight-only patterns that matched nothing
     planner: dict | None = None  # the mixed-precision planner's summary (planner.plan_budget)
     engine: object = None        # modelopt_engine.EngineResult: ModelOpt's calibration choices
 
@@ -181,19 +181,24 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
                         f"(kernels larger than 1x1, outside {', '.join(CONV_KEEP)})")
     plan = Plan(recipe, family, prefix, layers, passthrough, convs, _odd_weights(layers, passthrough, prefix),
                 fmt, opts, recognised=recognised)
-    plan.unmatched_keep = _unmatched_keep(recipe.keep, layers + convs)
+    plan.unmatched_patterns = (_unmatched("--keep", recipe.keep, layers + convs)
+                           + _unmatched("--weight-only", recipe.weight_only, layers))
     return plan
 
 
-def _unmatched_keep(patterns: tuple, planned: list) -> list[str]:
-    """--keep patterns that match no layer (a typo, a ``.weight`` suffix), each with a hint."""
+def _matches(layer, pat: str) -> bool:
+    return fnmatch.fnmatchcase(layer.rel, pat) or fnmatch.fnmatchcase(layer.name, pat)
+
+
+def _unmatched(flag: str, patterns: tuple, planned: list) -> list[str]:
+    """Layer patterns (``flag``'s) that match no layer (a typo, a ``.weight`` suffix), each with a hint."""
     out = []
     for pat in patterns:
-        if any(fnmatch.fnmatchcase(l.rel, pat) or fnmatch.fnmatchcase(l.name, pat) for l in planned):
+        if any(_matches(l, pat) for l in planned):
             continue
         hint = " (layer names have no .weight suffix)" if pat.endswith(".weight") else ""
         example = planned[len(planned) // 2].rel if planned else ""
-        out.append(f"warning: --keep {pat} matched no layer{hint}; layer names look like {example}")
+        out.append(f"warning: {flag} {pat} matched no layer{hint}; layer names look like {example}")
     return out
 
 
@@ -222,7 +227,7 @@ def _odd_weights(layers: list, passthrough: dict, prefix: str) -> list:
 
 def _decide(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict, family: Family, stats) -> None:
     for pat in recipe.keep:
-        if fnmatch.fnmatchcase(layer.rel, pat) or fnmatch.fnmatchcase(layer.name, pat):
+        if _matches(layer, pat):
             layer.reason = f"--keep {pat}"
             return
     rule = family.keep_reason(layer.rel)
@@ -263,7 +268,12 @@ def assign(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict, stats) -> 
             layer.weight_only = True
             layer.reason = "no activation statistics (calibrate for W8A8)"
         return
-    layer.static_input = fmt.needs_input_scale or (fmt.static_input_scale and recipe.static_nvfp4_input)
+    static_input = fmt.needs_input_scale or (fmt.static_input_scale and recipe.static_nvfp4_input)
+    chosen = next((p for p in recipe.weight_only if _matches(layer, p)), None) if static_input else None
+    if chosen is not None:
+        layer.weight_only, layer.reason = True, f"--weight-only {chosen}"
+        return
+    layer.static_input = static_input
 
 
 def lay_out(layer: LayerPlan, fmt: Format, recipe: Recipe) -> None:

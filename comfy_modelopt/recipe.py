@@ -133,6 +133,15 @@ class Recipe:
                                  help="glob of layer names (no .weight suffix) to keep 16-bit; repeatable or "
                                       "comma-separated",
                                  tooltip="Layer-name patterns to keep in 16-bit, one per line, e.g. *.img_mlp.*")
+    weight_only: tuple[str, ...] = _opt((), metavar="PATTERN",
+                                        help="glob of layer names (no .weight suffix) to store quantized without a "
+                                             "static input scale, computed in 16-bit (weight-only; fp8 and formats "
+                                             "with a calibrated input scale): the layers whose activation rounding "
+                                             "costs most - the report names them, measured on held-out prompts; "
+                                             "repeatable or comma-separated",
+                                        tooltip="Layer-name patterns to store weight-only (no input scale: computed "
+                                                "in 16-bit, slower than W8A8), one per line - e.g. the layers the "
+                                                "report names as costing most in activation rounding.")
     budget: float = _opt(0.0, metavar="FRACTION", bounds=(0.0, 1.0, 0.01),
                          help="mixed precision: each Linear layer gets the candidate format (or 16-bit) that buys "
                               "the most accuracy per byte, all Linear weights within FRACTION x their 16-bit bytes "
@@ -171,6 +180,7 @@ class Recipe:
                              f"not {self.format}")
         _check("conv", self.conv, CONV_CHOICES)
         object.__setattr__(self, "keep", tuple(self.keep))
+        object.__setattr__(self, "weight_only", tuple(self.weight_only))
         object.__setattr__(self, "candidates", tuple(self.candidates))
         if not 0.0 <= self.budget <= 1.0:
             raise ValueError(f"budget is a fraction of the 16-bit bytes in (0, 1], got {self.budget}")
@@ -218,6 +228,7 @@ class Recipe:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["keep"] = list(self.keep)
+        d["weight_only"] = list(self.weight_only)
         d["candidates"] = list(self.candidates)
         return d
 

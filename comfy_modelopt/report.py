@@ -13,6 +13,9 @@ from .fileformat import CONV_FORMAT, own_base
 from .formats import FORMATS
 
 
+ACT_WORST = 5  # layers the summary names by activation-rounding cost
+
+
 @dataclass
 class LayerReport:
     name: str
@@ -24,6 +27,8 @@ class LayerReport:
     rel_err: float = 0.0         # ||W - deq(Q(W))|| / ||W||  (kitchen dequantization)
     out_err: float = -1.0        # relative output error on calibration inputs (-1: not measured)
     held_err: float = -1.0       # ... on the held-out prompts' inputs, which no search saw (-1: none)
+    act_err: float = -1.0        # W8A8: held_err less the same weight's error computed 16-bit (weight-only):
+                                 # what rounding the activations costs on held-out prompts (-1: not measured)
     alpha: float = 1.0           # chosen clip factor (mean over rows for per-row formats)
     input_scale: float = 0.0     # static input_scale written (0: none)
     notes: str = ""              # algorithm notes (smoothing applied/skipped, rank, ...)
@@ -42,14 +47,15 @@ class LayerReport:
             notes = notes[:max(notes_limit - 3, 0)] + "..."
         return ("{" + f'"format":{json.dumps(self.format)},"bytes":{self.bytes},'
                 f'"bytes_16bit":{self.bytes_16bit},"rel_err":{_e(self.rel_err)},'
-                f'"out_err":{_e(self.out_err)},"held_err":{_e(self.held_err)},"alpha":{_e(self.alpha)},'
+                f'"out_err":{_e(self.out_err)},"held_err":{_e(self.held_err)},"act_err":{_e(self.act_err)},'
+                f'"alpha":{_e(self.alpha)},'
                 f'"input_scale":{_e(self.input_scale)},"weight_only":{json.dumps(self.weight_only)},'
                 f'"reason":{json.dumps(self.reason)},"notes":{json.dumps(notes)},'
                 f'"sensitivity":{json.dumps(self.sensitivity, sort_keys=True)}' + "}")
 
 
 _LAYER_TYPES = {"format": str, "bytes": int, "bytes_16bit": int, "reason": str, "weight_only": bool,
-                "rel_err": float, "out_err": float, "held_err": float, "alpha": float, "input_scale": float, "notes": str,
+                "rel_err": float, "out_err": float, "held_err": float, "act_err": float, "alpha": float, "input_scale": float, "notes": str,
                 "sensitivity": dict}
 
 
@@ -166,6 +172,12 @@ class QuantReport:
             lines.append(f"output error on held-out prompts (no search saw them): mean "
                          f"{sum(l.held_err for l in held) / len(held):.4f} over {len(held)} layers "
                          f"(on all calibration prompts: {sum(l.out_err for l in held) / len(held):.4f})")
+        act = sorted((l for l in q if l.act_err >= 0), key=lambda l: -l.act_err)
+        if act:
+            worst = ", ".join(f"{l.name} +{l.act_err:.4f}" for l in act[:ACT_WORST])
+            lines.append(f"activation rounding (W8A8 vs the same weights computed 16-bit, held-out prompts): mean "
+                         f"+{sum(l.act_err for l in act) / len(act):.4f} over {len(act)} layers; most: {worst} "
+                         f"(weight_only patterns store such layers without an input scale: 16-bit compute there)")
         convs = self.convs
         if convs:
             lines.append(f"convolutions: {len(convs)} fp8 (per output channel, own loader), weight error "

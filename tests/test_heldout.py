@@ -139,3 +139,24 @@ def test_gptq_is_off_without_statistics_and_the_file_says_so():
     assert out.keys() == plain.keys() and all(torch.equal(out[k], plain[k]) for k in out)
     assert any("gptq: off" in n and "statistics" in n for n in report.notes)
     assert report.recipe["gptq"] is False and not any("gptq" in l.notes for l in report.quantized)
+
+
+def test_activation_rounding_cost_reported_and_weight_only_by_pattern():
+    """fp8 W8A8 layers report what rounding their activations adds on held-out prompts (W8A8
+    error less the same rounded weight computed on 16-bit inputs), the summary names the
+    costliest; a weight_only pattern writes the layer it names without an input scale (16-bit
+    compute: its held-out error is then the weight's alone), the others unchanged."""
+    model = _model()
+    batches = [torch.randn(8, 64) * (1 + 10 * (torch.rand(64) < 0.05)) for _ in range(8)]  # outlier channels
+    stats = _calibrate(model, batches)
+    out, _m, report = quantize(_sd(model), Recipe(gptq=False), stats, family="generic")
+    by = {l.name: l for l in report.quantized}
+    assert all(l.act_err > 0 and not l.weight_only for l in by.values())
+    assert "activation rounding (W8A8" in report.summary() and "0 +" in report.summary()
+    out2, _m, report2 = quantize(_sd(model), Recipe(gptq=False, weight_only=("2",)), stats, family="generic")
+    by2 = {l.name: l for l in report2.quantized}
+    assert "2.input_scale" not in out2 and "0.input_scale" in out2 and "2.input_scale" in out
+    assert by2["2"].weight_only and by2["2"].reason == "--weight-only 2" and by2["2"].act_err == -1.0
+    assert abs(by2["2"].held_err - (by["2"].held_err - by["2"].act_err)) < 1e-6
+    assert torch.equal(out2["2.weight"], out["2.weight"]) and torch.equal(out2["0.weight"], out["0.weight"])
+    assert by2["0"].act_err == by["0"].act_err

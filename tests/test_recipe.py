@@ -11,7 +11,8 @@ from comfy_modelopt.recipe import (CONV_CHOICES, FORMAT_CHOICES, INPUT_SCALE_MET
 NON_DEFAULT = Recipe(format="convrot_w4a4", weight_scale="absmax", input_scale="percentile", percentile=99.9,
                      smoothing="awq", smooth_alpha=0.7, lowrank=16, gptq=False, gptq_act_order=False,
                      sensitivity=True,
-                     convrot_groupsize=64, linear_dtype="int8", keep=("*.img_mlp.*", "final_layer.*"))
+                     convrot_groupsize=64, linear_dtype="int8", keep=("*.img_mlp.*", "final_layer.*"),
+                     weight_only=("*.proj",))
 
 
 @pytest.mark.parametrize("recipe", [Recipe(), NON_DEFAULT, Recipe("int8_tensorwise", convrot=True),
@@ -32,7 +33,7 @@ PLANNED = Recipe(format="int8_tensorwise", convrot=True, gptq=True, budget=0.35,
 def test_every_field_survives(recipe):  # a new field that to_dict forgets fails here
     d = json.loads(recipe.to_json())
     assert set(d) == {f.name for f in dataclasses.fields(Recipe)}
-    assert all(getattr(recipe, k) == (tuple(v) if k in ("keep", "candidates") else v) for k, v in d.items())
+    assert all(getattr(recipe, k) == (tuple(v) if isinstance(getattr(recipe, k), tuple) else v) for k, v in d.items())
     assert Recipe(**json.loads(recipe.to_json())) == recipe
     default = Recipe()
     changed = {k for k in d if getattr(default, k) != getattr(recipe, k)}
@@ -77,7 +78,7 @@ def test_cli_builds_the_recipe_it_was_given():
                                   "--smoothing", "awq", "--smooth-alpha", "0.7", "--lowrank", "16", "--no-gptq",
                                   "--no-gptq-act-order", "--sensitivity",
                                   "--convrot-groupsize", "64", "--linear-dtype", "int8", "--keep", "*.img_mlp.*",
-                                  "--keep", "final_layer.*"])
+                                  "--keep", "final_layer.*", "--weight-only", "*.proj"])
     assert cli.recipe_of(a) == NON_DEFAULT
 
 
