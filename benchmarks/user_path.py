@@ -55,6 +55,10 @@ ap.add_argument("--load-file", default=None, help=argparse.SUPPRESS)  # the fres
 ap.add_argument("--profile-node", action="store_true",
                 help="run the Quantize node under cProfile; the top functions go to profile_node.txt in --out")
 A = ap.parse_args()
+if A.cpu_tiny and A.model != "flux":
+    # ComfyUI recognises SDXL by its exact UNet config (320 channels, depths 2/2/10): a shrunken one
+    # is no model it knows, and the full one is too large for a CPU smoke run
+    ap.error("--cpu-tiny runs Flux only (a tiny SDXL config is not one ComfyUI detects)")
 if A.log_info:
     import logging
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)7.0f ms %(levelname)s %(message)s")
