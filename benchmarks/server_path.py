@@ -154,7 +154,10 @@ def main():
     sixteen = f"bench-{A.model}-16bit.safetensors"
     quant = f"bench-{A.model}-{A.format}.safetensors"
     for f in (sixteen, quant):
-        os.symlink(os.path.abspath(os.path.join(A.files, f)), os.path.join(models, f))
+        path = os.path.abspath(os.path.join(A.files, f))
+        if not os.path.isfile(path):
+            raise SystemExit(f"{path}: not found - make it with user_path.py --model {A.model} --keep-files {A.files}")
+        os.symlink(path, os.path.join(models, f))
     os.symlink(PROJECT, os.path.join(nodes, "comfy-modelopt"))
     with open(os.path.join(nodes, "bench_conditioning.py"), "w") as f:
         f.write(NODE)
@@ -174,7 +177,7 @@ def main():
     if A.log_recompiles:
         env["TORCH_LOGS"] = "recompiles"
     with open(LOG, "w") as logf:
-        SERVER = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
+        SERVER = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=BASE)
     try:
         t0 = time.time()
         while True:
