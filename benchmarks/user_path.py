@@ -36,6 +36,9 @@ ap.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=None, h
 ap.add_argument("--gptq-act-order", action=argparse.BooleanOptionalAction, default=None, help="default: the recipe's")
 ap.add_argument("--convrot", action=argparse.BooleanOptionalAction, default=None, help="default: the recipe's")
 ap.add_argument("--sensitivity", action=argparse.BooleanOptionalAction, default=None, help="default: the recipe's")
+ap.add_argument("--weight-only", default="", metavar="PATTERNS",
+                help="the Quantize node's weight_only input (layer patterns written without an input scale): "
+                     "the speed cost of the report's weight-only advice")
 ap.add_argument("--lora", type=int, default=0, help="rank of a random LoRA applied (strength 1) to every block Linear, on both the 16-bit and the quantized model")
 ap.add_argument("--calib-prompts", type=int, default=2)
 ap.add_argument("--calib-steps", type=int, default=8)
@@ -303,6 +306,7 @@ def main():
     node = lambda: N.ModelOptQuantizeUNet.execute(model=base, format=A.format, weight_scale="mse", input_scale="mse",
                                                   smoothing=A.smoothing, static_nvfp4_input=False,
                                                   keep="", runtime=runtime, lowrank=A.lowrank, calibration=stats,
+                                                  **({"weight_only": A.weight_only} if A.weight_only else {}),
                                                   **chosen, **({"budget": A.budget} if A.budget else {}))
     if A.profile_node:
         import cProfile, io as _io, pstats

@@ -187,7 +187,7 @@ class QuantReport:
             lines.append(kept_summary([l.reason for l in kept]))
         wo = [l for l in q if l.weight_only]
         if wo:
-            lines.append(f"weight-only: {len(wo)} layers: {wo[0].reason}")
+            lines.append(f"weight-only: {len(wo)} layers ({kept_by_kind([l.reason for l in wo])})")
         lines += self.notes
         return "\n".join(lines)
 
@@ -204,10 +204,11 @@ class QuantReport:
 
 
 def reason_kind(reason: str) -> str:
-    """The kind of a kept layer's reason: "--keep", "family rules", a shape rule without the
-    layer's own numbers ("in_features % 256"), or the reason itself."""
-    if reason.startswith("--keep"):
-        return "--keep"
+    """The kind of a kept (or weight-only) layer's reason: "--keep", "--weight-only", "family
+    rules", a shape rule without the layer's own numbers ("in_features % 256"), or the reason itself."""
+    for flag in ("--keep", "--weight-only"):
+        if reason.startswith(flag):
+            return flag
     if " rule " in reason:
         return "family rules"
     if " needs " in reason and ", got " in reason:  # Format.shape_problem
@@ -217,7 +218,7 @@ def reason_kind(reason: str) -> str:
 
 
 def kept_by_kind(reasons: list[str]) -> str:
-    """How many layers each kind of reason keeps 16-bit, most first ("--keep: 3, family rules: 2")."""
+    """How many layers each kind of reason accounts for, most first ("--keep: 3, family rules: 2")."""
     counts: dict = {}
     for r in reasons:
         kind = reason_kind(r)

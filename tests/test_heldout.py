@@ -160,3 +160,4 @@ def test_activation_rounding_cost_reported_and_weight_only_by_pattern():
     assert abs(by2["2"].held_err - (by["2"].held_err - by["2"].act_err)) < 1e-6
     assert torch.equal(out2["2.weight"], out["2.weight"]) and torch.equal(out2["0.weight"], out["0.weight"])
     assert by2["0"].act_err == by["0"].act_err
+    assert "weight-only: 1 layers (--weight-only: 1)" in report2.summary()
