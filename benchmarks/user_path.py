@@ -309,18 +309,19 @@ def main():
                                                   **({"weight_only": A.weight_only} if A.weight_only else {}),
                                                   **chosen, **({"budget": A.budget} if A.budget else {}))
     if A.profile_node:
-        import cProfile, io as _io, pstats
+        import cProfile
         prof = cProfile.Profile()
         out = prof.runcall(node)
-        t_q = time.perf_counter() - t0
+    else:
+        out = node()
+    t_q = time.perf_counter() - t0
+    if A.profile_node:
+        import io as _io, pstats
         text = _io.StringIO()
         for key in ("cumulative", "tottime"):
             pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
         with open(os.path.join(A.out, f"profile_node_{A.model}_{A.format}.txt"), "w") as f:
             f.write(text.getvalue())
-    else:
-        out = node()
-        t_q = time.perf_counter() - t0
     qmodel, report = out.args[0], out.args[1]
     log(f"quantize node {t_q:.1f} s"); log(report.splitlines()[0:4])
     RES["calibrate_s"] = round(t_cal, 1); RES["quantize_s"] = round(t_q, 1); RES["report_head"] = report[:2000]

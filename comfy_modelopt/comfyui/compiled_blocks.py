@@ -150,14 +150,15 @@ class CompiledBlocks:
         self.compiled = [self._region_forward(m, torch.compile(m.forward, dynamic=False)) for m in self.regions]
 
     def _region_forward(self, m, compiled):
-        """What a region runs while installed: its compiled forward, called without the per-block
-        keys of transformer_options.  ComfyUI hands every block its own ``block`` /
-        ``block_index`` for patch lookups; compiled code guards on such constants, so Dynamo
-        kept one compiled variant per block (70 for SDXL's transformer block) and scanned them on
-        every call.  Without patches (graphs are never captured with patches) the keys change
-        nothing, so they are left out; with patches the eager forward runs, and with a callable
-        in the options (an attention override might read the index) they are kept.  Opaque to
-        an enclosing compiled region (a SpatialTransformer calling its blocks)."""
+        """What a region runs while installed: its compiled forward, called without the keys of
+        transformer_options in ``_KEYS_LEFT_OUT``.  ComfyUI hands every block its own ``block`` /
+        ``block_index`` for patch lookups (and the sampler's ``sample_sigmas``); compiled code
+        guards on such values, so Dynamo kept one compiled variant per block (70 for SDXL's
+        transformer block) and scanned them on every call.  Without patches (graphs are never
+        captured with patches) the keys change nothing, so they are left out; with patches the
+        eager forward runs, and with a callable in the options (an attention override might read
+        the index) they are kept.  Opaque to an enclosing compiled region (a SpatialTransformer
+        calling its blocks)."""
         # passed by keyword (blocks) or by position (a UNet's SpatialTransformer: layer(x, context, options))
         position = _options_position(m)
         eager = m.forward
