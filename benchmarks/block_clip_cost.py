@@ -5,17 +5,16 @@
 
 For Flux.1-dev's Linear shapes (out x in), a random weight with outlier columns and the input
 rows a 2 MiB bf16 calibration reservoir holds (68 rows of 15360), times the whole weight-clip
-choice ``quantize._weight_clip`` does for nvfp4 with ``weight_scale=mse`` - the per-tensor
-search, the per-block search (``scales.search_block_clip``) and the choice between them on the
-rows' outputs - and, as the reference, one plain fake-quantization of the weight.  Works on any
-checkout that has ``quantize._weight_clip`` (point PYTHONPATH at an older one to compare).
+choice the weight-clip and block-clip steps (``steps/weight_clip.py``, ``steps/block_clip.py``)
+make for nvfp4 with ``weight_scale=mse`` - the per-tensor search, the per-block search
+(``scales.search_block_clip``) and the choice between them on the rows' outputs - and, as the
+reference, one plain fake-quantization of the weight.
 
 Prints a markdown table and writes ``block_clip_cost.json``.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -28,12 +27,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tables  # noqa: E402
 
-quantize = importlib.import_module("comfy_modelopt.layer")  # one layer: choose -> encode -> measure
+from comfy_modelopt.families import GENERIC  # noqa: E402
 from comfy_modelopt.formats import FORMATS  # noqa: E402
+from comfy_modelopt.plan import LayerPlan, Plan  # noqa: E402
 from comfy_modelopt.recipe import Recipe  # noqa: E402
+from comfy_modelopt.steps import Work  # noqa: E402
+from comfy_modelopt.steps.block_clip import STEP as BLOCK_CLIP  # noqa: E402
+from comfy_modelopt.steps.weight_clip import STEP as WEIGHT_CLIP  # noqa: E402
 
 SHAPES = [(3072, 3072), (3072, 12288), (12288, 3072), (3072, 15360), (21504, 3072)]
 REDUCED = [(64, 256), (128, 512)]
+
+
+def weight_clip(w, fmt, recipe, x) -> Work:
+    """The weight's clip as a layer's steps choose it (no held-out prompts)."""
+    layer = LayerPlan("layer", "layer", w.shape[0], w.shape[1], "BF16", fmt=fmt)
+    work = Work(layer, Plan(recipe, GENERIC, "", [layer], {}), None, w, x)
+    for step in (WEIGHT_CLIP, BLOCK_CLIP):
+        if step.applies(work):
+            step.run(work)
+    return work
 
 
 def timed(device, fn):
@@ -55,10 +68,9 @@ def one_shape(n: int, k: int, rows: int, device) -> dict:
     w, x = w.to(device), x.to(device)
     fmt, recipe = FORMATS["nvfp4"], Recipe("nvfp4", weight_scale="mse")
     _, plain = timed(device, lambda: fmt.fake_rows(w))
-    notes: list = []
-    clip, t = timed(device, lambda: quantize._weight_clip(w, fmt, recipe, x, None, {}, notes))
+    work, t = timed(device, lambda: weight_clip(w, fmt, recipe, x))
     return {"shape": f"{n}x{k}", "rows": rows, "weight_clip_s": round(t, 3), "one_fake_quant_s": round(plain, 3),
-            "block_clip_chosen": getattr(clip, "block_bound", None) is not None, "notes": notes}
+            "block_clip_chosen": work.clip.block_bound is not None, "notes": work.notes}
 
 
 def main(argv=None):

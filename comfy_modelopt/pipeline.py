@@ -23,7 +23,8 @@ from .fileformat import (META_CALIBRATION, META_FAMILY, META_LOADER, META_PREFIX
 from .folding import Folds, plan_folds, read_rows_scaled
 from .plan import ConvPlan, Plan, make_plan
 from .planner import plan_budget
-from .layer import FEW_ROWS, kept_report, quantize_conv, quantize_layer
+from .layer import kept_report, quantize_conv, quantize_layer
+from .steps.gptq import FEW_ROWS
 from .recipe import Recipe
 from .report import LayerReport, QuantReport
 from .sources import DeviceSource, DictSink, DictSource, FileSink, FileSource, NullSink, numel
@@ -152,11 +153,10 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
                         f"{recipe.lowrank}")
     if prices is not None and not recipe.planned:
         raise PlanError("prices are the planner's: give a budget or max_error too")
-    plan, report = _plan_and_report(source, recipe, stats, family, refuse_unknown, progress, prices)
+    plan, report = _plan_and_report(source, recipe, stats, family, refuse_unknown, progress, prices, engine)
     if no_gptq:
         report.notes.append("gptq: off - it needs activation statistics (calibrate for error-compensated rounding)")
     folds = Folds()
-    plan.engine = engine
     given = {n: l.smooth for n, l in engine.layers.items() if l.smooth is not None} if engine is not None else {}
     if engine is not None:
         report.notes.append(engine.note())
@@ -209,11 +209,11 @@ def _check_needs_stats(recipe: Recipe, stats) -> None:
 
 def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto",
                      refuse_unknown: bool = False, progress: Progress | None = None,
-                     prices: dict | None = None) -> tuple[Plan, QuantReport]:
+                     prices: dict | None = None, engine=None) -> tuple[Plan, QuantReport]:
     """The plan, checked against the statistics, and the report it starts (every layer 16-bit)."""
     if isinstance(family, str):
         family = None if family == "auto" else family_named(family)
-    plan = make_plan(source.tensors, recipe, stats=stats, refuse_unknown=refuse_unknown, family=family)
+    plan = make_plan(source.tensors, recipe, stats=stats, refuse_unknown=refuse_unknown, family=family, engine=engine)
     _check_source(source, plan.prefix, complete=family is not GENERIC)
     if stats is not None:
         stats.check_model({l.rel: (l.n, l.k) for l in plan.layers})

@@ -32,7 +32,7 @@ class LayerPlan:
     n: int                       # out_features
     k: int                       # in_features
     src_dtype: str
-    format: str | None = None    # None: kept 16-bit
+    fmt: Format | None = None    # resolved once when planned; None: kept 16-bit
     reason: str = ""             # why kept, or why weight-only
     weight_only: bool = False    # stored quantized, computed dequantized (no input_scale)
     static_input: bool = False   # writes input_scale
@@ -44,8 +44,12 @@ class LayerPlan:
     tensors: dict = field(default_factory=dict)  # output key -> (safetensors dtype, shape)
 
     @property
+    def format(self) -> str | None:
+        return self.fmt.name if self.fmt is not None else None
+
+    @property
     def quantized(self) -> bool:
-        return self.format is not None
+        return self.fmt is not None
 
 
 @dataclass
@@ -115,13 +119,14 @@ def _conv_plan(key: str, rel: str, dtype: str, shape: tuple, recipe: Recipe, fam
 
 
 def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
-              family: Family | None = None, refuse_unknown: bool = False) -> Plan:
+              family: Family | None = None, refuse_unknown: bool = False, engine=None) -> Plan:
     """Plan a file whose tensors are ``source``: key -> (safetensors dtype, shape).
 
     ``stats`` (ActivationStats) enables static input scales: layers it lacks are kept as the
     format allows (fp8 weight-only), never silently given a default scale.  ``family`` overrides
     detection; with ``refuse_unknown`` a file of no known family is refused (it is usually a
-    LoRA, a text encoder or a VAE) instead of planned with the generic rules.
+    LoRA, a text encoder or a VAE) instead of planned with the generic rules.  ``engine``
+    (``modelopt_engine.EngineResult``): ModelOpt's per-layer choices, which the layers' steps use.
     """
     marked = [k for k in source if k.endswith(QUANT_MARKERS) or k == "scaled_fp8"]
     if marked:
@@ -179,11 +184,10 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
     if recipe.conv != "none" and not convs:
         raise PlanError(f"conv={recipe.conv}: this {family.name} model has no convolution to quantize "
                         f"(kernels larger than 1x1, outside {', '.join(CONV_KEEP)})")
-    plan = Plan(recipe, family, prefix, layers, passthrough, convs, _odd_weights(layers, passthrough, prefix),
-                fmt, opts, recognised=recognised)
-    plan.unmatched_patterns = (_unmatched("--keep", recipe.keep, layers + convs)
-                           + _unmatched("--weight-only", recipe.weight_only, layers))
-    return plan
+    return Plan(recipe, family, prefix, layers, passthrough, convs, _odd_weights(layers, passthrough, prefix),
+                fmt, opts, recognised=recognised, engine=engine,
+                unmatched_patterns=_unmatched("--keep", recipe.keep, layers + convs)
+                + _unmatched("--weight-only", recipe.weight_only, layers))
 
 
 def _matches(layer, pat: str) -> bool:
@@ -247,13 +251,13 @@ def _decide(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict, family: F
 def assign(layer: LayerPlan, fmt: Format, recipe: Recipe, opts: dict, stats) -> None:
     """Give an eligible layer ``fmt`` (with the recipe's ``opts`` fitted to its shape), or keep
     it 16-bit where the shape does not allow it; weight-only / static input as the statistics allow."""
-    layer.format, layer.weight_only, layer.static_input, layer.reason = None, False, False, ""
+    layer.fmt, layer.weight_only, layer.static_input, layer.reason = None, False, False, ""
     layer_opts = fmt.layer_options(layer.n, layer.k, opts)
     problem = fmt.shape_problem(layer.n, layer.k, **layer_opts)
     if problem:
         layer.reason = problem
         return
-    layer.format, layer.opts = fmt.name, layer_opts
+    layer.fmt, layer.opts = fmt, layer_opts
     if fmt.needs_input_scale and not fmt.w8a8_gemm:
         layer.weight_only = True
         layer.reason = f"{fmt.name}: weight-only (no GPU runs an {fmt.name} x {fmt.name} GEMM)"

@@ -224,7 +224,7 @@ def plan_budget(plan, source, stats, recipe, progress=None, prices: dict | None 
         o, layer = c.chosen, c.layer
         counts[o.fmt] = counts.get(o.fmt, 0) + 1
         if o.fmt == KEEP:
-            layer.format, layer.conf, layer.weight_only, layer.static_input = None, None, False, False
+            layer.fmt, layer.conf, layer.weight_only, layer.static_input = None, None, False, False
             layer.reason = "planner: kept 16-bit (budget)"
             layer.tensors = {layer.name + ".weight": (layer.src_dtype, (layer.n, layer.k))}
         else:

@@ -219,7 +219,7 @@ def search_block_clip(fmt: Format, w: torch.Tensor, xs: torch.Tensor | None) -> 
     top (4 -> 6) falls on fewer values; a bound over it raises the scale, so the largest values
     land on the finer grid below 6 (``NvFp4Format.quantize`` encodes those blocks).  The block
     holding the tensor's max is never changed, so the global scale - and every other block's
-    scale grid - stays.  Chosen per layer over the per-tensor clip by quantize._block_clip.
+    scale grid - stays.  Chosen per layer over the per-tensor clip by the block-clip step (steps/block_clip.py).
     None where no block gains."""
     n, k = w.shape
     h = (xs.float() ** 2).mean(dim=0) if xs is not None and xs.shape[0] else torch.ones(k, device=w.device)

@@ -16,7 +16,7 @@ def outlier_inputs(m: int, k: int, seed: int = 0, channels: int = 4, low: float 
 
 
 def gptq_problem(name: str, opts: dict, n: int, k: int, device: str = "cpu"):
-    """A GPTQ rounding problem as layer.encode poses it: the format, the weight in its search
+    """A GPTQ rounding problem as the GPTQ step (steps/gptq.py) poses it: the format, the weight in its search
     space (rotated for ConvRot), the column rounder and the Hessian of outlier inputs."""
     from comfy_modelopt.formats import get_format
     from comfy_modelopt.gptq import gram

@@ -59,7 +59,7 @@ GPTQ_CASES = [("float8_e4m3fn", {}), ("float8_e5m2", {}), ("int8_tensorwise", {}
 @pytest.mark.parametrize("act_order", [False, True], ids=["", "act-order"])
 @pytest.mark.parametrize("name,opts", GPTQ_CASES, ids=[n + "".join(f"-{k}" for k in o) for n, o in GPTQ_CASES])
 def test_gptq_lowers_output_error_and_kitchen_reencodes_exactly(name, opts, act_order):
-    """In the format's search space (rotated for ConvRot), as layer.encode runs it; block and
+    """In the format's search space (rotated for ConvRot), as the GPTQ step runs it; block and
     row scales the encoder derives itself (nvfp4, mxfp8, convrot_w4a4) survive through the anchors."""
     fmt = get_format(name)
     g = torch.Generator().manual_seed(0)
@@ -211,7 +211,7 @@ def test_nvfp4_raised_block_scales_lower_the_error(monkeypatch):
 
 def test_block_clip_search_returns_the_weights_it_made():
     """search_block_clip hands back the fake-quantized weights of its chosen bounds and of the
-    unclipped blocks, equal to quantizing again (quantize._block_clip chooses with them instead
+    unclipped blocks, equal to quantizing again (the block-clip step chooses with them instead
     of two more passes)."""
     from comfy_modelopt import scales
     from comfy_modelopt.formats import FORMATS
@@ -236,7 +236,7 @@ def test_gptq_says_which_layers_it_rounded_from_fewer_rows_than_inputs():
     from comfy_modelopt import Recipe, quantize_module
     from comfy_modelopt.calibrate import calibrate
     from comfy_modelopt.modules import module_report
-    from comfy_modelopt.layer import FEW_ROWS
+    from comfy_modelopt.steps.gptq import FEW_ROWS
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
     xs = [torch.randn(16, 64) for _ in range(6)]
