@@ -211,7 +211,7 @@ def calibrate(module: torch.nn.Module, forward_loop: Callable[[torch.nn.Module],
             stats = calibrate(model, lambda m: [m(x) for x in batches])
             stats.save("stats.safetensors")            # or keep it in memory
             sd = {k: v.bfloat16() for k, v in model.state_dict().items()}
-            q_sd, metadata, report = quantize(sd, Recipe("float8_e4m3fn"), stats, family="generic")
+            q_sd, metadata, report = quantize(sd, Recipe(), stats, family="generic")
         print(report.summary())                        # W8A8: static input scales from the stats
     """
     layers = linear_layers(module)

@@ -43,18 +43,13 @@ import torch
 from .calibrate import linear_layers
 from .errors import ModelOptError
 from .families import literal_glob
+from .formats import FORMATS
 
 ALGORITHMS = ("max", "smoothquant", "awq_lite", "awq_full", "svdquant")
-_FORMATS = {  # our format -> (weight quantizer cfg, input quantizer cfg)
-    "float8_e4m3fn": ({"num_bits": (4, 3), "axis": None}, {"num_bits": (4, 3), "axis": None}),
-    "int8_tensorwise": ({"num_bits": 8, "axis": 0}, {"num_bits": 8, "axis": None}),
-    "nvfp4": ({"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}},
-              {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}),
-}
-ENGINE_FORMATS = tuple(_FORMATS)
-# ModelOpt 0.47's smoothquant smooths int8 quantizers only (with fp8 ones it smoothed nothing)
-_ALGORITHM_FORMATS = {"max": tuple(_FORMATS), "smoothquant": ("int8_tensorwise",), "awq_lite": ("nvfp4",),
-                      "awq_full": ("nvfp4",), "svdquant": ("nvfp4",)}
+# the formats ModelOpt calibrates for (``Format.modelopt``: its quantizer configs and algorithms)
+_QUANTIZERS = {name: f.modelopt for name, f in FORMATS.items() if f.modelopt is not None}
+ENGINE_FORMATS = tuple(_QUANTIZERS)
+_ALGORITHM_FORMATS = {a: tuple(n for n, q in _QUANTIZERS.items() if a in q.algorithms) for a in ALGORITHMS}
 _NEEDS_CUDA = {"awq_lite", "awq_full", "svdquant"}
 AWQ_CLIP_STEP = 0.05  # ModelOpt's awq_clip tries amax x 0.5, 0.55, ..., 1.0
 SVDQUANT_RANK = 32  # ModelOpt's default rank
@@ -126,7 +121,7 @@ def modelopt_calibrate(module: torch.nn.Module, forward_loop, recipe, algorithm:
     work = copy.deepcopy(module)
     names = list(linear_layers(work))
     _register_linear_subclasses({type(work.get_submodule(n)) for n in names})
-    wcfg, icfg = _FORMATS[recipe.format]
+    wcfg, icfg = _QUANTIZERS[recipe.format].weight, _QUANTIZERS[recipe.format].input
     quant_cfg = [{"quantizer_name": "*", "enable": False}]
     for n in names:
         quant_cfg.append({"quantizer_name": literal_glob(n) + ".weight_quantizer", "cfg": wcfg})

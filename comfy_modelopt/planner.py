@@ -33,7 +33,9 @@ from .plan import assign, lay_out
 from .safetensors_io import ITEMSIZE, entries_nbytes
 from .smoothing import output_error
 
-DEFAULT_CANDIDATES = ("nvfp4", "float8_e4m3fn", "int8_tensorwise")
+# the formats a budget chooses from unless the recipe names others (``Format.candidate`` orders them)
+DEFAULT_CANDIDATES = tuple(f.name for f in sorted((f for f in FORMATS.values() if f.candidate),
+                                                  key=lambda f: f.candidate))
 KEEP = "16-bit"
 SAMPLE_ROWS = 256
 

@@ -205,3 +205,21 @@ def test_a_transposed_weight_encodes_row_major(name, opts):
     want, _ = fmt.encode(w.contiguous(), **opts)
     assert qt._qdata.is_contiguous()
     assert tensors.keys() == want.keys() and all(torch.equal(tensors[k], want[k]) for k in tensors)
+
+
+def test_no_module_outside_the_formats_package_names_a_format():
+    """A format's knowledge lives in its file: outside ``formats/`` a format's name is written
+    only as the recipe's default (every other use goes through ``FORMATS`` and the capabilities)."""
+    import ast
+    import pathlib
+
+    from comfy_modelopt.formats import NAMES
+    root = pathlib.Path(__file__).resolve().parent.parent / "comfy_modelopt"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if "formats" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in NAMES:
+                found.append(f"{path.relative_to(root)}:{node.lineno} {node.value}")
+    assert [f.split(":")[0] for f in found] == ["recipe.py"], found  # DEFAULT_FORMAT

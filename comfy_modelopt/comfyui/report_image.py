@@ -14,17 +14,17 @@ from collections import Counter
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from ..fileformat import own_base
+from ..formats import FORMATS
 from ..report import QuantReport, kept_by_kind
 
 WIDTH, HEIGHT = 1024, 560
-COLOURS = {"float8_e4m3fn": (52, 120, 246), "float8_e5m2": (90, 160, 250), "int8_tensorwise": (38, 166, 91),
-           "mxfp8": (145, 80, 220), "nvfp4": (235, 120, 30), "convrot_w4a4": (214, 60, 60)}
 OTHER, KEPT, INK, GRID, PAPER = (150, 110, 60), (170, 170, 170), (30, 30, 30), (225, 225, 225), (255, 255, 255)
 
 
-def _colour(fmt: str):
-    base = fmt.split("_", 2)[-1] if fmt.startswith("modelopt_lowrank_") else fmt
-    return COLOURS.get(base, OTHER)
+def _colour(name: str):
+    fmt = FORMATS.get(own_base(name) or name)  # a low-rank layer in its residual's colour
+    return fmt.colour if fmt is not None else OTHER
 
 
 def _error(layer) -> tuple[float, str]:

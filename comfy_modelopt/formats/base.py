@@ -21,7 +21,7 @@ to the absmax scale: ``alpha == 1`` is the naive absmax encoding.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import comfy_kitchen as ck
 import comfy_kitchen.tensor as ck_tensor
@@ -38,6 +38,16 @@ _KITCHEN_LAYOUTS = {name: getattr(ck_tensor, name) for name in (
 
 F8_E4M3_MAX = 448.0
 F4_E2M1_MAX = 6.0
+
+
+@dataclass(frozen=True)
+class ModelOptQuantizers:
+    """How NVIDIA ModelOpt fake-quantizes a format while it calibrates (``modelopt_engine``): its
+    weight and input quantizer configs, and the ModelOpt algorithms whose choices export to it."""
+    weight: dict
+    input: dict
+    algorithms: tuple = ("max",)
+
 
 @dataclass(frozen=True)
 class Format:
@@ -66,6 +76,9 @@ class Format:
     block_clip: bool = False        # the encoder derives 16-block scales from each block's max:
     #                                 clamping a block clips it (scales.search_block_clip)
     block: int = 0                  # values per stored block scale (ComfyUI's "group_size"); 0: none
+    modelopt: ModelOptQuantizers | None = field(default=None, compare=False)  # None: no ModelOpt engine
+    candidate: int = 0              # its place among the planner's default candidates (0: not one)
+    colour: tuple = (150, 110, 60)  # RGB of its layers in the Quantize node's report image
 
     # ---------------------------------------------------------------- rules
     def shape_problem(self, n: int, k: int, **opts) -> str | None:

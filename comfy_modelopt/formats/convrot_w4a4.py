@@ -39,6 +39,7 @@ class ConvRotW4A4Format(RowwiseIntFormat):
         return torch.linspace(0.4, 1.0, 13)
 
 # Hadamard-rotated signed int4 weights and activations (int4 MMA)
-CONVROT_W4A4 = ConvRotW4A4Format("convrot_w4a4", "TensorCoreConvRotW4A4Layout", (7, 5), False, False, "row", 64, 1,
+CONVROT_W4A4 = ConvRotW4A4Format(name="convrot_w4a4", layout="TensorCoreConvRotW4A4Layout", native_sm=(7, 5),
+                                 static_input_scale=False, needs_input_scale=False, free_scale="row", k_multiple=64,
                                  options=("convrot_groupsize", "linear_dtype"), lowrank=True, values_per_element=2,
-                                 quantize_input=False, qmax=7, rotated=True)
+                                 quantize_input=False, qmax=7, rotated=True, colour=(214, 60, 60))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import gptq
-from .base import E4M3_NAN, E5M2_NAN, Format, nan_code_problem, tensor_scale
+from .base import E4M3_NAN, E5M2_NAN, Format, ModelOptQuantizers, nan_code_problem, tensor_scale
 
 _FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
@@ -73,8 +73,9 @@ _FP8_KW = dict(layout="TensorCoreFP8Layout", native_sm=(8, 9), static_input_scal
             free_scale="tensor", k_multiple=16, n_multiple=16, one_weight_scale=True, input_search="histogram",
             native_gate="supports_fp8_compute", lean_kernel="fp8_scaled_mm")
 # fp8 E4M3: per-tensor scale; W8A8 with a calibrated input_scale, else weight-only
-FLOAT8_E4M3FN = Fp8Format("float8_e4m3fn", **_FP8_KW)
+FLOAT8_E4M3FN = Fp8Format(name="float8_e4m3fn", **_FP8_KW, candidate=2, colour=(52, 120, 246), modelopt=ModelOptQuantizers(
+    {"num_bits": (4, 3), "axis": None}, {"num_bits": (4, 3), "axis": None}))
 # fp8 E5M2: wider range, 2 mantissa bits; weight-only (an input_scale would make ComfyUI run an
 # e5m2 x e5m2 GEMM, which torch refuses on an H200: "Multiplication of two Float8_e5m2 matrices
 # is not supported")
-FLOAT8_E5M2 = Fp8Format("float8_e5m2", **_FP8_KW, w8a8_gemm=False)
+FLOAT8_E5M2 = Fp8Format(name="float8_e5m2", **_FP8_KW, w8a8_gemm=False, colour=(90, 160, 250))

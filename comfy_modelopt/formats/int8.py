@@ -8,7 +8,7 @@ import torch
 
 from .. import gptq
 from . import CONVROT_GROUP_DEFAULT, CONVROT_GROUPS
-from .base import Format, _clip_rows, _row_alpha, _shown, option
+from .base import Format, ModelOptQuantizers, _clip_rows, _row_alpha, _shown, option
 
 
 def regular_hadamard(size: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
@@ -171,6 +171,9 @@ def _anchored_rows(fmt: RowwiseIntFormat, w: torch.Tensor, alpha):
 
 
 # int8: per-row weight scale, dynamic per-row int8 activations; optional ConvRot rotation
-INT8_TENSORWISE = Int8Format("int8_tensorwise", "TensorWiseINT8Layout", (7, 5), False, False, "row", 16, 1,
+# ModelOpt 0.47's smoothquant smooths int8 quantizers only (with fp8 ones it smoothed nothing)
+INT8_TENSORWISE = Int8Format(name="int8_tensorwise", layout="TensorWiseINT8Layout", native_sm=(7, 5),
+                             static_input_scale=False, needs_input_scale=False, free_scale="row", k_multiple=16,
                              options=("convrot", "convrot_groupsize"), lean_kernel="int8_linear",
-                             quantize_input=False)
+                             quantize_input=False, candidate=3, colour=(38, 166, 91), modelopt=ModelOptQuantizers(
+                                 {"num_bits": 8, "axis": 0}, {"num_bits": 8, "axis": None}, ("max", "smoothquant")))

@@ -57,5 +57,6 @@ class MxFp8Format(Format):
 
 
 # MXFP8: E4M3 values with one E8M0 scale per 32; dynamic activations
-MXFP8 = MxFp8Format("mxfp8", "TensorCoreMXFP8Layout", (10, 0), False, False, "", 32, 1,
+MXFP8 = MxFp8Format(name="mxfp8", layout="TensorCoreMXFP8Layout", native_sm=(10, 0), static_input_scale=False,
+                    needs_input_scale=False, free_scale="", k_multiple=32, colour=(145, 80, 220),
                     native_gate="supports_mxfp8_compute", block=32)

@@ -9,7 +9,7 @@ from comfy_kitchen.tensor import QuantizedTensor
 
 from .. import gptq
 from ..errors import QuantizeError
-from .base import E4M3_NAN_OR_NEGATIVE, F4_E2M1_MAX, F8_E4M3_MAX, Format, nan_code_problem, tensor_scale
+from .base import E4M3_NAN_OR_NEGATIVE, F4_E2M1_MAX, F8_E4M3_MAX, Format, ModelOptQuantizers, nan_code_problem, tensor_scale
 
 
 def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -161,6 +161,9 @@ class NvFp4Format(Format):
         return deq[:n, :k]
 
 # NVFP4: E2M1 values, E4M3 scale per 16, fp32 global scale; dynamic or static activations
-NVFP4 = NvFp4Format("nvfp4", "TensorCoreNVFP4Layout", (10, 0), True, False, "tensor", 32, 1, lowrank=True,
+_NVFP4_MODELOPT = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}
+NVFP4 = NvFp4Format(name="nvfp4", layout="TensorCoreNVFP4Layout", native_sm=(10, 0), static_input_scale=True,
+                    needs_input_scale=False, free_scale="tensor", k_multiple=32, lowrank=True,
                     values_per_element=2, input_search="sample", native_gate="supports_nvfp4_compute",
-                    block_clip=True, block=16)
+                    block_clip=True, block=16, candidate=1, colour=(235, 120, 30), modelopt=ModelOptQuantizers(
+                        _NVFP4_MODELOPT, _NVFP4_MODELOPT, ("max", "awq_lite", "awq_full", "svdquant")))
