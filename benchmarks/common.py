@@ -215,12 +215,12 @@ def free(*patchers):
         torch.cuda.empty_cache()
 
 
-def inputs(family: str, batch: int, res: int, txt: int, dtype, frames: int = 1) -> tuple:
-    """(x, sigma, kwargs) for one apply_model call of a real-resolution model (video: ``frames``
-    pixel frames, (frames - 1) / 4 + 1 latent ones)."""
+def inputs(family: str, batch: int, res, txt: int, dtype, frames: int = 1) -> tuple:
+    """(x, sigma, kwargs) for one apply_model call of a real-resolution model (``res``: pixels,
+    square, or (height, width); video: ``frames`` pixel frames, (frames - 1) / 4 + 1 latent ones)."""
     g = torch.Generator(device=DEVICE).manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g, device=DEVICE, dtype=dtype)  # noqa: E731
-    lat = res // 8
+    lat = res // 8 if isinstance(res, int) else res[0] // 8
     sigma = torch.full((batch,), 0.7, device=DEVICE)
     if family == "flux":
         return r(batch, 16, lat, lat), sigma, {"c_crossattn": r(batch, txt, 4096), "y": r(batch, 768),
@@ -233,7 +233,8 @@ def inputs(family: str, batch: int, res: int, txt: int, dtype, frames: int = 1) 
     if family == "sd15":
         return r(batch, 4, lat, lat), sigma, {"c_crossattn": r(batch, 77, 768)}
     if family == "wan":
-        return r(batch, 16, (frames - 1) // 4 + 1, lat, lat), sigma, {"c_crossattn": r(batch, txt, 4096)}
+        wide = lat if isinstance(res, int) else res[1] // 8
+        return r(batch, 16, (frames - 1) // 4 + 1, lat, wide), sigma, {"c_crossattn": r(batch, txt, 4096)}
     raise ValueError(family)
 
 

@@ -1,11 +1,11 @@
 """Whole sampling runs - what a user sees - for a 16-bit model and its fp8 W8A8 file under every
 runtime the nodes offer.
 
-``python benchmarks/sampling_check.py --out DIR [--model sdxl|flux|wan] [--steps N] [--runs N]``
+``python benchmarks/sampling_check.py --out DIR [--model sdxl|flux|wan|wan81] [--steps N] [--runs N]``
 builds the full-size model (random weights with channel outliers, ComfyUI's own classes),
 quantizes it to fp8 W8A8 with static input scales, and samples the same noise/conditioning
 through ComfyUI's KSampler path (``comfy.sample.sample``, euler/simple; Flux cfg 1, SDXL cfg 7, Wan 2.1
-1.3B cfg 5 at 17 frames of 512x512)
+1.3B cfg 5 at 17 frames of 512x512; ``wan81``: 81 frames of 832x480, the size it is made for)
 ``--runs`` times with:
 
 - the 16-bit model in stock ComfyUI (the baseline), and the same model in the other 16-bit
@@ -50,10 +50,13 @@ EAGER_NOISE = "lean, input rounded once more per call (eager's own noise)"
 SPECS = {"sdxl": dict(family="sdxl", size="full", res=1024, dtype=torch.float16),
          # Wan 2.1 1.3B text-to-video: 17 frames at 512x512 (5 latent frames, 5,120 tokens per step)
          "wan": dict(family="wan", size="full", res=512, frames=17, dtype=torch.bfloat16, txt=512),
+         # ... at the size Wan 2.1 is made for: 81 frames of 832x480 (21 latent frames, 32,760 tokens per step)
+         "wan81": dict(family="wan", size="full", res=(480, 832), frames=81, dtype=torch.bfloat16, txt=512),
          "flux": dict(family="flux", size="full", res=1024, dtype=torch.bfloat16, txt=512)}
 # --reduced: the same families at ComfyUI's small configurations (CPU smoke runs)
 REDUCED = {"sdxl": dict(family="sdxl", size="small", res=64, dtype=torch.float32),
            "wan": dict(family="wan", size="small", res=64, frames=5, dtype=torch.float32, txt=16),
+           "wan81": dict(family="wan", size="small", res=(48, 80), frames=9, dtype=torch.float32, txt=16),
            "flux": dict(family="flux", size="small", res=64, dtype=torch.float32, txt=16, inputs="flux_small")}
 POOLED = {"sdxl": 1280}  # SDXL's ADM vector = pooled CLIP-G output (1280) + 6 size embeddings (1536)
 
@@ -233,7 +236,8 @@ def main(argv=None):
     pos, neg = conds(fam, inputs, spec.get("txt", 77), spec["dtype"])
     latent_c = 16 if fam in ("flux", "wan") else 4
     frames = (spec["frames"] - 1) // 4 + 1 if "frames" in spec else None  # the video VAE's 4x time stride
-    latent = torch.zeros(1, latent_c, *((frames,) if frames else ()), spec["res"] // 8, spec["res"] // 8)
+    height, width = (spec["res"], spec["res"]) if isinstance(spec["res"], int) else spec["res"]
+    latent = torch.zeros(1, latent_c, *((frames,) if frames else ()), height // 8, width // 8)
     noise = comfy.sample.prepare_noise(latent, 0)
     cfg = CFG[fam]
 

@@ -344,14 +344,10 @@ def _add_notes(plan: Plan, report: QuantReport, stats) -> None:
         why = f" (a diffusion model by its structure: {plan.recognised})" if plan.recognised else ""
         report.notes.append(f"unknown model family{why}: generic rules kept 16-bit: "
                             + (", ".join(kept) if kept else "nothing"))
-    if fmt.needs_input_scale and any(l.weight_only for l in plan.quantized):
-        if stats is None:
-            report.notes.append(f"{fmt.name} without activation statistics is written weight-only "
-                                "(full_precision_matrix_mult): smaller, not faster. Calibrate "
-                                "(--stats) for W8A8 with static input scales.")
-        else:
-            n = sum(1 for l in plan.quantized if l.weight_only)
-            report.notes.append(f"{n} layers never ran during calibration: written weight-only")
+    if fmt.needs_input_scale and stats is None and any(l.weight_only for l in plan.quantized):
+        report.notes.append(f"{fmt.name} without activation statistics is written weight-only "
+                            "(full_precision_matrix_mult): smaller, not faster. Calibrate "
+                            "(--stats) for W8A8 with static input scales.")
     if stats is not None:
         bad = sorted(((n, s.nonfinite) for n, s in stats.layers.items() if s.nonfinite), key=lambda x: -x[1])
         if bad:
@@ -359,9 +355,9 @@ def _add_notes(plan: Plan, report: QuantReport, stats) -> None:
                                 f"{bad[0][0]}: {bad[0][1]} values; calibrated with nonfinite='ignore'): their scales "
                                 f"come from the finite values - check the model, the prompts and the sampler")
         never = [l.rel for l in plan.quantized if not stats.has(l.rel)]
-        if never and not fmt.needs_input_scale:
-            report.notes.append(f"{len(never)} layers never ran during calibration (weight-only "
-                                f"searches for them), e.g. {never[0]}")
+        if never:  # (the layers --weight-only names are counted by the report's weight-only line)
+            what = "written weight-only" if fmt.needs_input_scale else "weight-only searches for them"
+            report.notes.append(f"{len(never)} layers never ran during calibration ({what}), e.g. {never[0]}")
 
 
 def quantize(state_dict: dict[str, torch.Tensor], recipe: Recipe, stats=None, metadata: dict | None = None,

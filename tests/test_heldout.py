@@ -161,3 +161,26 @@ def test_activation_rounding_cost_reported_and_weight_only_by_pattern():
     assert torch.equal(out2["2.weight"], out["2.weight"]) and torch.equal(out2["0.weight"], out["0.weight"])
     assert by2["0"].act_err == by["0"].act_err
     assert "weight-only: 1 layers (--weight-only: 1)" in report2.summary()
+
+
+def test_layers_named_weight_only_are_not_reported_as_never_calibrated():
+    """The report's note on layers calibration never reached counts those layers only, not the
+    ones the recipe's weight_only patterns chose (it once counted every weight-only layer)."""
+    model = _model()
+    stats = _calibrate(model, [torch.randn(4, 64) for _ in range(4)])
+    _sd_out, _meta, report = quantize(_sd(model), Recipe(weight_only=("0",)), stats, family="generic")
+    assert [l.weight_only for l in report.quantized] == [True, False]
+    assert not any("never ran" in n for n in report.notes), report.notes
+
+    class Skips(torch.nn.Module):  # its second layer never runs
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.a(x)
+    skips = Skips()
+    stats = _calibrate(skips, [torch.randn(4, 64) for _ in range(4)])
+    _sd_out, _meta, report = quantize(_sd(skips), Recipe(), stats, family="generic")
+    assert [n for n in report.notes if "never ran" in n] == [
+        "1 layers never ran during calibration (written weight-only), e.g. b"], report.notes
