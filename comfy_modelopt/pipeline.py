@@ -24,9 +24,9 @@ from .folding import Folds, plan_folds, read_rows_scaled
 from .plan import ConvPlan, Plan, make_plan
 from .planner import plan_budget
 from .layer import kept_report, quantize_conv, quantize_layer
-from .steps.gptq import FEW_ROWS
 from .recipe import Recipe
-from .report import LayerReport, QuantReport
+from .report import (NONFINITE_NOTE_ROOM, LayerReport, QuantReport, fit_header, gptq_rows_note, nonfinite_note,
+                     plan_notes, planner_note)
 from .sources import DeviceSource, DictSink, DictSource, FileSink, FileSource, NullSink, numel
 from .publish import check_output_path
 from .safetensors_io import FLOAT_DTYPES, ITEMSIZE, TORCH_DTYPES, SafetensorsFile
@@ -47,9 +47,6 @@ def _passthrough(source, key: str, folds: Folds, dtype: str, nonfinite: list | N
     return t.to(TORCH_DTYPES[dtype])
 
 
-_NONFINITE_NOTE_ROOM = 600
-
-
 def _refuse_nonfinite(found: list, recipe: Recipe) -> None:
     """NaN/Inf in a tensor about to be copied into the output: an error unless the recipe allows
     them (``allow_nonfinite``: copied and noted) - a sampler would turn them into a black image."""
@@ -57,13 +54,6 @@ def _refuse_nonfinite(found: list, recipe: Recipe) -> None:
         key, count = found[0]
         raise QuantizeError(f"{key}: holds {count} NaN/Inf values; the output would too - quantize from an "
                             f"undamaged model, or pass --allow-nonfinite to copy them as they are")
-
-
-def _nonfinite_note(found: list) -> str:
-    shown = ", ".join(f"{k} ({n})" for k, n in found[:4])
-    more = f" and {len(found) - 4} more" if len(found) > 4 else ""
-    return (f"warning: {len(found)} tensors copied unchanged hold NaN/Inf values: {shown}{more}"
-            )[:_NONFINITE_NOTE_ROOM - 20]
 
 
 def available_memory() -> int | None:
@@ -90,24 +80,6 @@ def _check_memory(source, key: str, float32_copies: int = 0) -> None:
 
 
 # ====================================================================== the pipeline
-# the header's room for the report is reserved before the run, from a per-layer estimate; where
-# the layers' notes outgrow it (long GPTQ / block-clip notes on every layer), they are cut in the
-# header - shortest cut last - rather than failing a finished run (the whole notes stay in the
-# report object, ``--report``'s JSON and the node's text)
-_NOTES_CUTS = (240, 160, 100, 60, 0)
-
-
-def _fit(report: QuantReport, width: int) -> str:
-    """The report's header JSON padded with JSON whitespace to ``width`` serialized characters,
-    its layer notes cut where they would not fit (or fail)."""
-    for cut in (None,) + _NOTES_CUTS:
-        text = report.header_json(cut)
-        have = len(json.dumps(text, ensure_ascii=False))
-        if have <= width:
-            return text + " " * (width - have)
-    raise RuntimeError(f"report grew past its reserved header space ({have} > {width})")
-
-
 def output_metadata(plan: Plan, report: QuantReport, source_meta: dict, source_info: dict,
                     stats_summary: str | None = None, report_width: int | None = None) -> dict[str, str]:
     meta = {k: v for k, v in source_meta.items()
@@ -121,7 +93,7 @@ def output_metadata(plan: Plan, report: QuantReport, source_meta: dict, source_i
     meta[META_SOURCE] = json.dumps(source_info, sort_keys=True)
     if stats_summary is not None:
         meta[META_CALIBRATION] = stats_summary
-    meta[META_REPORT] = report.header_json() if report_width is None else _fit(report, report_width)
+    meta[META_REPORT] = report.header_json() if report_width is None else fit_header(report, report_width)
     return meta
 
 
@@ -168,34 +140,18 @@ def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict 
     info = dict(source_info or {})
     per_layer = 120 + (220 if stats is not None else 0)
     width = (len(json.dumps(report.header_json())) + per_layer * len(plan.layers) + 300 * len(plan.convs)
-             + 1024 + _NONFINITE_NOTE_ROOM)
+             + 1024 + NONFINITE_NOTE_ROOM)
     sink.open(plan.entries(), output_metadata(plan, report, source.metadata, info, summary, width))
     try:
         _stream(plan, report, source, sink, stats, folds, progress, check_interrupt, shard)
         if plan.planner:
-            report.notes.append(_planner_note(plan.planner, report))
+            report.notes.append(planner_note(plan.planner, report))
         report.seconds = time.perf_counter() - t0
         sink.close(output_metadata(plan, report, source.metadata, info, summary, width))
     except BaseException:
         sink.abort()
         raise
     return report
-
-
-def _planner_note(summary: dict, report: QuantReport) -> str:
-    measured = sum(l.out_err for l in report.quantized if l.out_err >= 0)
-    counts = ", ".join(f"{n} {f}" for f, n in sorted(summary["counts"].items(), key=lambda x: -x[1]))
-    goal = (f"budget {summary['budget']:g} of the 16-bit Linear bytes" if summary["budget"] else
-            f"max summed error {summary['max_error']:g}")
-    if summary.get("priced") == "end to end":
-        errs = (f"{summary['layers']} layers priced end to end (the model's error with each layer's option "
-                f"alone swapped in), summed {summary['predicted']:.4g}; layers' own output error measured "
-                f"{measured:.4f}")
-    else:
-        errs = (f"summed output error of the {summary['layers']} planned layers predicted "
-                f"{summary['predicted']:.4f} (absmax scales), measured {measured:.4f} (chosen scales)")
-    note = f"planner: {goal}, used {summary['fraction']:.3f} of the 16-bit Linear bytes: {counts}; {errs}"
-    return note + (f"; {summary['speed']}" if summary["speed"] else "")
 
 
 def _check_needs_stats(recipe: Recipe, stats) -> None:
@@ -224,7 +180,7 @@ def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto
         nbytes = source.nbytes[key]
         report.passthrough_bytes += nbytes
         report.passthrough_bytes_16bit += nbytes // ITEMSIZE[dtype] * 2 if dtype in FLOAT_DTYPES else nbytes
-    _add_notes(plan, report, stats)
+    plan_notes(plan, report, stats)
     report.notes.extend(plan.unmatched_patterns)
     if plan.odd:
         shown = ", ".join(f"{k} {list(sh)}" for k, sh in plan.odd[:3])
@@ -317,47 +273,11 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
     if progress:
         progress(total, total, "")
     if nonfinite:
-        report.notes.append(_nonfinite_note(nonfinite))
+        report.notes.append(nonfinite_note(nonfinite))
     if recipe.gptq and writes:
         note = gptq_rows_note(report)
         if note:
             report.notes.append(note)
-
-
-def gptq_rows_note(report: QuantReport) -> str:
-    """A line for the report when GPTQ rounded layers from fewer sampled rows than they have inputs
-    (their Hessian is rank-deficient), with what raises the rows; empty when none did."""
-    few = [l for l in report.layers if FEW_ROWS in (l.notes or "")]
-    if not few:
-        return ""
-    return (f"GPTQ rounded {len(few)} layers from fewer sampled input rows than the layer has inputs (e.g. "
-            f"{few[0].name}: {few[0].notes.split(FEW_ROWS + ': ')[1].split(']')[0]}): their Hessian is rank-deficient "
-            "and its damping stands in for the directions never sampled - keep more samples per layer "
-            "(Calibration Helper's samples_mib_per_layer, the launcher's --samples-mib-per-layer; rows = MiB * "
-            "2^20 / (2 * inputs)) and, where calibration saw fewer rows than that, sample more prompts")
-
-
-def _add_notes(plan: Plan, report: QuantReport, stats) -> None:
-    fmt = plan.fmt  # the recipe's format (the planner's layers are checked per layer below)
-    if plan.family.name == "unknown":
-        kept = [l.rel for l in plan.kept if "unknown rule" in l.reason]
-        why = f" (a diffusion model by its structure: {plan.recognised})" if plan.recognised else ""
-        report.notes.append(f"unknown model family{why}: generic rules kept 16-bit: "
-                            + (", ".join(kept) if kept else "nothing"))
-    if fmt.needs_input_scale and stats is None and any(l.weight_only for l in plan.quantized):
-        report.notes.append(f"{fmt.name} without activation statistics is written weight-only "
-                            "(full_precision_matrix_mult): smaller, not faster. Calibrate "
-                            "(--stats) for W8A8 with static input scales.")
-    if stats is not None:
-        bad = sorted(((n, s.nonfinite) for n, s in stats.layers.items() if s.nonfinite), key=lambda x: -x[1])
-        if bad:
-            report.notes.append(f"warning: the statistics recorded NaN/Inf activations in {len(bad)} layers (e.g. "
-                                f"{bad[0][0]}: {bad[0][1]} values; calibrated with nonfinite='ignore'): their scales "
-                                f"come from the finite values - check the model, the prompts and the sampler")
-        never = [l.rel for l in plan.quantized if not stats.has(l.rel)]
-        if never:  # (the layers --weight-only names are counted by the report's weight-only line)
-            what = "written weight-only" if fmt.needs_input_scale else "weight-only searches for them"
-            report.notes.append(f"{len(never)} layers never ran during calibration ({what}), e.g. {never[0]}")
 
 
 def quantize(state_dict: dict[str, torch.Tensor], recipe: Recipe, stats=None, metadata: dict | None = None,

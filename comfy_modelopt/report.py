@@ -14,6 +14,13 @@ from .formats import FORMATS
 
 
 ACT_WORST = 5  # layers the summary names by activation-rounding cost
+NONFINITE_NOTE_ROOM = 600  # header characters kept for the note on NaN/Inf tensors copied
+# what a layer's GPTQ note says when its Hessian X^T X came from fewer sampled rows than the layer
+# has inputs (rank-deficient: the damping stands in for what was never sampled); the report counts
+# these layers (gptq_rows_note).  A 2 MiB reservoir holds 341 rows of a 3072-wide layer, 85 of a
+# 12288-wide one; on the real-weights benchmark GPTQ's gain grew with the calibration rows
+# (16 -> 160 prompts, docs/benchmarks.md 3a)
+FEW_ROWS = "fewer rows than inputs"
 
 
 @dataclass
@@ -229,3 +236,82 @@ def kept_by_kind(reasons: list[str]) -> str:
 def kept_summary(reasons: list[str]) -> str:
     """One line: how many layers stay 16-bit, by kind of reason."""
     return f"kept 16-bit: {len(reasons)} ({kept_by_kind(reasons)})"
+
+
+# the header's room for the report is reserved before the run, from a per-layer estimate; where
+# the layers' notes outgrow it (long GPTQ / block-clip notes on every layer), they are cut in the
+# header - shortest cut last - rather than failing a finished run (the whole notes stay in the
+# report object, ``--report``'s JSON and the node's text)
+NOTES_CUTS = (240, 160, 100, 60, 0)
+
+
+def fit_header(report: QuantReport, width: int) -> str:
+    """The report's header JSON padded with JSON whitespace to ``width`` serialized characters,
+    its layer notes cut where they would not fit (or fail)."""
+    for cut in (None,) + NOTES_CUTS:
+        text = report.header_json(cut)
+        have = len(json.dumps(text, ensure_ascii=False))
+        if have <= width:
+            return text + " " * (width - have)
+    raise RuntimeError(f"report grew past its reserved header space ({have} > {width})")
+
+
+def nonfinite_note(found: list) -> str:
+    shown = ", ".join(f"{k} ({n})" for k, n in found[:4])
+    more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+    return (f"warning: {len(found)} tensors copied unchanged hold NaN/Inf values: {shown}{more}"
+            )[:NONFINITE_NOTE_ROOM - 20]
+
+
+def planner_note(summary: dict, report: QuantReport) -> str:
+    measured = sum(l.out_err for l in report.quantized if l.out_err >= 0)
+    counts = ", ".join(f"{n} {f}" for f, n in sorted(summary["counts"].items(), key=lambda x: -x[1]))
+    goal = (f"budget {summary['budget']:g} of the 16-bit Linear bytes" if summary["budget"] else
+            f"max summed error {summary['max_error']:g}")
+    if summary.get("priced") == "end to end":
+        errs = (f"{summary['layers']} layers priced end to end (the model's error with each layer's option "
+                f"alone swapped in), summed {summary['predicted']:.4g}; layers' own output error measured "
+                f"{measured:.4f}")
+    else:
+        errs = (f"summed output error of the {summary['layers']} planned layers predicted "
+                f"{summary['predicted']:.4f} (absmax scales), measured {measured:.4f} (chosen scales)")
+    note = f"planner: {goal}, used {summary['fraction']:.3f} of the 16-bit Linear bytes: {counts}; {errs}"
+    return note + (f"; {summary['speed']}" if summary["speed"] else "")
+
+
+def gptq_rows_note(report: QuantReport) -> str:
+    """A line for the report when GPTQ rounded layers from fewer sampled rows than they have inputs
+    (their Hessian is rank-deficient), with what raises the rows; empty when none did."""
+    few = [l for l in report.layers if FEW_ROWS in (l.notes or "")]
+    if not few:
+        return ""
+    return (f"GPTQ rounded {len(few)} layers from fewer sampled input rows than the layer has inputs (e.g. "
+            f"{few[0].name}: {few[0].notes.split(FEW_ROWS + ': ')[1].split(']')[0]}): their Hessian is rank-deficient "
+            "and its damping stands in for the directions never sampled - keep more samples per layer "
+            "(Calibration Helper's samples_mib_per_layer, the launcher's --samples-mib-per-layer; rows = MiB * "
+            "2^20 / (2 * inputs)) and, where calibration saw fewer rows than that, sample more prompts")
+
+
+def plan_notes(plan, report: QuantReport, stats) -> None:
+    """The report's notes on the plan: an unknown family's rules, fp8 without statistics, NaN/Inf
+    statistics, layers calibration never reached."""
+    fmt = plan.fmt  # the recipe's format (the planner's layers are checked per layer below)
+    if plan.family.name == "unknown":
+        kept = [l.rel for l in plan.kept if "unknown rule" in l.reason]
+        why = f" (a diffusion model by its structure: {plan.recognised})" if plan.recognised else ""
+        report.notes.append(f"unknown model family{why}: generic rules kept 16-bit: "
+                            + (", ".join(kept) if kept else "nothing"))
+    if fmt.needs_input_scale and stats is None and any(l.weight_only for l in plan.quantized):
+        report.notes.append(f"{fmt.name} without activation statistics is written weight-only "
+                            "(full_precision_matrix_mult): smaller, not faster. Calibrate "
+                            "(--stats) for W8A8 with static input scales.")
+    if stats is not None:
+        bad = sorted(((n, s.nonfinite) for n, s in stats.layers.items() if s.nonfinite), key=lambda x: -x[1])
+        if bad:
+            report.notes.append(f"warning: the statistics recorded NaN/Inf activations in {len(bad)} layers (e.g. "
+                                f"{bad[0][0]}: {bad[0][1]} values; calibrated with nonfinite='ignore'): their scales "
+                                f"come from the finite values - check the model, the prompts and the sampler")
+        never = [l.rel for l in plan.quantized if not stats.has(l.rel)]
+        if never:  # (the layers --weight-only names are counted by the report's weight-only line)
+            what = "written weight-only" if fmt.needs_input_scale else "weight-only searches for them"
+            report.notes.append(f"{len(never)} layers never ran during calibration ({what}), e.g. {never[0]}")

@@ -236,7 +236,7 @@ def test_gptq_says_which_layers_it_rounded_from_fewer_rows_than_inputs():
     from comfy_modelopt import Recipe, quantize_module
     from comfy_modelopt.calibrate import calibrate
     from comfy_modelopt.modules import module_report
-    from comfy_modelopt.steps.gptq import FEW_ROWS
+    from comfy_modelopt.report import FEW_ROWS
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
     xs = [torch.randn(16, 64) for _ in range(6)]

@@ -10,6 +10,7 @@ from comfy_modelopt.checkpoint import inspect_file
 from comfy_modelopt.formats import FORMATS, get_format
 from comfy_modelopt.errors import PlanError
 from comfy_modelopt.pipeline import quantize_file
+from comfy_modelopt import report as report_mod
 from comfy_modelopt.recipe import Recipe
 from comfy_modelopt.safetensors_io import SafetensorsFile, write_file
 from comfy_modelopt.synthetic import flux_layout, tensor_for
@@ -356,5 +357,5 @@ def test_long_layer_notes_are_cut_in_the_header_not_fatal(flux_file, tmp_path, m
     whole = json.loads(rep.read_text())
     assert sum(long in l["notes"] for l in whole["layers"].values()) == 13  # every quantized layer
     cut = [l["notes"] for l in header["layers"].values() if l["notes"]]
-    assert cut and all(len(n) <= max(pipeline._NOTES_CUTS) for n in cut) and any(n.endswith("...") for n in cut)
+    assert cut and all(len(n) <= max(report_mod.NOTES_CUTS) for n in cut) and any(n.endswith("...") for n in cut)
     assert inspect_file(str(out)).text()

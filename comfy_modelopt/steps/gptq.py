@@ -5,14 +5,8 @@ from __future__ import annotations
 from .. import gptq
 from ..formats import kitchen_reference
 from ..heldout import rel
+from ..report import FEW_ROWS
 from . import Step, Work
-
-# what a layer's GPTQ note says when its Hessian X^T X came from fewer sampled rows than the layer
-# has inputs (rank-deficient: the damping stands in for what was never sampled); the report counts
-# these layers (pipeline.gptq_rows_note).  A 2 MiB reservoir holds 341 rows of a 3072-wide layer,
-# 85 of a 12288-wide one; on the real-weights benchmark GPTQ's gain grew with the calibration
-# rows (16 -> 160 prompts, docs/benchmarks.md 3a)
-FEW_ROWS = "fewer rows than inputs"
 
 
 class Gptq(Step):
