@@ -23,7 +23,7 @@ import comfy.model_management  # noqa: E402
 
 from comfy_modelopt.fileformat import (COMFY_QUANT, QUANT_METADATA, comfy_quant_tensor,  # noqa: E402
                                        decode_quantization_metadata, encode_quantization_metadata)
-from comfy_modelopt.pipeline import DictSink, DictSource, quantize_source  # noqa: E402
+from comfy_modelopt.pipeline import DictSink, quantize  # noqa: E402
 from comfy_modelopt.recipe import Recipe  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -151,7 +151,7 @@ def load_stock(sd: dict, metadata: dict | None = None):
 
 def quantize_sd(sd: dict, recipe: Recipe, stats=None) -> tuple[dict, dict, object]:
     sink = DictSink(DEVICE)
-    report = quantize_source(DictSource.from_state_dict(sd), sink, recipe, stats)
+    report = quantize(sd, recipe, stats, sink=sink, refuse_unknown=False).report
     return sink.tensors, sink.metadata, report
 
 

@@ -8,7 +8,7 @@ own classes (random weights), replicated on every GPU.  Calibration: ``--prompts
 prompts (latent and text conditioning drawn per prompt index) x ``--steps`` noise levels at
 1024x1024, through ``distributed.calibrate_sharded`` (each rank samples its share, statistics
 all-reduced).  Quantization: fp8 W8A8 with GPTQ from those statistics, layers sharded across the
-ranks (``quantize_source(shard=...)``), rank 0 collecting the file.  Times are wall clock from a
+ranks (``quantize(shard=...)``), rank 0 collecting the file.  Times are wall clock from a
 barrier to a barrier (the slowest rank).  With N > 1 and the 1-GPU run's files in DIR, the exact
 statistics are compared with it (the reservoir is another uniform sample, so GPTQ's and the
 searches' results differ within sampling; tests/test_distributed.py holds the sharded file equal
@@ -36,7 +36,7 @@ from quality import FLUX_REDUCED_DEPTH  # noqa: E402
 
 from comfy_modelopt.calibrate import CalibrationOptions  # noqa: E402
 from comfy_modelopt.distributed import Shard, calibrate_sharded  # noqa: E402
-from comfy_modelopt.pipeline import DictSink, DictSource, NullSink, quantize_source  # noqa: E402
+from comfy_modelopt.pipeline import DictSink, NullSink, quantize  # noqa: E402
 from comfy_modelopt.recipe import Recipe  # noqa: E402
 from comfy_modelopt.stats import ActivationStats  # noqa: E402
 
@@ -99,8 +99,8 @@ def main():
         def progress(done, total, name):  # per rank: when each layer's turn ended (its busy time)
             marks.append((name, time.perf_counter()))
         t2 = barrier_time(shard)
-        report = None if a.calibrate_only else quantize_source(
-            DictSource.from_state_dict(sd), sink, recipe, stats, progress=progress, family="flux", shard=shard)
+        report = None if a.calibrate_only else quantize(
+            sd, recipe, stats, sink=sink, progress=progress, family="flux", refuse_unknown=False, shard=shard).report
         t3 = barrier_time(shard)
     steps = sorted(((b[1] - a[1], a[0]) for a, b in zip(marks, marks[1:])), reverse=True)
     with open(os.path.join(a.out, f"timing_{world}gpu_rank{rank}.json"), "w") as f:

@@ -36,7 +36,7 @@ import comfy.utils  # noqa: E402
 
 from comfy_modelopt.checkpoint import inspect_file  # noqa: E402
 from comfy_modelopt.comfyui import ownloader  # noqa: E402
-from comfy_modelopt.pipeline import DeviceSource, DictSource, FileSink, quantize_source  # noqa: E402
+from comfy_modelopt.pipeline import DeviceSource, DictSource, FileSink, quantize  # noqa: E402
 from comfy_modelopt.recipe import Recipe  # noqa: E402
 from comfy_modelopt.safetensors_io import ST_DTYPES  # noqa: E402
 from comfy_modelopt.synthetic import flux_layout, tensor_for  # noqa: E402
@@ -51,7 +51,8 @@ def write_fp8(path: str, layout: dict, device: str) -> float:
         source = DeviceSource(source, device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        quantize_source(source, FileSink(path), Recipe("float8_e4m3fn", weight_scale="absmax"), family="flux")
+        quantize(source, Recipe("float8_e4m3fn", weight_scale="absmax"), sink=FileSink(path), family="flux",
+                 refuse_unknown=False)
     return time.perf_counter() - t0
 
 

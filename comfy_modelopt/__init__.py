@@ -3,7 +3,9 @@
 The core (this package minus ``comfy_modelopt.comfyui``) is plain PyTorch + safetensors +
 comfy-kitchen and never imports ComfyUI.
 
-    quantize(state_dict, recipe, stats=None) -> (state_dict, metadata, report)
+    quantize(source, recipe, stats=None, out=None, ...) -> (state_dict, metadata, report)
+        the one entry: source a path, a state dict or a source object; out a file (then the
+        state dict and metadata are None)
     quantize_file(src, out, recipe, stats=None, ...) -> report
     inspect_file(path) -> InspectResult
     quantize_module(module, recipe, stats=None) -> module computing what ComfyUI computes

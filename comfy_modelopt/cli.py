@@ -130,7 +130,7 @@ def cmd_quantize(a) -> int:
 
 
 def _quantize(a, device, shard) -> int:
-    from .pipeline import check_not_input, quantize_file
+    from .pipeline import check_not_input, quantize
     from .publish import atomic_write_bytes, check_output_path
     lead = shard is None or shard.rank == 0  # under torchrun: rank 0 writes and speaks
     if lead:
@@ -149,9 +149,9 @@ def _quantize(a, device, shard) -> int:
         from .stats import ActivationStats
         stats = ActivationStats.load(a.stats)
     where = f"{device or 'cpu'}" + (f", {shard.world} processes" if shard is not None else "")
-    report = quantize_file(a.src, a.output, recipe, stats=stats, overwrite=a.overwrite,
-                           hash_source=a.hash, progress=None if a.quiet or not lead else Progress(f"quantizing on {where}"),
-                           device=device, family=a.family, shard=shard)
+    report = quantize(a.src, recipe, stats, out=a.output, overwrite=a.overwrite, hash_source=a.hash,
+                      progress=None if a.quiet or not lead else Progress(f"quantizing on {where}"),
+                      device=device, family=a.family, shard=shard).report
     if not lead:
         return 0
     if a.table:

@@ -16,7 +16,7 @@ import torch
 
 from .fileformat import COMFY_QUANT, META_REPORT, SUFFIX_KEYS, read_comfy_quant
 from .formats import FORMATS, get_format
-from .pipeline import quantize_file
+from .pipeline import quantize
 from .recipe import Recipe, convrot_formats
 from .safetensors_io import SafetensorsFile
 from .synthetic import flux_layout, tensor_for, write_checkpoint
@@ -72,7 +72,7 @@ def run_demo(out_dir: str | None = None, keep_files: bool = False) -> list[dict]
         out = os.path.join(out_dir, f"demo-flux-{name}.safetensors")
         print(f"[{i + 1}/{len(DEMO_RECIPES)}] {name}: quantizing and verifying ...", flush=True)
         t0 = time.perf_counter()
-        report = quantize_file(src, out, recipe, overwrite=True)
+        report = quantize(src, recipe, out=out, overwrite=True).report
         seconds = time.perf_counter() - t0
         n, mean, worst = verify_file(out, source)
         size = os.path.getsize(out)

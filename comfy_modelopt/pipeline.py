@@ -7,11 +7,12 @@ dtype, shape)), ``metadata`` and ``read(key)``; a sink has ``open(entries, metad
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import time
-from typing import Callable
+from typing import Callable, Mapping, NamedTuple
 
 import torch
 
@@ -97,19 +98,82 @@ def output_metadata(plan: Plan, report: QuantReport, source_meta: dict, source_i
     return meta
 
 
-def quantize_source(source, sink, recipe: Recipe, stats=None, source_info: dict | None = None,
-                    progress: Progress | None = None, check_interrupt: Callable[[], None] | None = None,
-                    family: str | Family = "auto", refuse_unknown: bool = False, shard=None,
-                    engine=None, prices: dict | None = None) -> QuantReport:
-    """Quantize ``source`` into ``sink`` layer by layer; returns the report.  ``family``: "auto"
-    (detect; a file of no known family is refused with ``refuse_unknown``, else planned with the
-    generic rules), "generic", or a family name (families.FAMILY_CHOICES).  ``shard``
-    (``distributed.Shard``): every rank of a torch.distributed job calls this alike; the
-    quantized layers are encoded across the ranks and rank 0 writes ``sink`` (others: NullSink).
+class Quantized(NamedTuple):
+    """What ``quantize`` returns: the output state dict and its file's safetensors metadata (None
+    where the output went to ``out`` or to the caller's ``sink``), and the report."""
+    tensors: dict | None
+    metadata: dict | None
+    report: QuantReport
+
+
+def quantize(source, recipe: Recipe, stats=None, *, out=None, overwrite: bool = False, sink=None,
+             family: str | Family = "auto", refuse_unknown: bool = True, engine=None, prices: dict | None = None,
+             device=None, shard=None, progress: Progress | None = None,
+             check_interrupt: Callable[[], None] | None = None, source_info: dict | None = None,
+             hash_source: bool = False, metadata: dict | None = None) -> Quantized:
+    """The one way in - the CLI, the nodes, the launcher and ``quantize_module`` call it: ``source``
+    quantized with ``recipe``, planned first, then streamed one layer at a time.
+
+    ``source``: a state dict (a diffusion model's, any prefix ComfyUI knows; untouched, ``metadata``
+    its file's), the path of a safetensors checkpoint (only read), or a source (``sources.py``;
+    ComfyUI's MODEL through ``comfyui.model.PatcherSource``).  The output goes to the file ``out``
+    (written atomically; ``overwrite`` replaces one), else to ``sink`` (``sources.py``), else into
+    the state dict returned (CPU tensors).
+    ``stats``: ``ActivationStats`` or the path of a statistics file (static input scales, smoothing,
+    GPTQ); without it the weights are quantized from their values alone.
+    ``family``: "auto" detects the family (a model of none it knows is refused with
+    ``refuse_unknown`` - a LoRA, a text encoder, a VAE -, else planned with the generic rules);
+    "generic" or a family name (``families.FAMILY_CHOICES``) applies those rules instead.
     ``engine`` (``modelopt_engine.EngineResult``): ModelOpt's calibration choices (input ranges,
-    absmax weights, its smoothing folded where exact) instead of the own searches.  ``prices``:
-    the planner's options priced by the caller (``planner.plan_budget``), with ``recipe.budget``
-    or ``recipe.max_error``."""
+    absmax weights, its smoothing folded where exact) instead of the own searches.  ``prices``: the
+    planner's options priced by the caller (``modules.price_end_to_end``), with ``recipe.budget`` or
+    ``recipe.max_error``.  ``device``: where the math runs (weights travel there one layer at a
+    time).  ``shard`` (``distributed.Shard.current()`` under torchrun): every rank calls this alike,
+    the layers are encoded across the ranks and rank 0 writes (its report is the whole one).
+    ``progress(done, total, layer_name)`` is called as layers finish, ``check_interrupt()`` before
+    each (it raises to stop); ``source_info`` is what the header records of the source (a file's
+    name and size, with ``hash_source`` its sha256)."""
+    writes = shard is None or shard.rank == 0
+    path = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
+    if out is not None:
+        out = os.fspath(out)
+        if writes:
+            if path is not None:
+                check_not_input(out, path, "output")
+            check_output_path(out, overwrite)
+        sink = FileSink(out, overwrite) if writes else NullSink()
+    stats = _stats_of(stats)
+    own = sink is None
+    sink = DictSink() if own else sink
+    with contextlib.ExitStack() as files:
+        if path is not None:
+            f = files.enter_context(SafetensorsFile(path))
+            source_info = {"name": os.path.basename(path), "bytes": f.size,
+                           **({"sha256": sha256_file(path)} if hash_source else {}), **(source_info or {})}
+            source = FileSource(f)
+        elif isinstance(source, Mapping):
+            source = DictSource.from_state_dict(source, metadata)
+        if device is not None:
+            source = DeviceSource(source, device)
+        try:
+            report = _quantize_into(source, sink, recipe, stats, source_info, progress, check_interrupt, family,
+                                    refuse_unknown, shard, engine, prices)
+        except ModelOptError as e:
+            whose = None if path is None else os.path.basename(out) if isinstance(e, OutputError) and out else f.name
+            if whose is None or whose in str(e):
+                raise
+            raise type(e)(f"{whose}: {e}") from None
+    return Quantized(sink.tensors if own else None, sink.metadata if own else None, report)
+
+
+def quantize_file(src: str | os.PathLike, out: str | os.PathLike, recipe: Recipe, stats=None, **options) -> QuantReport:
+    """The report of ``quantize(src, recipe, stats, out=out, **options)``: checkpoint ``src`` (a
+    diffusion model, or a full checkpoint holding one) into the file ``out``."""
+    return quantize(src, recipe, stats, out=out, **options).report
+
+
+def _quantize_into(source, sink, recipe: Recipe, stats, source_info, progress, check_interrupt, family,
+                   refuse_unknown: bool, shard, engine, prices) -> QuantReport:
     t0 = time.perf_counter()
     _check_needs_stats(recipe, stats)
     no_gptq = stats is None and recipe.gptq
@@ -280,26 +344,6 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
             report.notes.append(note)
 
 
-def quantize(state_dict: dict[str, torch.Tensor], recipe: Recipe, stats=None, metadata: dict | None = None,
-             progress: Progress | None = None, family: str | Family = "auto", engine=None,
-             prices: dict | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str], QuantReport]:
-    """Quantize an in-memory state dict (a diffusion model's, any prefix ComfyUI knows):
-    returns the output state dict (CPU tensors, ``state_dict`` itself untouched), the
-    safetensors metadata a file of it needs, and the report.
-
-    ``stats``: ``ActivationStats`` (or a path to a statistics file) for static input scales,
-    smoothing and GPTQ; without it the weights are quantized from their values alone.
-    ``family``: "auto" detects the model family and refuses a state dict of none it knows (a
-    LoRA, a text encoder, a VAE); "generic" or a family name (``families.FAMILY_CHOICES``)
-    applies those rules instead."""
-    stats = _stats_of(stats)
-    sink = DictSink()
-    report = quantize_source(DictSource.from_state_dict(state_dict, metadata), sink, recipe, stats,
-                             progress=progress, family=family, refuse_unknown=True, engine=engine,
-                             prices=prices)
-    return sink.tensors, sink.metadata, report
-
-
 # ====================================================================== files
 def sha256_file(path: str, chunk: int = 1 << 24) -> str:
     h = hashlib.sha256()
@@ -307,41 +351,6 @@ def sha256_file(path: str, chunk: int = 1 << 24) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-def quantize_file(src: str | os.PathLike, out: str | os.PathLike, recipe: Recipe,
-                  stats: "ActivationStats | str | os.PathLike | None" = None, overwrite: bool = False,
-                  hash_source: bool = False, progress: Progress | None = None, device=None,
-                  family: str | Family = "auto", shard=None) -> QuantReport:
-    """Quantize checkpoint ``src`` (a diffusion model, or a full checkpoint holding one) into
-    ``out``, written atomically (``src`` is only read); returns the report.  ``shard``
-    (``distributed.Shard.current()`` under torchrun): every rank calls this alike, the layers
-    are encoded across the ranks and rank 0 writes ``out`` (its report is the whole one).
-
-    ``stats``: ``ActivationStats`` or the path of a statistics file (static input scales,
-    smoothing, GPTQ); ``device``: where the math runs (default: the CPU; weights travel there one
-    layer at a time); ``family``: "auto" detects the family and refuses a file of none it knows
-    (a LoRA, a text encoder, a VAE), "generic" or a family name applies those rules instead.
-    ``progress(done, total, layer_name)`` is called as layers finish."""
-    src, out = os.fspath(src), os.fspath(out)
-    writes = shard is None or shard.rank == 0
-    if writes:
-        check_not_input(out, src, "output")
-        check_output_path(out, overwrite)
-    stats = _stats_of(stats)
-    with SafetensorsFile(src) as f:
-        info = {"name": os.path.basename(src), "bytes": f.size}
-        if hash_source:
-            info["sha256"] = sha256_file(src)
-        source = FileSource(f) if device is None else DeviceSource(FileSource(f), device)
-        try:
-            return quantize_source(source, FileSink(out, overwrite) if writes else NullSink(), recipe, stats, info,
-                                   progress, family=family, refuse_unknown=True, shard=shard)
-        except ModelOptError as e:
-            name = os.path.basename(out) if isinstance(e, OutputError) else f.name  # whose file it is about
-            if name in str(e):
-                raise
-            raise type(e)(f"{name}: {e}") from None
 
 
 def _stats_of(stats):
@@ -358,5 +367,5 @@ def check_not_input(path, src, what: str) -> None:
         raise OutputError(f"{path}: the {what} would overwrite the input model; choose another path")
 
 
-__all__ = ["quantize", "quantize_file", "check_not_input", "available_memory", "quantize_source", "FileSource",
+__all__ = ["quantize", "quantize_file", "Quantized", "check_not_input", "available_memory", "FileSource",
            "DictSource", "DeviceSource", "FileSink", "DictSink", "NullSink", "TORCH_DTYPES"]

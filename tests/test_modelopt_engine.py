@@ -16,7 +16,7 @@ from comfy_modelopt.calibrate import calibrate  # noqa: E402
 from comfy_modelopt.errors import ModelOptError, PlanError  # noqa: E402
 from comfy_modelopt.formats import FORMATS  # noqa: E402
 from comfy_modelopt.modelopt_engine import modelopt_calibrate, require_modelopt  # noqa: E402
-from comfy_modelopt.pipeline import DictSink, DictSource, quantize_source  # noqa: E402
+from comfy_modelopt.pipeline import DictSink  # noqa: E402
 
 from helpers import SDBlock, init_sd_block  # noqa: E402
 from test_smoothing import PREFIX, _Root  # noqa: E402
@@ -59,7 +59,7 @@ def test_int8_smoothquant_folds_where_exact_and_says_where_not():
         engine = modelopt_calibrate(root, loop, recipe, "smoothquant")
     assert sum(1 for l in engine.layers.values() if l.smooth is not None) >= 6
     sink = DictSink()
-    report = quantize_source(DictSource.from_state_dict(sd), sink, recipe, stats, engine=engine)
+    report = quantize(sd, recipe, stats, sink=sink, refuse_unknown=False, engine=engine).report
     notes = {l.name[len(PREFIX):]: l.notes for l in report.quantized}
     assert "ModelOpt smoothing folded into" in notes["attn1.to_q"] and "geometric mean" in notes["attn1.to_q"]
     assert "ModelOpt smoothing folded into" in notes["ff.net.2"]  # the GEGLU value rows
@@ -155,8 +155,8 @@ def test_svdquant_export_into_the_own_loader_file():
         down = torch.randn(rank, w.shape[1], generator=g)
         engine.layers[name] = EngineLayer(smooth=s, lowrank=(up, down))
     sink = DictSink()
-    report = quantize_source(DictSource.from_state_dict(sd), sink, Recipe("nvfp4", lowrank=rank, sensitivity=False, gptq=False),
-                             stats, engine=engine)
+    report = quantize(sd, Recipe("nvfp4", lowrank=rank, sensitivity=False, gptq=False), stats, sink=sink,
+                      refuse_unknown=False, engine=engine).report
     assert report.quantized
     for layer in report.quantized:
         rel = [n for n in names if n.endswith(layer.name[len(PREFIX):])][0]
@@ -172,8 +172,7 @@ def test_svdquant_export_into_the_own_loader_file():
         forgotten = float((given.lowrank[0] @ given.lowrank[1]).norm() / ws.norm())
         assert layer.rel_err < min(0.25, forgotten / 4), (layer.name, layer.rel_err, forgotten)
     with pytest.raises(PlanError, match="lowrank 4"):
-        quantize_source(DictSource.from_state_dict(sd), DictSink(), Recipe("nvfp4", sensitivity=False), stats,
-                        engine=engine)
+        quantize(sd, Recipe("nvfp4", sensitivity=False), stats, sink=DictSink(), refuse_unknown=False, engine=engine)
 
 
 def _clip_case(sd, stats, names, smooths, family="auto"):
@@ -186,8 +185,8 @@ def _clip_case(sd, stats, names, smooths, family="auto"):
             engine.layers[name] = EngineLayer(smooth=smooths[name], input_amax=1.0,
                                               weight_clip=0.7 if algorithm == "awq_full" else None)
         sink = DictSink()
-        report = quantize_source(DictSource.from_state_dict(sd), sink, Recipe("nvfp4", sensitivity=False), stats,
-                                 engine=engine, family=family)
+        report = quantize(sd, Recipe("nvfp4", sensitivity=False), stats, sink=sink, refuse_unknown=False,
+                          engine=engine, family=family).report
         out[algorithm] = (sink.tensors, {l.name: l.notes for l in report.quantized})
     (lite, _), (full, notes) = out["awq_lite"], out["awq_full"]
     return {name: (float(full[name + ".weight_scale_2"] / lite[name + ".weight_scale_2"]), note)

@@ -304,7 +304,7 @@ def test_device_source_writes_the_same_file(flux_file, tmp_path):
         a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
         quantize_file(flux_file, str(a), recipe, overwrite=True)
         with SafetensorsFile(flux_file) as f:
-            pipeline.quantize_source(Spy(pipeline.FileSource(f), "cpu"), pipeline.FileSink(str(b), True), recipe)
+            pipeline.quantize(Spy(pipeline.FileSource(f), "cpu"), recipe, out=str(b), overwrite=True, refuse_unknown=False)
         ta, tb = read_all(a)[0], read_all(b)[0]
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
         quantized = {k[:-len(".comfy_quant")] + ".weight" for k in ta if k.endswith(".comfy_quant")}

@@ -9,7 +9,7 @@ from torch import nn
 from comfy_modelopt.calibrate import calibrate
 from comfy_modelopt.folding import plan_folds
 from comfy_modelopt.formats import get_format
-from comfy_modelopt.pipeline import DictSink, DictSource, quantize_source
+from comfy_modelopt.pipeline import DictSink, DictSource, quantize
 from comfy_modelopt.plan import make_plan
 from comfy_modelopt.recipe import Recipe
 from comfy_modelopt.smoothing import output_error, search_smoothing
@@ -154,7 +154,7 @@ def test_folded_smoothing_lowers_block_error(fmt):
     for smoothing in ("none", "smoothquant", "awq"):
         recipe = Recipe(fmt, smoothing=smoothing, sensitivity=False, gptq=False, convrot=False)
         sink = DictSink()
-        rep = quantize_source(DictSource.from_state_dict(sd), sink, recipe, stats)
+        rep = quantize(sd, recipe, stats, sink=sink, refuse_unknown=False).report
         q = _rebuild(block, sink.tensors, recipe)
         g = torch.Generator().manual_seed(11)
         x, c = torch.randn(4, 16, 64, generator=g), torch.randn(4, 8, 48, generator=g)
@@ -177,4 +177,4 @@ def test_folded_smoothing_lowers_block_error(fmt):
 def test_smoothing_without_stats_refused():
     sd = {"a.weight": torch.randn(64, 64)}
     with pytest.raises(ValueError, match="needs activation statistics"):
-        quantize_source(DictSource.from_state_dict(sd), DictSink(), Recipe("nvfp4", smoothing="awq"))
+        quantize(sd, Recipe("nvfp4", smoothing="awq"), sink=DictSink(), refuse_unknown=False)

@@ -260,14 +260,13 @@ def _quantize(model, recipe, stats, engine, path: str, overwrite: bool, shard, r
     """Quantize Model + Save Quantized Model: the loaded model's weights, layer by layer, into
     ``path`` (atomically; rank 0 writes, every rank encodes its share of the layers)."""
     from ..progress import Progress
-    from ..pipeline import FileSink, NullSink, quantize_source
+    from ..pipeline import quantize
     from .model import PatcherSource, compute_device
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    sink = FileSink(path, overwrite) if rank == 0 else NullSink()
-    report = quantize_source(PatcherSource(model, compute_device()), sink, recipe, stats,
-                             {"name": source}, Progress("quantizing") if rank == 0 else None,
-                             engine=engine, shard=shard)
+    report = quantize(PatcherSource(model, compute_device()), recipe, stats, out=path, overwrite=overwrite,
+                      refuse_unknown=False, engine=engine, shard=shard, source_info={"name": source},
+                      progress=Progress("quantizing") if rank == 0 else None).report
     if rank == 0:
         logging.info(report.summary())
         logging.info(f"[comfy-modelopt] wrote {path} ({os.path.getsize(path) / 2**20:.1f} MiB)")

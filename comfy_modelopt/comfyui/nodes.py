@@ -19,7 +19,7 @@ from ..calibrate import CalibrationOptions
 from ..checkpoint import inspect_file
 from ..errors import ModelOptError, PlanError
 from ..modelopt_engine import ALGORITHMS as MODELOPT_ALGORITHMS, ENGINE_FORMATS, check_request
-from ..pipeline import DictSink, quantize_source
+from ..pipeline import DictSink, quantize
 from ..progress import Progress
 from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS
 from ..recipe import recipe_from_values
@@ -267,8 +267,9 @@ class ModelOptQuantizeUNet(io.ComfyNode):
 
         sink = DictSink("cpu")
         try:  # a MODEL ComfyUI loaded is a diffusion model: an unknown family gets the generic rules
-            report = quantize_source(source, sink, recipe, calibration, {"name": "ComfyUI MODEL"}, progress,
-                                     comfy.model_management.throw_exception_if_processing_interrupted, engine=engine)
+            report = quantize(source, recipe, calibration, sink=sink, refuse_unknown=False, engine=engine,
+                              progress=progress, source_info={"name": "ComfyUI MODEL"},
+                              check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted).report
         except PlanError as e:
             raise NodeError(str(e)) from None
         qmodel = build_quantized_model(sink.tensors, sink.metadata, report, model)

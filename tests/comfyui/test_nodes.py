@@ -1102,14 +1102,13 @@ def test_cuda_graphs_refill_the_dequant_cache():
     import comfy.model_management
 
     from comfy_modelopt.comfyui import cuda_graphs, lean, ownloader
-    from comfy_modelopt.pipeline import DictSink, DictSource, quantize_source
+    from comfy_modelopt.pipeline import DictSink, quantize
     from comfy_modelopt.recipe import Recipe
     if "nvfp4" in lean.native_formats(comfy.model_management.get_torch_device()):
         pytest.skip("nvfp4 runs natively on this GPU: nothing is computed dequantized")
     sd, run = _sdxl_small_runs()
     sink = DictSink()  # quantized on the GPU: kitchen's CPU nvfp4 encoder takes about a minute here
-    quantize_source(DictSource.from_state_dict({k: v.cuda() for k, v in sd.items()}), sink,
-                    Recipe("nvfp4", sensitivity=False))
+    quantize({k: v.cuda() for k, v in sd.items()}, Recipe("nvfp4", sensitivity=False), sink=sink, refuse_unknown=False)
     plain, cached = (ownloader.load_state_dict(dict(sink.tensors), dict(sink.metadata)) for _ in range(2))
     lean.make_lean(plain)
     lean.make_lean(cached, dequant_cache_bytes=1 << 40)
