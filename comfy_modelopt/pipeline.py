@@ -233,12 +233,15 @@ def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto
     """The plan, checked against the statistics, and the report it starts (every layer 16-bit)."""
     if isinstance(family, str):
         family = None if family == "auto" else family_named(family)
-    plan = make_plan(source.tensors, recipe, stats=stats, refuse_unknown=refuse_unknown, family=family, engine=engine)
-    _check_source(source, plan.prefix, complete=family is not GENERIC)
-    if stats is not None:
-        stats.check_model({l.rel: (l.n, l.k) for l in plan.layers})
-    if recipe.planned:
-        plan.planner = plan_budget(plan, source, stats, recipe, progress, prices)
+    def checked(plan: Plan) -> dict | None:
+        """The source and the statistics checked against the layout, then (before any weight is
+        read) the mixed-precision planner's choices: the plan is frozen after this."""
+        _check_source(source, plan.prefix, complete=family is not GENERIC)
+        if stats is not None:
+            stats.check_model({l.rel: (l.n, l.k) for l in plan.layers})
+        return plan_budget(plan, source, stats, recipe, progress, prices) if recipe.planned else None
+    plan = make_plan(source.tensors, recipe, stats=stats, refuse_unknown=refuse_unknown, family=family, engine=engine,
+                     planner=checked)
     report = QuantReport(plan.family.name, recipe.to_dict(), [kept_report(l) for l in plan.layers])
     for key, (dtype, shape) in plan.passthrough.items():
         nbytes = source.nbytes[key]

@@ -25,8 +25,22 @@ from .safetensors_io import FLOAT_DTYPES, ST_DTYPES
 CONV_KEEP = ("input_blocks.0.0", "out.2", "*.proj_in", "*.proj_out", "conv_in", "conv_out")
 
 
+class Frozen:
+    """Attributes fixed once planning ends (``freeze``): the steps, the pipeline and the report
+    read a plan, and a change after planning is an error that names the field, not a silent patch."""
+    _frozen = False
+
+    def __setattr__(self, name, value):
+        if self._frozen:
+            raise AttributeError(f"{type(self).__name__}.{name}: the plan is frozen once planned")
+        object.__setattr__(self, name, value)
+
+    def freeze(self) -> None:
+        object.__setattr__(self, "_frozen", True)
+
+
 @dataclass
-class LayerPlan:
+class LayerPlan(Frozen):
     name: str                    # layer name as in the file (weight key minus ".weight")
     rel: str                     # name relative to the diffusion model
     n: int                       # out_features
@@ -53,7 +67,7 @@ class LayerPlan:
 
 
 @dataclass
-class Plan:
+class Plan(Frozen):
     recipe: Recipe
     family: Family
     prefix: str
@@ -67,6 +81,11 @@ class Plan:
     unmatched_patterns: list = field(default_factory=list)  # warnings: --keep / --weight-only patterns that matched nothing
     planner: dict | None = None  # the mixed-precision planner's summary (planner.plan_budget)
     engine: object = None        # modelopt_engine.EngineResult: ModelOpt's calibration choices
+
+    def freeze(self) -> None:
+        for part in self.layers + self.convs:
+            part.freeze()
+        super().freeze()
 
     @property
     def quantized(self) -> list[LayerPlan]:
@@ -88,7 +107,7 @@ class Plan:
 
 
 @dataclass
-class ConvPlan:
+class ConvPlan(Frozen):
     name: str
     rel: str
     shape: tuple                 # [O, I, kh, kw] as in the source
@@ -119,7 +138,7 @@ def _conv_plan(key: str, rel: str, dtype: str, shape: tuple, recipe: Recipe, fam
 
 
 def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
-              family: Family | None = None, refuse_unknown: bool = False, engine=None) -> Plan:
+              family: Family | None = None, refuse_unknown: bool = False, engine=None, planner=None) -> Plan:
     """Plan a file whose tensors are ``source``: key -> (safetensors dtype, shape).
 
     ``stats`` (ActivationStats) enables static input scales: layers it lacks are kept as the
@@ -127,6 +146,8 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
     detection; with ``refuse_unknown`` a file of no known family is refused (it is usually a
     LoRA, a text encoder or a VAE) instead of planned with the generic rules.  ``engine``
     (``modelopt_engine.EngineResult``): ModelOpt's per-layer choices, which the layers' steps use.
+    ``planner(plan) -> summary | None``: the last word before the plan is frozen - the
+    mixed-precision planner (``planner.plan_budget``) reassigns the eligible layers' formats there.
     """
     marked = [k for k in source if k.endswith(QUANT_MARKERS) or k == "scaled_fp8"]
     if marked:
@@ -184,10 +205,14 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
     if recipe.conv != "none" and not convs:
         raise PlanError(f"conv={recipe.conv}: this {family.name} model has no convolution to quantize "
                         f"(kernels larger than 1x1, outside {', '.join(CONV_KEEP)})")
-    return Plan(recipe, family, prefix, layers, passthrough, convs, _odd_weights(layers, passthrough, prefix),
+    plan = Plan(recipe, family, prefix, layers, passthrough, convs, _odd_weights(layers, passthrough, prefix),
                 fmt, opts, recognised=recognised, engine=engine,
                 unmatched_patterns=_unmatched("--keep", recipe.keep, layers + convs)
                 + _unmatched("--weight-only", recipe.weight_only, layers))
+    if planner is not None:
+        plan.planner = planner(plan)  # None: no planner
+    plan.freeze()
+    return plan
 
 
 def _matches(layer, pat: str) -> bool:

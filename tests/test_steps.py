@@ -99,3 +99,29 @@ def test_the_default_steps_leave_their_notes(fmt):
     sd, stats = _model_and_stats()
     _out, _meta, report = quantize(sd, Recipe(fmt), stats, family="generic")
     assert all("gptq" in l.notes for l in report.quantized)
+
+
+def test_the_plan_the_steps_read_is_frozen():
+    """Once planned (the planner included), a plan and its layers refuse changes: a step that
+    wrote into the plan instead of its Work fails loudly, naming the field."""
+    from comfy_modelopt.plan import make_plan
+    sd, stats = _model_and_stats()
+    plan = make_plan({k: ("F32", tuple(v.shape)) for k, v in sd.items()}, Recipe(budget=0.5), stats=stats,
+                     planner=lambda p: {"planned": len(p.layers)})
+    assert plan.planner == {"planned": 2}
+    with pytest.raises(AttributeError, match="LayerPlan.fmt: the plan is frozen"):
+        plan.layers[0].fmt = None
+    with pytest.raises(AttributeError, match="Plan.engine: the plan is frozen"):
+        plan.engine = object()
+
+    class Meddles(steps.Step):
+        name, order = "meddles", 66
+
+        def run(self, work):
+            work.layer.static_input = False
+    step = steps.register(Meddles())
+    try:
+        with pytest.raises(AttributeError, match="static_input"):
+            quantize(sd, Recipe(), stats, family="generic")
+    finally:
+        steps.unregister(step)
