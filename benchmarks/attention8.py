@@ -12,7 +12,10 @@ runtime's graphs run them: no Python, no launch gaps), and compares with an fp32
   kernel; per-tensor scales, P quantized by cuDNN, O in e4m3 (Hopper has no 16-bit output);
 - ``fp8 cudnn, whole``: what a model needs around it - Q/K/V's amax, scale and cast (compiled
   by TorchInductor, as compiled blocks would fuse it), the kernel, O back to bf16;
-- ``int8 kitchen``: comfy-kitchen's SageAttention-style INT8 attention (``ck.int8_attention``).
+- ``int8 kitchen``: comfy-kitchen's SageAttention-style INT8 attention (``ck.int8_attention``);
+- ``fp8 fa3``: the runtime's FP8 attention (``comfyui.attention.fp8_attention``): keys and values
+  centred, per-head e4m3 scales, FlashAttention-3's FP8 forward (``pip install fa3-fwd``), its
+  output 16-bit - everything it does per call.
 
 Prints a markdown table and writes ``attention8.json``.  Needs a CUDA GPU; the fp8 rows need
 ``pip install nvidia-cudnn-frontend`` (left out with the reason where it is missing).
@@ -136,6 +139,8 @@ def main(argv=None):
         int8_ok = bool(ck.int8_attention_is_available(device))
     except (AttributeError, RuntimeError):
         int8_ok = False
+    from comfy_modelopt.comfyui.attention import fa3_kernel, fp8_attention
+    fa3, fa3_reason = fa3_kernel() if torch.cuda.get_device_capability()[0] == 9 else (None, "FA3's FP8 forward is SM 9.0 only")
     quantize_compiled = torch.compile(quantize, dynamic=False)
     rows = []
     for label in a.shapes or SHAPES:
@@ -176,6 +181,14 @@ def main(argv=None):
             row["int8_ms"] = round(graph_ms(int8), 3)
             row["int8_rel_err"] = rel(int8())
             row["int8_speedup"] = round(row["bf16_ms"] / row["int8_ms"], 2)
+        if fa3 is not None:
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, N, H, D], as ComfyUI's layouts give it
+            fa3_whole = lambda: fp8_attention(qt, kt, vt).reshape(b, s, h * d)  # noqa: E731
+            row["fa3_ms"] = round(graph_ms(fa3_whole), 3)
+            row["fa3_rel_err"] = rel(fa3_whole())
+            row["fa3_speedup"] = round(row["bf16_ms"] / row["fa3_ms"], 2)
+        else:
+            row["fa3_error"] = fa3_reason
         rows.append(row)
         print(row, flush=True)
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -184,8 +197,9 @@ def main(argv=None):
            "comfy_kitchen": getattr(ck, "__version__", None), "rows": rows}
     tables.print_markdown([("shape", "shape"), ("bf16 ms", "bf16_ms"), ("fp8 kernel ms", "fp8_kernel_ms"),
                            ("x", "fp8_kernel_speedup"), ("fp8 whole ms", "fp8_whole_ms"), ("x", "fp8_whole_speedup"),
-                           ("int8 ms", "int8_ms"), ("x", "int8_speedup"), ("rel err bf16", "bf16_rel_err"),
-                           ("fp8", "fp8_rel_err"), ("int8", "int8_rel_err")], rows)
+                           ("int8 ms", "int8_ms"), ("x", "int8_speedup"), ("fp8 fa3 ms", "fa3_ms"),
+                           ("x", "fa3_speedup"), ("rel err bf16", "bf16_rel_err"), ("fp8", "fp8_rel_err"),
+                           ("int8", "int8_rel_err"), ("fa3", "fa3_rel_err")], rows)
     tables.write_json(os.path.join(a.out, "attention8.json"), doc)
     return doc
 

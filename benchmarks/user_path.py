@@ -341,7 +341,7 @@ def main():
         from comfy_modelopt.comfyui.cuda_graphs import enable_cuda_graphs
         from comfy_modelopt.comfyui.runtime import runtime_of
         rt = runtime_of(label)
-        assert rt.cuda_graphs and not rt.int8_attention, f"--then-runtime takes a graph runtime, not {label!r}"
+        assert rt.cuda_graphs and not rt.attention, f"--then-runtime takes a graph runtime, not {label!r}"
         other, _ = enable_cuda_graphs(qmodel, compile_blocks=rt.compiled_blocks)
         lato, rowo = timed_runs(f"{A.format} project node, then {label}", other, pos, neg, cfg)
         rowo["vs_16bit_stock"] = round(row16["steady_s"] / rowo["steady_s"], 3)

@@ -1,5 +1,6 @@
-"""kitchen's INT8 attention (SageAttention-style, Hadamard-rotated Q/K) as ComfyUI's
-``optimized_attention_override`` - installed only where it was not measured slower end to end.
+"""8-bit attention as ComfyUI's ``optimized_attention_override``: kitchen's INT8 attention
+(SageAttention-style, Hadamard-rotated Q/K) - installed only where it was not measured slower end
+to end - and FlashAttention-3's FP8 forward (the ``fa3-fwd`` package, Hopper) for long sequences.
 
 Measured on an H200 (``benchmarks/sampling_check.py``, 2026-11-30, whole 20-step runs at
 1024x1024, fp8 W8A8 under CUDA graphs): Flux 2.60 s with it against 2.36 s without (its kernel
@@ -10,11 +11,28 @@ Per call (``benchmarks/attention8.py``, H200, 2026-12-01) kitchen's kernel is 0.
 at every size measured, and cuDNN's FP8 SDPA - the other 8-bit candidate - is slower too at the
 whole-run sizes once Q/K/V are quantized (Flux 1024x1024 0.92x, 3% error against bf16's 0.2%),
 faster only at long sequences (1.35-1.41x at 17-33k tokens); not offered as a runtime.
+
+FP8 attention (``fp8_attention``): FlashAttention-3's FP8 forward, its output 16-bit, on Q/K/V
+cast to e4m3 with one scale per batch and head (the kernel's descale factors), after subtracting
+each key channel's mean over the tokens (SageAttention's K smoothing: every query's logits move by
+one constant, the softmax not at all) and each value channel's mean (added back to the output:
+softmax rows sum to one) - so outlier channels do not set every head's scale.  Only for
+self-attention of at least ``FP8_MIN_TOKENS`` tokens: at Flux's 4,608 quantizing Q/K/V costs
+more than the kernel saves (benchmarks/attention8.py), at video lengths attention is most of
+the forward.
 """
 from __future__ import annotations
 
 import comfy_kitchen as ck
 import torch
+
+from ..formats import F8_E4M3_MAX
+
+# below this many query and key tokens the fp8 path leaves attention to ComfyUI (per call, H200,
+# cuDNN's FP8 SDPA with Q/K/V quantized: 0.92x bf16 at 4,608 and 5,120 tokens, 1.35x at 16,896)
+FP8_MIN_TOKENS = 12288
+KERNEL_DEVICES = ("cuda",)  # where the fp8 path runs (tests add "cpu", with a reference kernel)
+HEAD_DIMS = (64, 96, 128, 192, 256)  # what fa3-fwd 0.0.3 is built for
 
 
 def int8_attention_available(device) -> bool:
@@ -24,11 +42,19 @@ def int8_attention_available(device) -> bool:
         return False
 
 
+def attention_args(args, kwargs) -> tuple:
+    """(q, k, v, heads, mask) of a call of ComfyUI's ``optimized_attention`` as an override receives
+    it: the models pass ``heads`` (and ``mask``) by position or by keyword (Wan: ``heads=``)."""
+    q, k, v = args[:3]
+    heads = args[3] if len(args) > 3 else kwargs["heads"]
+    mask = args[4] if len(args) > 4 else kwargs.get("mask")
+    return q, k, v, heads, mask
+
+
 def int8_attention_override(func, *args, **kwargs):
     """``optimized_attention_override``: kitchen's INT8 attention (SageAttention-style, Hadamard-
     rotated Q/K) for unmasked 64/128/256-dim heads on CUDA; anything else goes to ComfyUI's choice."""
-    q, k, v, heads = args[:4]
-    mask = kwargs.get("mask", args[4] if len(args) > 4 else None)
+    q, k, v, heads, mask = attention_args(args, kwargs)
     if mask is not None or q.device.type != "cuda" or kwargs.get("enable_gqa") or \
             q.dtype not in (torch.float16, torch.bfloat16):
         return func(*args, **kwargs)
@@ -46,6 +72,86 @@ def int8_attention_override(func, *args, **kwargs):
     return out
 
 
+_FA3: list = []  # (flash_attn_func or None, why not), looked up once
+
+
+def fa3_kernel():
+    """FlashAttention-3's forward (``fa3-fwd``: ``pip install fa3-fwd``), or None and why not."""
+    if not _FA3:
+        try:
+            from fa3_fwd_interface import flash_attn_func
+            _FA3.append((flash_attn_func, ""))
+        except Exception as e:  # noqa: BLE001 - not installed, or built for another torch: not offered
+            _FA3.append((None, f"FlashAttention-3 is not importable ({type(e).__name__}: {str(e)[:120]}; "
+                               f"pip install fa3-fwd)"))
+    return _FA3[0]
+
+
+def e4m3_heads(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` [B, N, H, D] in e4m3 with one float32 scale per batch and head [B, H] (its absmax /
+    448: the kernel's descale factor)."""
+    scale = (t.abs().amax(dim=(1, 3)).float() / F8_E4M3_MAX).clamp_min(1e-12)
+    q = (t / scale[:, None, :, None].to(t.dtype)).clamp(-F8_E4M3_MAX, F8_E4M3_MAX)
+    return q.to(torch.float8_e4m3fn).contiguous(), scale
+
+
+def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                  kernel=None) -> torch.Tensor:
+    """Attention of ``q`` [B, Nq, H, D] over ``k``, ``v`` [B, Nk, H, D] (16-bit) on e4m3 inputs,
+    keys and values centred per channel first (module docstring); [B, Nq, H, D] in ``q``'s dtype.
+    ``kernel``: FlashAttention-3's ``flash_attn_func`` (its signature, for a reference)."""
+    kernel = kernel or fa3_kernel()[0]
+    v_mean = v.mean(dim=1, keepdim=True)
+    (q8, qs), (k8, ks), (v8, vs) = (e4m3_heads(t) for t in (q, k - k.mean(dim=1, keepdim=True), v - v_mean))
+    out = kernel(q8, k8, v8, softmax_scale=scale, causal=False, q_descale=qs, k_descale=ks, v_descale=vs)
+    out = out[0] if isinstance(out, tuple) else out
+    return (out + v_mean).to(q.dtype)
+
+
+def fp8_attention_override(func, *args, **kwargs):
+    """``optimized_attention_override``: ``fp8_attention`` for unmasked self-attention of at least
+    ``FP8_MIN_TOKENS`` tokens with ``HEAD_DIMS`` heads on CUDA; anything else goes to ComfyUI's
+    choice."""
+    q, k, v, heads, mask = attention_args(args, kwargs)
+    if mask is not None or q.device.type not in KERNEL_DEVICES or kwargs.get("enable_gqa") or \
+            not q.dtype.is_floating_point:
+        return func(*args, **kwargs)
+    if kwargs.get("skip_reshape", False):  # [B, H, N, D]
+        b, _, nq, d = q.shape
+        nk = k.shape[2]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    else:  # [B, N, H*D]
+        b, nq, hd = q.shape
+        d, nk = hd // heads, k.shape[1]
+        q, k, v = (t.view(b, -1, heads, d) for t in (q, k, v))
+    if d not in HEAD_DIMS or min(nq, nk) < FP8_MIN_TOKENS or k.shape != q.shape:
+        return func(*args, **kwargs)
+    out = fp8_attention(q, k, v, scale=kwargs.get("scale"))  # [B, N, H, D]
+    return out.transpose(1, 2) if kwargs.get("skip_output_reshape", False) else out.reshape(b, nq, heads * d)
+
+
+def enable_fp8_attention(patcher, force: bool = False):
+    """A clone of ``patcher`` whose long self-attention runs FlashAttention-3's FP8 forward.
+    Refused (ValueError) where the kernel is missing or the GPU is not a Hopper (FA3's fp8 path
+    is SM 9.0 only)."""
+    device = torch.device(patcher.load_device)
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        raise ValueError("FlashAttention-3's FP8 forward runs on Hopper GPUs (SM 9.0) only")
+    kernel, why = fa3_kernel()
+    if kernel is None:
+        raise ValueError(why)
+    return _with_override(patcher, fp8_attention_override)
+
+
+def _with_override(patcher, override):
+    clone = patcher.clone()
+    topts = clone.model_options.setdefault("transformer_options", {})
+    if "optimized_attention_override" in topts:
+        raise ValueError("this MODEL already overrides attention")
+    topts["optimized_attention_override"] = override
+    return clone
+
+
 # compute capability (major) -> why INT8 attention is not installed there
 SLOWER_ON = {9: "measured slower end to end on Hopper (H200, 20 steps: Flux 2.60 vs 2.36 s, SDXL 0.93 vs "
                 "0.82 s; cuDNN's flash attention wins)"}
@@ -59,9 +165,7 @@ def enable_int8_attention(patcher, force: bool = False):
     device = torch.device(patcher.load_device)
     if not force and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in SLOWER_ON:
         raise ValueError(SLOWER_ON[torch.cuda.get_device_capability(device)[0]])
-    clone = patcher.clone()
-    topts = clone.model_options.setdefault("transformer_options", {})
-    if "optimized_attention_override" in topts:
-        raise ValueError("this MODEL already overrides attention")
-    topts["optimized_attention_override"] = int8_attention_override
-    return clone
+    return _with_override(patcher, int8_attention_override)
+
+
+ATTENTIONS = {"int8": ("INT8 attention", enable_int8_attention), "fp8": ("FP8 attention", enable_fp8_attention)}

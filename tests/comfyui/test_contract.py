@@ -15,6 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # test_attention8
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))  # architectures.py
 import architectures as models  # noqa: E402
 
@@ -418,3 +419,40 @@ def test_native_compute_read_without_comfyui_agrees_with_comfyuis_gates(name):
     dev = comfy.model_management.get_torch_device()
     fmt = FORMATS[name]
     assert fmt.native_on(dev) == fmt.native_on(dev, comfy.model_management), (name, dev)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_fp8_attention_override_takes_every_familys_attention_calls(source, family, monkeypatch):
+    """Each family calls ComfyUI's attention its own way (heads by position or keyword, [B, N, H*D]
+    or [B, H, N, D] in and out): the fp8 override reads all of them.  On the CPU, with a torch
+    re-statement of FlashAttention-3 on the dequantized e4m3 inputs (tests/test_attention8.py), the
+    override's own work - layouts, centring, per-head scales - is checked against the model's
+    16-bit output; the kernel runs on the GPU machine."""
+    from comfy_modelopt.comfyui import attention as att
+    from test_attention8 import reference_kernel
+    src, _, _, base = source(family)
+    monkeypatch.setattr(att, "KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(att, "FP8_MIN_TOKENS", 1)
+    monkeypatch.setattr(att, "HEAD_DIMS", range(1, 513))  # the small configurations' heads
+    ran = []
+
+    def kernel(*args, **kwargs):
+        ran.append(args[0].shape)
+        return reference_kernel(*args, **kwargs)
+    monkeypatch.setattr(att, "fa3_kernel", lambda: (kernel, ""))
+    seen = []
+
+    def spy(func, *args, **kwargs):
+        seen.append(tuple(a.shape for a in args[:3]) + (args[0].dtype,))
+        return att.fp8_attention_override(func, *args, **kwargs)
+    patcher = att._with_override(comfy.sd.load_diffusion_model(src, model_options={"dtype": torch.bfloat16}), spy)
+    comfy.model_management.load_models_gpu([patcher])
+    kw = inputs(family)
+    x = kw.pop("x")
+    with torch.inference_mode():  # as the sampler calls it: with the patcher's transformer options
+        out = patcher.model.apply_model(x, torch.tensor([0.7]), transformer_options=patcher.model_options[
+            "transformer_options"], **kw).float()
+    assert seen, "the model never called ComfyUI's attention"
+    assert ran, f"no attention call took the fp8 path: {seen[:3]}"
+    rel = float((out - base).norm() / base.norm())
+    assert 0 < rel < 0.1, rel
