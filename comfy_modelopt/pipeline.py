@@ -133,6 +133,8 @@ def quantize(source, recipe: Recipe, stats=None, *, out=None, overwrite: bool = 
     ``progress(done, total, layer_name)`` is called as layers finish, ``check_interrupt()`` before
     each (it raises to stop); ``source_info`` is what the header records of the source (a file's
     name and size, with ``hash_source`` its sha256)."""
+    if out is not None and sink is not None:
+        raise ValueError("quantize writes to out or to sink, not both")
     writes = shard is None or shard.rank == 0
     path = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
     if out is not None:

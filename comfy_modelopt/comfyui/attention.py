@@ -90,9 +90,11 @@ def fa3_kernel():
 def e4m3_heads(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` [B, N, H, D] in e4m3 with one float32 scale per batch and head [B, H] (its absmax /
     448: the kernel's descale factor)."""
-    scale = (t.abs().amax(dim=(1, 3)).float() / F8_E4M3_MAX).clamp_min(1e-12)
-    q = (t / scale[:, None, :, None].to(t.dtype)).clamp(-F8_E4M3_MAX, F8_E4M3_MAX)
-    return q.to(torch.float8_e4m3fn).contiguous(), scale
+    # the scale in t's dtype, the one divided by, is the descale handed over (a float32 one would
+    # differ from it by the 16-bit rounding: up to 0.4% per head)
+    scale = (t.abs().amax(dim=(1, 3)).float() / F8_E4M3_MAX).clamp_min(1e-12).to(t.dtype)
+    q = (t / scale[:, None, :, None]).clamp(-F8_E4M3_MAX, F8_E4M3_MAX)
+    return q.to(torch.float8_e4m3fn).contiguous(), scale.float()
 
 
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
