@@ -130,8 +130,8 @@ def cmd_quantize(a) -> int:
 
 
 def _quantize(a, device, shard) -> int:
-    from .pipeline import check_not_input, quantize
-    from .publish import atomic_write_bytes, check_output_path
+    from .pipeline import quantize
+    from .publish import atomic_write_bytes, check_not_input, check_output_path
     lead = shard is None or shard.rank == 0  # under torchrun: rank 0 writes and speaks
     if lead:
         check_output_path(a.output, a.overwrite)  # a folder, a missing folder: said first

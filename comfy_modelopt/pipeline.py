@@ -8,7 +8,6 @@ dtype, shape)), ``metadata`` and ``read(key)``; a sink has ``open(entries, metad
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import time
@@ -28,11 +27,11 @@ from .layer import kept_report, quantize_conv, quantize_layer
 from .recipe import Recipe
 from .report import (NONFINITE_NOTE_ROOM, LayerReport, QuantReport, fit_header, gptq_rows_note, nonfinite_note,
                      plan_notes, planner_note)
-from .sources import DeviceSource, DictSink, DictSource, FileSink, FileSource, NullSink, numel
-from .publish import check_output_path
+from .sources import DeviceSource, DictSink, DictSource, FileSink, FileSource, NullSink, check_memory, sha256_file
+from .publish import check_not_input, check_output_path
 from .safetensors_io import FLOAT_DTYPES, ITEMSIZE, TORCH_DTYPES, SafetensorsFile
 from .stats import ActivationStats
-from .verify import verify
+from .verify import check_source
 
 Progress = Callable[[int, int, str], None]
 
@@ -55,29 +54,6 @@ def _refuse_nonfinite(found: list, recipe: Recipe) -> None:
         key, count = found[0]
         raise QuantizeError(f"{key}: holds {count} NaN/Inf values; the output would too - quantize from an "
                             f"undamaged model, or pass --allow-nonfinite to copy them as they are")
-
-
-def available_memory() -> int | None:
-    """Bytes of memory the system can still give (Linux MemAvailable), or None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _check_memory(source, key: str, float32_copies: int = 0) -> None:
-    """Refuse a tensor whose read (plus ``float32_copies`` float32 working copies) would not fit
-    in memory, before allocating it: a clear error instead of the OOM killer or a traceback."""
-    dtype, shape = source.tensors[key]
-    need = ITEMSIZE[dtype] * numel(shape) + 4 * numel(shape) * float32_copies
-    have = available_memory()
-    if have is not None and need > have:
-        raise QuantizeError(f"{key}: {dtype}{list(shape)} needs about {need / 2**30:.1f} GiB of memory, "
-                            f"only {have / 2**30:.1f} GiB is available (free memory, or --keep this layer)")
 
 
 # ====================================================================== the pipeline
@@ -238,7 +214,7 @@ def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto
     def checked(plan: Plan) -> dict | None:
         """The source and the statistics checked against the layout, then (before any weight is
         read) the mixed-precision planner's choices: the plan is frozen after this."""
-        _check_source(source, plan.prefix, complete=family is not GENERIC)
+        check_source(source, plan.prefix, complete=family is not GENERIC)
         if stats is not None:
             stats.check_model({l.rel: (l.n, l.k) for l in plan.layers})
         return plan_budget(plan, source, stats, recipe, progress, prices) if recipe.planned else None
@@ -258,20 +234,6 @@ def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto
     return plan, report
 
 
-def _check_source(source, prefix: str, complete: bool) -> None:
-    """The 16-bit source through the verifier every reader uses (verify.py), from its header: a
-    quantization tensor (a stray scale, a partly converted file), a weight that is not a float (a
-    relabelled dtype), a layer missing from the model (``complete``; ``--family generic`` skips
-    it) are refused by key.  Its values are checked as they are copied (``_stream``)."""
-    def no_config(key):
-        raise PlanError(f"{key}: a quantization config in a 16-bit source")
-    problems = verify(source.tensors, {}, None, no_config, prefix, values=False, complete=complete).problems
-    if problems:
-        hint = (" (--family generic quantizes it without this check)" if "missing" in problems[0].rule else "")
-        more = f" ({len(problems) - 1} more like it)" if len(problems) > 1 else ""
-        raise PlanError(f"{problems[0]}{more}: quantize from an undamaged 16-bit model{hint}")
-
-
 def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, progress, check_interrupt,
             shard=None) -> None:
     """Every planned tensor from ``source`` into ``sink``: copies first, then one layer at a time.
@@ -282,7 +244,7 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
     for key, (dtype, _shape) in plan.passthrough.items():
         if not writes:
             break
-        _check_memory(source, key)
+        check_memory(source, key)
         sink.write(key, _passthrough(source, key, folds, dtype, nonfinite))
         _refuse_nonfinite(nonfinite, recipe)
     by_name = {l.name: i for i, l in enumerate(plan.layers)}
@@ -311,7 +273,7 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
             report.layers.append(rep)
         elif not layer.quantized:
             if writes:
-                _check_memory(source, key)
+                check_memory(source, key)
                 sink.write(key, _passthrough(source, key, folds, layer.tensors[key][0], nonfinite))
                 _refuse_nonfinite(nonfinite, recipe)
             continue
@@ -322,7 +284,7 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
             tensors, text = shard.recv_layer(planned, owner[layer.name])
             report.layers[by_name[layer.name]] = LayerReport.from_json(layer.name, text)
         else:
-            _check_memory(source, key, float32_copies=3)
+            check_memory(source, key, float32_copies=3)
             w = read_rows_scaled(source, key, folds) if key in folds.rows else source.read(key)
             layer_stats = stats.layer(layer.rel) if stats is not None and stats.has(layer.rel) else None
             tensors, rep = quantize_layer(w, layer, plan, layer_stats, smooth=folds.consumer.get(layer.name))
@@ -349,28 +311,10 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
             report.notes.append(note)
 
 
-# ====================================================================== files
-def sha256_file(path: str, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _stats_of(stats):
     """``ActivationStats`` as given, or loaded from a statistics file's path."""
     return ActivationStats.load(os.fspath(stats)) if isinstance(stats, (str, os.PathLike)) else stats
 
 
-def check_not_input(path, src, what: str) -> None:
-    """Refuse ``path`` when it is the input model (same file through any name or link)."""
-    same = os.path.realpath(path) == os.path.realpath(src)
-    if not same and os.path.exists(path) and os.path.exists(src):
-        same = os.path.samefile(path, src)
-    if same:
-        raise OutputError(f"{path}: the {what} would overwrite the input model; choose another path")
-
-
-__all__ = ["quantize", "quantize_file", "Quantized", "check_not_input", "available_memory", "FileSource",
+__all__ = ["quantize", "quantize_file", "Quantized", "FileSource",
            "DictSource", "DeviceSource", "FileSink", "DictSink", "NullSink", "TORCH_DTYPES"]

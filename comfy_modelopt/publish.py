@@ -165,3 +165,12 @@ def fsync_dir(folder: str) -> None:
         pass
     finally:
         os.close(dfd)
+
+
+def check_not_input(path, src, what: str) -> None:
+    """Refuse ``path`` when it is the input model (same file through any name or link)."""
+    same = os.path.realpath(path) == os.path.realpath(src)
+    if not same and os.path.exists(path) and os.path.exists(src):
+        same = os.path.samefile(path, src)
+    if same:
+        raise OutputError(f"{path}: the {what} would overwrite the input model; choose another path")

@@ -3,10 +3,12 @@
 ``open(entries, metadata)``, ``write(key, tensor)``, ``close(metadata)`` and ``abort()``."""
 from __future__ import annotations
 
+import hashlib
 from typing import Callable
 
 import torch
 
+from .errors import QuantizeError
 from .safetensors_io import ITEMSIZE, ST_DTYPES, SafetensorsFile, StreamWriter
 
 
@@ -111,3 +113,34 @@ def numel(shape) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the system can still give (Linux MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(source, key: str, float32_copies: int = 0) -> None:
+    """Refuse a tensor whose read (plus ``float32_copies`` float32 working copies) would not fit
+    in memory, before allocating it: a clear error instead of the OOM killer or a traceback."""
+    dtype, shape = source.tensors[key]
+    need = ITEMSIZE[dtype] * numel(shape) + 4 * numel(shape) * float32_copies
+    have = available_memory()
+    if have is not None and need > have:
+        raise QuantizeError(f"{key}: {dtype}{list(shape)} needs about {need / 2**30:.1f} GiB of memory, "
+                            f"only {have / 2**30:.1f} GiB is available (free memory, or --keep this layer)")
+
+
+def sha256_file(path: str, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, PlanError
 from .fileformat import (COMFY_QUANT, CONV_FORMAT, INPUT_SCALE, LOWRANK_DOWN, LOWRANK_UP, QUANT_METADATA, SMOOTH_SCALE,
                          SUFFIX_KEYS, decode_comfy_quant, decode_quantization_metadata, own_base, stock_conf)
 from .families import detect_family
@@ -382,3 +382,17 @@ def read_conf_of(sd: Mapping[str, torch.Tensor], where: str) -> Callable[[str], 
 
 __all__ = ["Problem", "Verification", "verify", "verify_file", "layer_problems", "layer_configs",
            "state_dict_entries", "read_conf_of"]
+
+
+def check_source(source, prefix: str, complete: bool) -> None:
+    """The 16-bit source through the verifier every reader uses (verify.py), from its header: a
+    quantization tensor (a stray scale, a partly converted file), a weight that is not a float (a
+    relabelled dtype), a layer missing from the model (``complete``; ``--family generic`` skips
+    it) are refused by key.  Its values are checked as they are copied (``pipeline._stream``)."""
+    def no_config(key):
+        raise PlanError(f"{key}: a quantization config in a 16-bit source")
+    problems = verify(source.tensors, {}, None, no_config, prefix, values=False, complete=complete).problems
+    if problems:
+        hint = (" (--family generic quantizes it without this check)" if "missing" in problems[0].rule else "")
+        more = f" ({len(problems) - 1} more like it)" if len(problems) > 1 else ""
+        raise PlanError(f"{problems[0]}{more}: quantize from an undamaged 16-bit model{hint}")

@@ -236,8 +236,8 @@ def test_non_2d_linear_weights_reported(tmp_path):
 
 
 def test_layer_too_large_for_memory_refused_before_reading(tmp_path, flux_file, monkeypatch):
-    import comfy_modelopt.pipeline as pipeline
-    monkeypatch.setattr(pipeline, "available_memory", lambda: 1 << 20)  # 1 MiB left
+    import comfy_modelopt.sources as sources
+    monkeypatch.setattr(sources, "available_memory", lambda: 1 << 20)  # 1 MiB left
     with pytest.raises(ModelOptError, match="GiB of memory") as e:
         quantize_file(flux_file, str(tmp_path / "o.safetensors"), Recipe("float8_e4m3fn"))
     assert_our_error(e.value, flux_file)

@@ -47,7 +47,7 @@ from ..errors import CheckpointError, one_line
 from ..families import diffusion_prefix
 from ..formats import FORMATS
 from ..formats.conv_fp8 import CONV_FP8
-from ..pipeline import available_memory
+from ..sources import available_memory
 from ..safetensors_io import SafetensorsFile
 from ..verify import Verification, read_conf_of, state_dict_entries, verify
 from ..fileformat import (COMFY_QUANT, CONV_FORMAT, LOWRANK_PREFIX, LOWRANK_SUFFIXES, QUANT_METADATA,
