@@ -252,7 +252,8 @@ def test_budget_plans_mixed_precision_and_samples(env):
     # the report as an IMAGE (Preview Image shows it): one bar per layer coloured by its format
     assert chart.shape == (1, 560, 1024, 3) and chart.dtype == torch.float32 and 0 <= chart.min() <= chart.max() <= 1
     colours = {tuple(int(round(float(v) * 255)) for v in px) for px in chart[0, 370, 64:1000]}
-    assert len(colours & {pack_module("report_image").COLOURS[f] for f in formats}) >= 2, colours
+    from comfy_modelopt.formats import FORMATS
+    assert len(colours & {FORMATS[f].colour for f in formats}) >= 2, colours
     out = sample(env, qmodel, 2, 0)
     assert torch.isfinite(out).all()
     _, report = quantize(env, format="nvfp4", max_error=0.5, runtime="stock")
