@@ -236,9 +236,16 @@ def _upper_inverse_factor(h: torch.Tensor) -> torch.Tensor:
     factorisation: with P the reversal permutation and P H P = L L^T, U = P L^-1 P (then
     U^T U = P L^-T L^-1 P = (P H P)^-1 reversed = H^-1, and U is upper triangular) - a Cholesky
     and a triangular inverse instead of GPTQ's Cholesky, inverse and second Cholesky."""
+    # on a CPU in float64: LAPACK's blocked float32 factorisation rounds differently with the
+    # thread count (2.4e-5 apart between 1 and 2 threads on a 256-wide layer), and GPTQ's rounding
+    # followed it - the same file differed between machines; float64's differences vanish in the
+    # cast back (3072 wide: 0.74 instead of 0.46 s on 2 cores; GPUs keep float32)
+    dtype = h.dtype
+    if h.device.type == "cpu":
+        h = h.double()
     lo = torch.linalg.cholesky(h.flip(0, 1))
     eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-    return torch.linalg.solve_triangular(lo, eye, upper=False).flip(0, 1)
+    return torch.linalg.solve_triangular(lo, eye, upper=False).flip(0, 1).to(dtype)
 
 
 def fp8_column_quantizer(scale: float, dtype: torch.dtype):

@@ -280,3 +280,31 @@ def test_block_graph_rounds_as_the_eager_loop(name, opts, act_order):
         assert float(differ.float().mean()) < 2e-3, float(differ.float().mean())
         assert float((a - b).norm() / a.norm()) < 5e-3
     assert gptq_mod._BlockGraph.make(torch.zeros(3, 512, 96, device="cuda"), 128, quantize_columns) is not None
+
+
+def test_gptq_rounds_the_same_on_any_number_of_cpu_threads():
+    """The same model, statistics and recipe give the same bytes with 1 and 2 CPU threads: LAPACK's
+    float32 Cholesky rounded differently with the thread count, and GPTQ's rounding followed it
+    (gptq._upper_inverse_factor factors in float64 on a CPU)."""
+    from comfy_modelopt import Recipe, quantize
+    from comfy_modelopt.calibrate import CalibrationOptions, calibrate
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128))
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(32, 128, generator=g) for _ in range(8)]
+    for x in xs:
+        x[:, [3, 77]] *= 30
+    stats = calibrate(model, lambda m: [m(x) for x in xs], CalibrationOptions(reservoir_bytes=128 * 2 * 400))
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(quantize(sd, Recipe(), stats, family="generic").tensors)
+    finally:
+        torch.set_num_threads(before)
+    assert outs[0].keys() == outs[1].keys()
+    def raw(t):  # bytes: fp8 tensors compare as their codes
+        return t.reshape(-1).view(torch.uint8)
+    assert all(torch.equal(raw(outs[0][k]), raw(outs[1][k])) for k in outs[0])
