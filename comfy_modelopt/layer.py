@@ -60,20 +60,20 @@ def quantize_layer(w: torch.Tensor, layer: LayerPlan, plan: Plan, layer_stats=No
 
 
 # ---------------------------------------------------------------------- measure
-def measure(w: torch.Tensor, x: torch.Tensor | None, deq: torch.Tensor, choice: Work, layer_stats) -> LayerReport:
+def measure(w: torch.Tensor, x: torch.Tensor | None, deq: torch.Tensor, work: Work, layer_stats) -> LayerReport:
     """The layer's report: weight error, and with sampled inputs ``x`` (unsmoothed, as ``w``)
     the output error of what ComfyUI will compute, and the per-format sensitivity."""
-    layer, fmt, opts = choice.layer, choice.fmt, choice.opts
+    layer, fmt, opts = work.layer, work.fmt, work.opts
     lowrank = None
-    if choice.branch is not None:
-        up, down = choice.branch
+    if work.branch is not None:
+        up, down = work.branch
         lowrank = up.float() @ down.float()
         deq = deq + lowrank
     report = LayerReport(layer.name, layer.conf["format"], entries_nbytes(layer.tensors), layer.n * layer.k * 2,
                          reason=layer.reason, weight_only=layer.weight_only,
-                         rel_err=rel(deq - choice.smoothed, choice.smoothed), alpha=choice.clip.mean_alpha)
+                         rel_err=rel(deq - work.smoothed, work.smoothed), alpha=work.clip.mean_alpha)
     if x is not None:
-        scale = choice.input_scale if not layer.weight_only else None
+        scale = work.input_scale if not layer.weight_only else None
 
         def out_err(xs: torch.Tensor, scale=scale) -> float:  # rows in the smoothed basis: xs @ smoothed^T == x @ w^T
             act = fmt.fake_act(xs, scale, **opts)
@@ -81,18 +81,18 @@ def measure(w: torch.Tensor, x: torch.Tensor | None, deq: torch.Tensor, choice: 
                 q_out = act @ fmt.search_space(deq, **opts).T
             else:  # the branch sees the (smoothed) 16-bit input; only the residual GEMM is quantized
                 q_out = act @ fmt.search_space(deq - lowrank, **opts).T + xs @ lowrank.T
-            ref = xs @ choice.smoothed.T
+            ref = xs @ work.smoothed.T
             return rel(q_out - ref, ref)
-        report.out_err = out_err(choice.x)
-        if choice.split is not None:
-            report.held_err = out_err(choice.split.held)
+        report.out_err = out_err(work.x)
+        if work.split is not None:
+            report.held_err = out_err(work.split.held)
             if scale is not None:  # what rounding the activations adds to the weight's error (held out; >= 0)
-                report.act_err = max(report.held_err - out_err(choice.split.held, None), 0.0)
-        if choice.recipe.sensitivity:
+                report.act_err = max(report.held_err - out_err(work.split.held, None), 0.0)
+        if work.recipe.sensitivity:
             report.sensitivity = sensitivity(w, x[:SENSITIVITY_ROWS], layer_stats)
-    if choice.input_scale is not None:
-        report.input_scale = choice.input_scale
-    report.notes = ", ".join(choice.notes)
+    if work.input_scale is not None:
+        report.input_scale = work.input_scale
+    report.notes = ", ".join(work.notes)
     return report
 
 

@@ -380,10 +380,6 @@ def read_conf_of(sd: Mapping[str, torch.Tensor], where: str) -> Callable[[str], 
     return lambda key: decode_comfy_quant(sd[key], f"{where}: {key}")
 
 
-__all__ = ["Problem", "Verification", "verify", "verify_file", "layer_problems", "layer_configs",
-           "state_dict_entries", "read_conf_of"]
-
-
 def check_source(source, prefix: str, complete: bool) -> None:
     """The 16-bit source through the verifier every reader uses (verify.py), from its header: a
     quantization tensor (a stray scale, a partly converted file), a weight that is not a float (a
@@ -396,3 +392,7 @@ def check_source(source, prefix: str, complete: bool) -> None:
         hint = (" (--family generic quantizes it without this check)" if "missing" in problems[0].rule else "")
         more = f" ({len(problems) - 1} more like it)" if len(problems) > 1 else ""
         raise PlanError(f"{problems[0]}{more}: quantize from an undamaged 16-bit model{hint}")
+
+
+__all__ = ["Problem", "Verification", "verify", "verify_file", "layer_problems", "layer_configs",
+           "state_dict_entries", "read_conf_of", "check_source"]

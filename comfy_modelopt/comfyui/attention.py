@@ -51,6 +51,24 @@ def attention_args(args, kwargs) -> tuple:
     return q, k, v, heads, mask
 
 
+def heads_layout(q, k, v, heads: int, kwargs) -> tuple:
+    """``q``, ``k``, ``v`` of a call as [B, N, H, D] views: ComfyUI passes [B, N, H*D], or
+    [B, H, N, D] with ``skip_reshape``."""
+    if kwargs.get("skip_reshape", False):
+        return tuple(t.transpose(1, 2) for t in (q, k, v))
+    b, _, hd = q.shape
+    return tuple(t.view(b, -1, heads, hd // heads) for t in (q, k, v))
+
+
+def comfy_layout(out: torch.Tensor, kwargs) -> torch.Tensor:
+    """An attention output [B, N, H, D] as ComfyUI's caller takes it: [B, N, H*D], or
+    [B, H, N, D] with ``skip_output_reshape``."""
+    if kwargs.get("skip_output_reshape", False):
+        return out.transpose(1, 2)
+    b, n, h, d = out.shape
+    return out.reshape(b, n, h * d)
+
+
 def int8_attention_override(func, *args, **kwargs):
     """``optimized_attention_override``: kitchen's INT8 attention (SageAttention-style, Hadamard-
     rotated Q/K) for unmasked 64/128/256-dim heads on CUDA; anything else goes to ComfyUI's choice."""
@@ -58,18 +76,11 @@ def int8_attention_override(func, *args, **kwargs):
     if mask is not None or q.device.type != "cuda" or kwargs.get("enable_gqa") or \
             q.dtype not in (torch.float16, torch.bfloat16):
         return func(*args, **kwargs)
-    if kwargs.get("skip_reshape", False):
-        b, _, _, d = q.shape
-    else:
-        b, _, hd = q.shape
-        d = hd // heads
-        q, k, v = (t.view(b, -1, heads, d).transpose(1, 2) for t in (q, k, v))
-    if d not in (64, 128, 256):
+    q, k, v = heads_layout(q, k, v, heads, kwargs)
+    if q.shape[-1] not in (64, 128, 256):
         return func(*args, **kwargs)
-    out = ck.int8_attention(q, k, v, scale=kwargs.get("scale"))
-    if not kwargs.get("skip_output_reshape", False):
-        out = out.transpose(1, 2).reshape(b, -1, heads * d)
-    return out
+    out = ck.int8_attention(*(t.transpose(1, 2) for t in (q, k, v)), scale=kwargs.get("scale"))  # [B, H, N, D]
+    return comfy_layout(out.transpose(1, 2), kwargs)
 
 
 _FA3: list = []  # (flash_attn_func or None, why not), looked up once
@@ -118,18 +129,10 @@ def fp8_attention_override(func, *args, **kwargs):
     if mask is not None or q.device.type not in KERNEL_DEVICES or kwargs.get("enable_gqa") or \
             not q.dtype.is_floating_point:
         return func(*args, **kwargs)
-    if kwargs.get("skip_reshape", False):  # [B, H, N, D]
-        b, _, nq, d = q.shape
-        nk = k.shape[2]
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    else:  # [B, N, H*D]
-        b, nq, hd = q.shape
-        d, nk = hd // heads, k.shape[1]
-        q, k, v = (t.view(b, -1, heads, d) for t in (q, k, v))
-    if d not in HEAD_DIMS or min(nq, nk) < FP8_MIN_TOKENS or k.shape != q.shape:
+    q, k, v = heads_layout(q, k, v, heads, kwargs)
+    if q.shape[-1] not in HEAD_DIMS or min(q.shape[1], k.shape[1]) < FP8_MIN_TOKENS or k.shape != q.shape:
         return func(*args, **kwargs)
-    out = fp8_attention(q, k, v, scale=kwargs.get("scale"))  # [B, N, H, D]
-    return out.transpose(1, 2) if kwargs.get("skip_output_reshape", False) else out.reshape(b, nq, heads * d)
+    return comfy_layout(fp8_attention(q, k, v, scale=kwargs.get("scale")), kwargs)
 
 
 def enable_fp8_attention(patcher, force: bool = False):
