@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .calibrate import linear_layers
-from .errors import ModelOptError
+from .errors import ModelOptError, PlanError
 from .families import literal_glob
 from .formats import FORMATS
 
@@ -74,6 +74,22 @@ class EngineResult:
 
     def note(self) -> str:
         return f"calibration engine: NVIDIA ModelOpt {self.version} ({self.algorithm})"
+
+    def check(self, recipe, stats) -> None:
+        """Refuse (PlanError) a recipe or a calibration these choices were not made for."""
+        if stats is None:
+            raise PlanError("the ModelOpt engine's choices go with activation statistics of the same model: "
+                            "calibrate it too (the same forward loop) and pass both")
+        if self.format != recipe.format:
+            raise PlanError(f"the ModelOpt calibration was made for {self.format}, the recipe asks {recipe.format}")
+        if self.rank and recipe.lowrank != self.rank:
+            raise PlanError(f"ModelOpt's SVDQuant calibration has a rank-{self.rank} 16-bit branch per layer: "
+                            f"quantize with lowrank {self.rank} (a file for comfy-modelopt's loader), not "
+                            f"{recipe.lowrank}")
+
+    def smoothing(self) -> dict:
+        """The per-layer smoothing scales ModelOpt chose (layer name -> scale)."""
+        return {n: l.smooth for n, l in self.layers.items() if l.smooth is not None}
 
 
 def require_modelopt():

@@ -8,72 +8,46 @@ dtype, shape)), ``metadata`` and ``read(key)``; a sink has ``open(entries, metad
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from typing import Callable, Mapping, NamedTuple
 
 import torch
 
-from . import __version__
 from .errors import ModelOptError, OutputError, PlanError, QuantizeError
 from .families import GENERIC, Family, family_named
-from .fileformat import (META_CALIBRATION, META_FAMILY, META_LOADER, META_PREFIX, META_RECIPE, META_REPORT,
-                         META_SOURCE, META_VERSION, OWN_LOADER, QUANT_METADATA)
 from .folding import Folds, plan_folds, read_rows_scaled
 from .plan import ConvPlan, Plan, make_plan
 from .planner import plan_budget
 from .layer import kept_report, quantize_conv, quantize_layer
 from .recipe import Recipe
-from .report import (NONFINITE_NOTE_ROOM, LayerReport, QuantReport, fit_header, gptq_rows_note, nonfinite_note,
-                     plan_notes, planner_note)
+from .report import (LayerReport, QuantReport, gptq_rows_note, header_room, nonfinite_note, output_metadata, plan_notes,
+                     planner_note)
 from .sources import DeviceSource, DictSink, DictSource, FileSink, FileSource, NullSink, check_memory, sha256_file
 from .publish import check_not_input, check_output_path
-from .safetensors_io import FLOAT_DTYPES, ITEMSIZE, TORCH_DTYPES, SafetensorsFile
+from .safetensors_io import TORCH_DTYPES, SafetensorsFile
 from .stats import ActivationStats
 from .verify import check_source
 
 Progress = Callable[[int, int, str], None]
 
 
-def _passthrough(source, key: str, folds: Folds, dtype: str, nonfinite: list | None = None) -> torch.Tensor:
-    """Source tensor with its fold rescaling applied, in its planned output dtype; float tensors
-    with NaN/Inf values are copied as they are and listed in ``nonfinite`` (key, count)."""
+def _copy(source, sink, key: str, folds: Folds, dtype: str, nonfinite: list, recipe: Recipe) -> None:
+    """Source tensor ``key`` into ``sink`` with its fold rescaling applied, in its planned output
+    dtype.  NaN/Inf in it are listed in ``nonfinite`` (key, count) and refused unless the recipe
+    allows them (``allow_nonfinite``: copied and noted) - a sampler would turn them into a black image."""
+    check_memory(source, key)
     t = read_rows_scaled(source, key, folds) if key in folds.rows else getattr(source, "base", source).read(key)
-    if nonfinite is not None and t.is_floating_point() and t.numel():
-        bad = int((~torch.isfinite(t)).sum())
-        if bad:
-            nonfinite.append((key, bad))
-    return t.to(TORCH_DTYPES[dtype])
-
-
-def _refuse_nonfinite(found: list, recipe: Recipe) -> None:
-    """NaN/Inf in a tensor about to be copied into the output: an error unless the recipe allows
-    them (``allow_nonfinite``: copied and noted) - a sampler would turn them into a black image."""
-    if found and not recipe.allow_nonfinite:
-        key, count = found[0]
-        raise QuantizeError(f"{key}: holds {count} NaN/Inf values; the output would too - quantize from an "
-                            f"undamaged model, or pass --allow-nonfinite to copy them as they are")
+    bad = int((~torch.isfinite(t)).sum()) if t.is_floating_point() and t.numel() else 0
+    if bad:
+        nonfinite.append((key, bad))
+        if not recipe.allow_nonfinite:
+            raise QuantizeError(f"{key}: holds {bad} NaN/Inf values; the output would too - quantize from an "
+                                f"undamaged model, or pass --allow-nonfinite to copy them as they are")
+    sink.write(key, t.to(TORCH_DTYPES[dtype]))
 
 
 # ====================================================================== the pipeline
-def output_metadata(plan: Plan, report: QuantReport, source_meta: dict, source_info: dict,
-                    stats_summary: str | None = None, report_width: int | None = None) -> dict[str, str]:
-    meta = {k: v for k, v in source_meta.items()
-            if k != QUANT_METADATA and not k.startswith(META_PREFIX)}
-    meta[QUANT_METADATA] = plan.quantization_metadata()
-    meta[META_VERSION] = __version__
-    meta[META_RECIPE] = plan.recipe.to_json()
-    meta[META_FAMILY] = plan.family.name
-    if plan.recipe.own_loader:
-        meta[META_LOADER] = OWN_LOADER  # stock ComfyUI cannot run these layers
-    meta[META_SOURCE] = json.dumps(source_info, sort_keys=True)
-    if stats_summary is not None:
-        meta[META_CALIBRATION] = stats_summary
-    meta[META_REPORT] = report.header_json() if report_width is None else fit_header(report, report_width)
-    return meta
-
-
 class Quantized(NamedTuple):
     """What ``quantize`` returns: the output state dict and its file's safetensors metadata (None
     where the output went to ``out`` or to the caller's ``sink``), and the report."""
@@ -153,36 +127,29 @@ def quantize_file(src: str | os.PathLike, out: str | os.PathLike, recipe: Recipe
 def _quantize_into(source, sink, recipe: Recipe, stats, source_info, progress, check_interrupt, family,
                    refuse_unknown: bool, shard, engine, prices) -> QuantReport:
     t0 = time.perf_counter()
-    _check_needs_stats(recipe, stats)
+    needs = recipe.needs_statistics()
+    if needs and stats is None:  # a file must not record an option that did nothing
+        raise PlanError(f"{', '.join(needs)} needs activation statistics: calibrate the model and pass the "
+                        f"statistics (--stats FILE, or the calibration input of Quantize Model)")
     no_gptq = stats is None and recipe.gptq
     recipe = recipe.without_statistics() if stats is None else recipe
-    if engine is not None and stats is None:
-        raise PlanError("the ModelOpt engine's choices go with activation statistics of the same model: "
-                        "calibrate it too (the same forward loop) and pass both")
-    if engine is not None and engine.format != recipe.format:
-        raise PlanError(f"the ModelOpt calibration was made for {engine.format}, the recipe asks {recipe.format}")
-    if engine is not None and engine.rank and recipe.lowrank != engine.rank:
-        raise PlanError(f"ModelOpt's SVDQuant calibration has a rank-{engine.rank} 16-bit branch per layer: "
-                        f"quantize with lowrank {engine.rank} (a file for comfy-modelopt's loader), not "
-                        f"{recipe.lowrank}")
+    if engine is not None:
+        engine.check(recipe, stats)
     if prices is not None and not recipe.planned:
         raise PlanError("prices are the planner's: give a budget or max_error too")
     plan, report = _plan_and_report(source, recipe, stats, family, refuse_unknown, progress, prices, engine)
     if no_gptq:
         report.notes.append("gptq: off - it needs activation statistics (calibrate for error-compensated rounding)")
     folds = Folds()
-    given = {n: l.smooth for n, l in engine.layers.items() if l.smooth is not None} if engine is not None else {}
     if engine is not None:
         report.notes.append(engine.note())
-        if given and not recipe.lowrank:  # own-loader low-rank layers carry the scales themselves
-            folds = plan_folds(plan, source, stats, recipe, progress, given=given)
+        if engine.smoothing() and not recipe.lowrank:  # own-loader low-rank layers carry the scales themselves
+            folds = plan_folds(plan, source, stats, recipe, progress, given=engine.smoothing())
     elif recipe.smoothing != "none" and not recipe.own_loader:  # own-loader files carry it per layer
         folds = plan_folds(plan, source, stats, recipe, progress)
     summary = stats.summary_json() if stats is not None else None
     info = dict(source_info or {})
-    per_layer = 120 + (220 if stats is not None else 0)
-    width = (len(json.dumps(report.header_json())) + per_layer * len(plan.layers) + 300 * len(plan.convs)
-             + 1024 + NONFINITE_NOTE_ROOM)
+    width = header_room(plan, report, stats is not None)
     sink.open(plan.entries(), output_metadata(plan, report, source.metadata, info, summary, width))
     try:
         _stream(plan, report, source, sink, stats, folds, progress, check_interrupt, shard)
@@ -194,15 +161,6 @@ def _quantize_into(source, sink, recipe: Recipe, stats, source_info, progress, c
         sink.abort()
         raise
     return report
-
-
-def _check_needs_stats(recipe: Recipe, stats) -> None:
-    """Options that only mean something with activation statistics are refused without them (a
-    file must not record an option that did nothing)."""
-    needs = recipe.needs_statistics()
-    if needs and stats is None:
-        raise PlanError(f"{', '.join(needs)} needs activation statistics: calibrate the model and pass the "
-                        f"statistics (--stats FILE, or the calibration input of Quantize Model)")
 
 
 def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto",
@@ -221,16 +179,7 @@ def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto
     plan = make_plan(source.tensors, recipe, stats=stats, refuse_unknown=refuse_unknown, family=family, engine=engine,
                      planner=checked)
     report = QuantReport(plan.family.name, recipe.to_dict(), [kept_report(l) for l in plan.layers])
-    for key, (dtype, shape) in plan.passthrough.items():
-        nbytes = source.nbytes[key]
-        report.passthrough_bytes += nbytes
-        report.passthrough_bytes_16bit += nbytes // ITEMSIZE[dtype] * 2 if dtype in FLOAT_DTYPES else nbytes
-    plan_notes(plan, report, stats)
-    report.notes.extend(plan.unmatched_patterns)
-    if plan.odd:
-        shown = ", ".join(f"{k} {list(sh)}" for k, sh in plan.odd[:3])
-        report.notes.append(f"{len(plan.odd)} tensors named like Linear weights are not 2-D and were copied "
-                            f"unchanged: {shown}{' ...' if len(plan.odd) > 3 else ''}")
+    plan_notes(plan, report, stats, source.nbytes)
     return plan, report
 
 
@@ -241,25 +190,11 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
     writes everything."""
     recipe, nonfinite = plan.recipe, []
     writes = shard is None or shard.rank == 0
-    for key, (dtype, _shape) in plan.passthrough.items():
-        if not writes:
-            break
-        check_memory(source, key)
-        sink.write(key, _passthrough(source, key, folds, dtype, nonfinite))
-        _refuse_nonfinite(nonfinite, recipe)
+    for key, (dtype, _shape) in plan.passthrough.items() if writes else ():
+        _copy(source, sink, key, folds, dtype, nonfinite, recipe)
     by_name = {l.name: i for i, l in enumerate(plan.layers)}
     total = len(plan.layers) + len(plan.convs)  # convolutions count toward the bar too
-    items = plan.layers + plan.convs
-    if shard is not None:
-        # measured on an H200 (GPTQ, Flux widths): a layer's time grows like k (n + k) - GPTQ's
-        # column loop, launch-bound, runs k steps over n rows - not like its k^3 Cholesky
-        quantized = plan.quantized
-        costs = [l.k * (l.n + l.k) for l in quantized]
-        owners = shard.assign(costs)
-        owner = dict(zip((l.name for l in quantized), owners))
-        if writes:  # rank 0: the copies, then the quantized layers as they should be ready
-            items = [l for l in items if isinstance(l, ConvPlan) or not l.quantized] + \
-                [quantized[i] for i in shard.collect_order(costs, owners)]
+    items, owner = (plan.layers + plan.convs, None) if shard is None else shard.schedule(plan)
     for done, layer in enumerate(items):
         if check_interrupt:
             check_interrupt()
@@ -273,9 +208,7 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
             report.layers.append(rep)
         elif not layer.quantized:
             if writes:
-                check_memory(source, key)
-                sink.write(key, _passthrough(source, key, folds, layer.tensors[key][0], nonfinite))
-                _refuse_nonfinite(nonfinite, recipe)
+                _copy(source, sink, key, folds, layer.tensors[key][0], nonfinite, recipe)
             continue
         elif shard is not None and owner[layer.name] != shard.rank:
             if not writes:

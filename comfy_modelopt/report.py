@@ -9,8 +9,11 @@ import json
 from dataclasses import dataclass, field
 
 from .errors import CheckpointError, one_line
-from .fileformat import CONV_FORMAT, own_base
+from . import __version__
+from .fileformat import (CONV_FORMAT, META_CALIBRATION, META_FAMILY, META_LOADER, META_PREFIX, META_RECIPE, META_REPORT,
+                         META_SOURCE, META_VERSION, OWN_LOADER, QUANT_METADATA, own_base)
 from .formats import FORMATS
+from .safetensors_io import FLOAT_DTYPES, ITEMSIZE
 
 
 ACT_WORST = 5  # layers the summary names by activation-rounding cost
@@ -292,9 +295,42 @@ def gptq_rows_note(report: QuantReport) -> str:
             "2^20 / (2 * inputs)) and, where calibration saw fewer rows than that, sample more prompts")
 
 
-def plan_notes(plan, report: QuantReport, stats) -> None:
-    """The report's notes on the plan: an unknown family's rules, fp8 without statistics, NaN/Inf
-    statistics, layers calibration never reached."""
+def output_metadata(plan, report: QuantReport, source_meta: dict, source_info: dict,
+                    stats_summary: str | None = None, report_width: int | None = None) -> dict[str, str]:
+    """The output file's safetensors metadata: the source's own (less any quantization entries),
+    ComfyUI's per-layer quantization map, and this pack's recipe, family, source, calibration
+    summary and report (fitted into ``report_width`` characters when given)."""
+    meta = {k: v for k, v in source_meta.items()
+            if k != QUANT_METADATA and not k.startswith(META_PREFIX)}
+    meta[QUANT_METADATA] = plan.quantization_metadata()
+    meta[META_VERSION] = __version__
+    meta[META_RECIPE] = plan.recipe.to_json()
+    meta[META_FAMILY] = plan.family.name
+    if plan.recipe.own_loader:
+        meta[META_LOADER] = OWN_LOADER  # stock ComfyUI cannot run these layers
+    meta[META_SOURCE] = json.dumps(source_info, sort_keys=True)
+    if stats_summary is not None:
+        meta[META_CALIBRATION] = stats_summary
+    meta[META_REPORT] = report.header_json() if report_width is None else fit_header(report, report_width)
+    return meta
+
+
+def header_room(plan, report: QuantReport, calibrated: bool) -> int:
+    """The bytes the file's header keeps for the report: written before the layers are encoded, so
+    the final report must fit the room it was given (``fit_header``)."""
+    per_layer = 120 + (220 if calibrated else 0)
+    return (len(json.dumps(report.header_json())) + per_layer * len(plan.layers) + 300 * len(plan.convs)
+            + 1024 + NONFINITE_NOTE_ROOM)
+
+
+def plan_notes(plan, report: QuantReport, stats, nbytes: dict) -> None:
+    """The report's bytes of copied tensors (``nbytes``: the source's, by key) and its notes on
+    the plan: an unknown family's rules, fp8 without statistics, NaN/Inf statistics, layers
+    calibration never reached, patterns that matched nothing, tensors named like weights that
+    are not 2-D."""
+    for key, (dtype, _shape) in plan.passthrough.items():
+        report.passthrough_bytes += nbytes[key]
+        report.passthrough_bytes_16bit += nbytes[key] // ITEMSIZE[dtype] * 2 if dtype in FLOAT_DTYPES else nbytes[key]
     fmt = plan.fmt  # the recipe's format (the planner's layers are checked per layer below)
     if plan.family.name == "unknown":
         kept = [l.rel for l in plan.kept if "unknown rule" in l.reason]
@@ -315,3 +351,8 @@ def plan_notes(plan, report: QuantReport, stats) -> None:
         if never:  # (the layers --weight-only names are counted by the report's weight-only line)
             what = "written weight-only" if fmt.needs_input_scale else "weight-only searches for them"
             report.notes.append(f"{len(never)} layers never ran during calibration ({what}), e.g. {never[0]}")
+    report.notes.extend(plan.unmatched_patterns)
+    if plan.odd:
+        shown = ", ".join(f"{k} {list(sh)}" for k, sh in plan.odd[:3])
+        report.notes.append(f"{len(plan.odd)} tensors named like Linear weights are not 2-D and were copied "
+                            f"unchanged: {shown}{' ...' if len(plan.odd) > 3 else ''}")

@@ -45,6 +45,8 @@ RUNTIMES = {r.label: r for r in (
 # (tests/comfyui/test_contract.py) but not yet measured in a whole run on a Hopper GPU
 NOT_OFFERED = {r.label: r for r in (
     Runtime("lean + cuda graphs + fp8 attention", cuda_graphs=True, attention="fp8"),
+    Runtime("lean + compiled blocks + cuda graphs + fp8 attention", cuda_graphs=True, compiled_blocks=True,
+            attention="fp8"),
 )}
 # The default, measured through the nodes (benchmarks/user_path.py, H200, fp8, 20 steps, one
 # process each, docs/benchmarks.md 0a): graphs over compiled blocks where the blocks can be
