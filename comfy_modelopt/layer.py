@@ -40,7 +40,7 @@ def quantize_layer(w: torch.Tensor, layer: LayerPlan, plan: Plan, layer_stats=No
     check_finite(layer.name, w)
     x = layer_stats.sample().to(w.device) if (layer_stats is not None and layer_stats.has_sample()) else None
     engine = plan.engine.layers.get(layer.rel) if plan.engine is not None else None
-    given = plan.recipe.format_options(layer.format)
+    given = plan.recipe.format_options(layer.fmt)
     notes = [f"{k}={v}" for k, v in layer.opts.items() if given.get(k) != v]  # shape-fitted
     if layer.format != plan.recipe.format:
         notes.insert(0, f"planner: {layer.format} (predicted {layer.predicted:.4f})")

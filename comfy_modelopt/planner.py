@@ -160,7 +160,7 @@ def solve_error(choices: list[Choice], max_error: float) -> int:
 
 def resolve_candidates(recipe) -> dict[str, tuple[Format, dict]]:
     names = recipe.candidates or DEFAULT_CANDIDATES
-    return {n: (FORMATS[n], recipe.format_options(n)) for n in names}
+    return {n: (FORMATS[n], recipe.format_options(FORMATS[n])) for n in names}
 
 
 def speed_note(chosen: dict[str, int]) -> str:

@@ -197,11 +197,11 @@ class Recipe:
             raise ValueError("the mixed-precision planner (budget) does not combine with smoothing or the "
                              "low-rank branch yet: quantize with one of them, or without them")
 
-    def format_options(self, fmt: str | None = None) -> dict:
-        """The fields a Format (this recipe's, or ``fmt``) reads (``Format.options``), passed to
-        its encode/plan/conf."""
+    def format_options(self, fmt=None) -> dict:
+        """The fields a Format (``fmt``, a ``Format``; else this recipe's) reads (``Format.options``),
+        passed to its encode/plan/conf."""
         from .formats import FORMATS
-        return {name: getattr(self, name) for name in FORMATS[fmt or self.format].options}
+        return {name: getattr(self, name) for name in (fmt or FORMATS[self.format]).options}
 
     def without_statistics(self) -> "Recipe":
         """This recipe as it runs without activation statistics: GPTQ (on by default) needs them,
