@@ -67,6 +67,7 @@ WAN_FULL = {"image_model": "wan2.1", "dim": 1536, "out_dim": 16, "num_heads": 12
             "patch_size": (1, 2, 2), "freq_dim": 256, "window_size": (-1, -1), "qk_norm": True,
             "cross_attn_norm": True, "eps": 1e-6, "in_dim": 16, "model_type": "t2v"}    # Wan 2.1 1.3B
 WAN_SMALL = dict(WAN_FULL, dim=256, num_heads=2, ffn_dim=512, num_layers=2)
+WAN_14B = dict(WAN_FULL, dim=5120, num_heads=40, ffn_dim=13824, num_layers=40)                # Wan 2.1 14B
 
 QWEN_FULL = {"image_model": "qwen_image", "in_channels": 64, "num_layers": 60}
 QWEN_SMALL = dict(QWEN_FULL, num_layers=1)  # width is fixed by ComfyUI's class (3072)
@@ -98,7 +99,7 @@ CONFIGS = {
     "sdxl": {"full": SDXL_FULL, "small": SDXL_SMALL},
     "sd3": {"full": SD3_FULL, "small": SD3_SMALL},
     "flux": {"full": FLUX_FULL, "small": FLUX_SMALL},
-    "wan": {"full": WAN_FULL, "small": WAN_SMALL},
+    "wan": {"full": WAN_FULL, "small": WAN_SMALL, "14b": WAN_14B},
     "qwen_image": {"full": QWEN_FULL, "small": QWEN_SMALL},
     "hunyuan_video": {"full": HUNYUAN_FULL, "small": HUNYUAN_SMALL},
     "ltxv": {"full": LTXV_FULL},

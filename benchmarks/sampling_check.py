@@ -1,11 +1,12 @@
 """Whole sampling runs - what a user sees - for a 16-bit model and its fp8 W8A8 file under every
 runtime the nodes offer.
 
-``python benchmarks/sampling_check.py --out DIR [--model sdxl|flux|wan|wan81] [--steps N] [--runs N]``
+``python benchmarks/sampling_check.py --out DIR [--model sdxl|flux|wan|wan81|wan14b] [--steps N] [--runs N]``
 builds the full-size model (random weights with channel outliers, ComfyUI's own classes),
 quantizes it to fp8 W8A8 with static input scales, and samples the same noise/conditioning
 through ComfyUI's KSampler path (``comfy.sample.sample``, euler/simple; Flux cfg 1, SDXL cfg 7, Wan 2.1
-1.3B cfg 5 at 17 frames of 512x512; ``wan81``: 81 frames of 832x480, the size it is made for)
+1.3B cfg 5 at 17 frames of 512x512; ``wan81``: 81 frames of 832x480, the size it is made for; ``wan14b``: the 14B's width at 33
+frames of 832x480)
 ``--runs`` times with:
 
 - the 16-bit model in stock ComfyUI (the baseline), and the same model in the other 16-bit
@@ -52,11 +53,14 @@ SPECS = {"sdxl": dict(family="sdxl", size="full", res=1024, dtype=torch.float16)
          "wan": dict(family="wan", size="full", res=512, frames=17, dtype=torch.bfloat16, txt=512),
          # ... at the size Wan 2.1 is made for: 81 frames of 832x480 (21 latent frames, 32,760 tokens per step)
          "wan81": dict(family="wan", size="full", res=(480, 832), frames=81, dtype=torch.bfloat16, txt=512),
+         # Wan 2.1 14B's width at 33 frames of 832x480 (9 latent frames, 14,040 tokens per step)
+         "wan14b": dict(family="wan", size="14b", res=(480, 832), frames=33, dtype=torch.bfloat16, txt=512),
          "flux": dict(family="flux", size="full", res=1024, dtype=torch.bfloat16, txt=512)}
 # --reduced: the same families at ComfyUI's small configurations (CPU smoke runs)
 REDUCED = {"sdxl": dict(family="sdxl", size="small", res=64, dtype=torch.float32),
            "wan": dict(family="wan", size="small", res=64, frames=5, dtype=torch.float32, txt=16),
            "wan81": dict(family="wan", size="small", res=(48, 80), frames=9, dtype=torch.float32, txt=16),
+           "wan14b": dict(family="wan", size="small", res=(48, 80), frames=9, dtype=torch.float32, txt=16),
            "flux": dict(family="flux", size="small", res=64, dtype=torch.float32, txt=16, inputs="flux_small")}
 POOLED = {"sdxl": 1280}  # SDXL's ADM vector = pooled CLIP-G output (1280) + 6 size embeddings (1536)
 
