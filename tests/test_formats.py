@@ -223,3 +223,25 @@ def test_no_module_outside_the_formats_package_names_a_format():
             if isinstance(node, ast.Constant) and node.value in NAMES:
                 found.append(f"{path.relative_to(root)}:{node.lineno} {node.value}")
     assert [f.split(":")[0] for f in found] == ["recipe.py"], found  # DEFAULT_FORMAT
+
+
+def test_a_format_is_its_file_and_its_name(tmp_path, monkeypatch):
+    """The table of formats is built from the Format instances the package's files define: a new
+    file (here in a folder added to the package's path) and its name in NAMES are all it takes,
+    and a file whose format NAMES does not list is refused with the file named."""
+    import sys
+
+    import comfy_modelopt.formats as formats
+
+    (tmp_path / "e4m3_copy.py").write_text(
+        "from comfy_modelopt.formats.fp8 import _FP8_KW, Fp8Format\n"
+        "E4M3_COPY = Fp8Format(name='e4m3_copy', **_FP8_KW)\n")
+    monkeypatch.setattr(formats, "__path__", [*formats.__path__, str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "comfy_modelopt.formats.e4m3_copy", raising=False)
+    with pytest.raises(ImportError, match=r"e4m3_copy \(formats/e4m3_copy.py\)"):
+        formats._discover()
+    monkeypatch.setattr(formats, "NAMES", (*formats.NAMES, "e4m3_copy"))
+    table = formats._discover()
+    assert list(table) == list(formats.NAMES) and table["e4m3_copy"].layout == "TensorCoreFP8Layout"
+    assert table["float8_e4m3fn"] is formats.FORMATS["float8_e4m3fn"]
+    sys.modules.pop("comfy_modelopt.formats.e4m3_copy", None)

@@ -1,6 +1,7 @@
 """Quantization formats, one per ComfyUI ``QUANT_ALGOS`` key, one file each (base.py holds the
-contract every format fulfils).  ``FORMATS`` is the one table of them; no other module tests a
-format's name.
+contract every format fulfils).  ``FORMATS`` is the one table of them, built from the ``Format``
+instances the files of this package define; no other module tests a format's name.  A new
+format is its file, its name in ``NAMES`` and its test.
 
 ``NAMES`` (and the ConvRot groups) are plain values, importable without torch - the command
 line's help lists them; everything else is imported from the format files on first use.
@@ -29,17 +30,31 @@ _exported = exports(__name__, _FROM, globals())
 
 def __getattr__(name: str):
     if name == "FORMATS":
-        from .convrot_w4a4 import CONVROT_W4A4
-        from .fp8 import FLOAT8_E4M3FN, FLOAT8_E5M2
-        from .int8 import INT8_TENSORWISE
-        from .mxfp8 import MXFP8
-        from .nvfp4 import NVFP4
-        table = {f.name: f for f in (FLOAT8_E4M3FN, FLOAT8_E5M2, INT8_TENSORWISE, MXFP8, NVFP4, CONVROT_W4A4)}
-        if tuple(table) != NAMES:
-            raise ImportError(f"formats/__init__.py: NAMES {NAMES} does not list the formats {tuple(table)}")
+        table = _discover()
         globals()["FORMATS"] = table
         return table
     return _exported(name)
+
+
+def _discover() -> dict:
+    """Every ``Format`` instance defined at the top of a module of this package, in ``NAMES``'s
+    order (an ImportError naming the file where a format and ``NAMES`` disagree)."""
+    import importlib
+    import pkgutil
+
+    from .base import Format
+    found = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for value in vars(module).values():
+            if isinstance(value, Format) and found.setdefault(value.name, (value, info.name))[0] is not value:
+                raise ImportError(f"formats/{info.name}.py: a second format named {value.name!r} "
+                                  f"(formats/{found[value.name][1]}.py has one)")
+    if set(found) != set(NAMES):
+        odd = [f"{n} (formats/{found[n][1]}.py)" for n in found if n not in NAMES] + \
+            [f"{n} (no file defines it)" for n in NAMES if n not in found]
+        raise ImportError(f"formats/__init__.py: NAMES {NAMES} and the formats defined disagree: {', '.join(odd)}")
+    return {n: found[n][0] for n in NAMES}
 
 
 def get_format(name: str):
