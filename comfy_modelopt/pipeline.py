@@ -217,15 +217,7 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
             tensors, text = shard.recv_layer(planned, owner[layer.name])
             report.layers[by_name[layer.name]] = LayerReport.from_json(layer.name, text)
         else:
-            check_memory(source, key, float32_copies=3)
-            w = read_rows_scaled(source, key, folds) if key in folds.rows else source.read(key)
-            layer_stats = stats.layer(layer.rel) if stats is not None and stats.has(layer.rel) else None
-            tensors, rep = quantize_layer(w, layer, plan, layer_stats, smooth=folds.consumer.get(layer.name))
-            del w
-            if (recipe.smoothing != "none" and not recipe.own_loader) or layer.name in folds.notes:
-                fold_note = folds.notes.get(layer.name, "smoothing skipped: no exact fold into a stock "
-                                                        "ComfyUI file for this layer")
-                rep.notes = ", ".join(x for x in (fold_note, rep.notes) if x)
+            tensors, rep = _encode(source, layer, plan, stats, folds)
             if not writes:  # encoded here, written by rank 0
                 shard.send_layer(tensors, rep.header_json())
                 continue
@@ -242,6 +234,21 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
         note = gptq_rows_note(report)
         if note:
             report.notes.append(note)
+
+
+def _encode(source, layer, plan: Plan, stats, folds: Folds) -> tuple[dict, LayerReport]:
+    """One quantized layer read (with its fold rescaling), encoded, and its report noting the
+    smoothing fold."""
+    key, recipe = layer.name + ".weight", plan.recipe
+    check_memory(source, key, float32_copies=3)
+    w = read_rows_scaled(source, key, folds) if key in folds.rows else source.read(key)
+    layer_stats = stats.layer(layer.rel) if stats is not None and stats.has(layer.rel) else None
+    tensors, rep = quantize_layer(w, layer, plan, layer_stats, smooth=folds.consumer.get(layer.name))
+    if (recipe.smoothing != "none" and not recipe.own_loader) or layer.name in folds.notes:
+        fold_note = folds.notes.get(layer.name, "smoothing skipped: no exact fold into a stock ComfyUI file for "
+                                                "this layer")
+        rep.notes = ", ".join(x for x in (fold_note, rep.notes) if x)
+    return tensors, rep
 
 
 def _stats_of(stats):
