@@ -43,7 +43,7 @@ import common  # noqa: E402
 from comfy_modelopt.comfyui.compiled_blocks import rounding_noise  # noqa: E402
 from comfy_modelopt.comfyui.cuda_graphs import CudaGraphs  # noqa: E402
 from comfy_modelopt.comfyui.lean import make_lean  # noqa: E402
-from comfy_modelopt.comfyui.runtime import NOT_OFFERED, RUNTIMES, apply_runtime  # noqa: E402
+from comfy_modelopt.comfyui.runtime import RUNTIMES, apply_runtime  # noqa: E402
 from comfy_modelopt.graph_memory import AllocationTrace  # noqa: E402
 
 EAGER_NOISE = "lean, input rounded once more per call (eager's own noise)"
@@ -77,7 +77,7 @@ def conds(family: str, inputs: str, txt: int, dtype):
 
 STOCK_16BIT, OTHER_16BIT, STOCK_FP8 = "16-bit, stock ComfyUI", "other 16-bit dtype, stock", "fp8 file, stock ComfyUI"
 # the variants that sample the calibrated fp8 file: stock ComfyUI, each of our runtimes, eager's own noise
-FP8_VARIANTS = [STOCK_FP8] + [r for r in RUNTIMES if r != "stock"] + list(NOT_OFFERED) + [EAGER_NOISE]
+FP8_VARIANTS = [STOCK_FP8] + [r for r in RUNTIMES if r != "stock"] + [EAGER_NOISE]
 # --quality: files made with these recipes from one calibration (8 noise levels, statistics with
 # sampled rows), sampled in stock ComfyUI: the final-latent difference a user sees per format
 QUALITY_RECIPES = {
@@ -206,8 +206,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--runs", type=int, default=3, help="whole runs per variant (first + steady)")
     ap.add_argument("--runtimes", nargs="*", default=None,
-                    help=f"variants to run (default all but the runtimes the nodes do not offer yet): {STOCK_16BIT!r}, "
-                         f"{OTHER_16BIT!r}, {STOCK_FP8!r}, the runtimes {list(RUNTIMES)}, {list(NOT_OFFERED)}, "
+                    help=f"variants to run (default all): {STOCK_16BIT!r}, "
+                         f"{OTHER_16BIT!r}, {STOCK_FP8!r}, the runtimes {list(RUNTIMES)}, "
                          f"{EAGER_NOISE!r}")
     ap.add_argument("--profile", action="store_true",
                     help="after its runs, profile one more steady run of each variant (torch.profiler: where the "
@@ -232,7 +232,7 @@ def main(argv=None):
     if unknown:
         ap.error(f"unknown --quality-recipes {sorted(unknown)}; choose from {list(QUALITY_RECIPES)}")
     spec = (REDUCED if a.reduced else SPECS)[a.model]
-    wanted = a.runtimes or [STOCK_16BIT, OTHER_16BIT] + [v for v in FP8_VARIANTS if v not in NOT_OFFERED]
+    wanted = a.runtimes or [STOCK_16BIT, OTHER_16BIT] + FP8_VARIANTS
     later = [v for v in FP8_VARIANTS if v in wanted]
     os.makedirs(a.out, exist_ok=True)
     _, sd = architectures.build(spec["family"], spec["size"], seed=0, dtype=spec["dtype"], weights_device=common.DEVICE)

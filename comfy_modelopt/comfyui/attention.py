@@ -19,7 +19,10 @@ one constant, the softmax not at all) and each value channel's mean (added back 
 softmax rows sum to one) - so outlier channels do not set every head's scale.  Only for
 self-attention of at least ``FP8_MIN_TOKENS`` tokens: at Flux's 4,608 quantizing Q/K/V costs
 more than the kernel saves (benchmarks/attention8.py), at video lengths attention is most of
-the forward.
+the forward.  Per call on an H200 (2026-12-02, Q/K/V quantized eagerly): 1.37x bf16 at Wan's
+32,760 tokens, 1.04x at Flux 2048x2048's 16,896, its error 2.9% against bf16's 0.2%; in whole
+Wan runs (runtime.py) 1.50x / 1.59x bf16 with compiled blocks (which fuse the quantization), the
+final latent within eager's own rounding noise.
 """
 from __future__ import annotations
 

@@ -38,16 +38,20 @@ RUNTIMES = {r.label: r for r in (
     Runtime("lean + cuda graphs", cuda_graphs=True),
     Runtime("lean + compiled blocks + cuda graphs", cuda_graphs=True, compiled_blocks=True),
     Runtime("lean + cuda graphs + int8 attention", cuda_graphs=True, attention="int8"),
-    Runtime("stock", lean=False),
-)}
-# runtimes the benchmarks run (sampling_check.py) and the nodes do not offer yet: FlashAttention-3's
-# FP8 attention is checked on the CPU against a re-statement of the kernel in real ComfyUI models
-# (tests/comfyui/test_contract.py) but not yet measured in a whole run on a Hopper GPU
-NOT_OFFERED = {r.label: r for r in (
     Runtime("lean + cuda graphs + fp8 attention", cuda_graphs=True, attention="fp8"),
     Runtime("lean + compiled blocks + cuda graphs + fp8 attention", cuda_graphs=True, compiled_blocks=True,
             attention="fp8"),
+    Runtime("stock", lean=False),
 )}
+# FP8 attention (FlashAttention-3, ``pip install fa3-fwd``, Hopper) is opt-in: it changes attention's
+# numerics (2.9% per call against bf16's 0.2%, H200, benchmarks/attention8.py) and acts only on
+# self-attention of at least attention.FP8_MIN_TOKENS tokens - video.  Measured in whole runs on
+# an H200 (sampling_check.py, fp8 W8A8, 2026-12-02, results/2026-12-02d-h200-wan-fp8-attention/):
+# Wan 2.1 1.3B, 81 frames of 832x480, 20 steps: bf16 22.10 s; compiled blocks + graphs 20.03 s
+# (1.10x), + fp8 attention 14.69 s (1.50x); lean + graphs + fp8 attention 16.75 s (1.32x).  Wan
+# 2.1 14B's width at 33 frames, 10 steps: bf16 18.28 s; lean + graphs 1.31x, compiled 1.35x, + fp8
+# attention 1.59x.  Its final latent moved 0.0143 from the same file in stock ComfyUI - less than
+# rounding every model input once more does (0.0148).
 # The default, measured through the nodes (benchmarks/user_path.py, H200, fp8, 20 steps, one
 # process each, docs/benchmarks.md 0a): graphs over compiled blocks where the blocks can be
 # compiled before the first image - Quantize Model with a calibration compiles them for the
@@ -75,7 +79,11 @@ RUNTIME_TOOLTIP = ("auto (default): lean + compiled blocks + cuda graphs where t
                    "logged reason if they differ; needs Triton; + int8 attention: kitchen's SageAttention-style "
                    "INT8 attention "
                    "(changes attention numerics; left off on Hopper, where it measured slower than cuDNN's "
-                   "flash attention); stock: ComfyUI's own layers.")
+                   "flash attention); + fp8 attention: FlashAttention-3's FP8 forward for video-length "
+                   "self-attention (12,288+ tokens) on Hopper, pip install fa3-fwd - changes attention "
+                   "numerics (final latent within eager's own rounding noise): Wan 2.1 81 frames 832x480 "
+                   "1.50x bf16 with compiled blocks (1.10x without it), 14B width 1.59x (1.35x); "
+                   "stock: ComfyUI's own layers.")
 
 DEQUANT_CACHE_TOOLTIP = ("GiB of VRAM for 16-bit copies of the weights this GPU cannot compute natively "
                          "(nvfp4/mxfp8 before Blackwell): those layers then skip dequantizing on every call "
@@ -85,7 +93,7 @@ DEQUANT_CACHE_TOOLTIP = ("GiB of VRAM for 16-bit copies of the weights this GPU 
 
 def runtime_of(label: str) -> Runtime:
     try:
-        return RUNTIMES[label] if label in RUNTIMES else NOT_OFFERED[label]
+        return RUNTIMES[label]
     except KeyError:
         raise ValueError(f"unknown runtime {label!r}; choose one of: {', '.join(RUNTIMES)}") from None
 
