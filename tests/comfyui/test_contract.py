@@ -456,3 +456,43 @@ def test_the_fp8_attention_override_takes_every_familys_attention_calls(source, 
     assert ran, f"no attention call took the fp8 path: {seen[:3]}"
     rel = float((out - base).norm() / base.norm())
     assert 0 < rel < 0.1, rel
+
+
+def test_compiled_blocks_trace_through_the_fp8_attention(source, monkeypatch):
+    """`lean + compiled blocks + cuda graphs + fp8 attention`: the compiled blocks trace through
+    the FP8 attention override (on the GPU FlashAttention-3's kernel is a torch custom op; here
+    the torch re-statement of it), keep the block's options callable, and match eager."""
+    from comfy_modelopt.comfyui import attention as att
+    from comfy_modelopt.comfyui.compiled_blocks import CompiledBlocks, rounding_noise
+    from comfy_modelopt.comfyui.lean import make_lean
+    from test_attention8 import reference_kernel
+    monkeypatch.setattr(att, "KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(att, "FP8_MIN_TOKENS", 1)
+    monkeypatch.setattr(att, "HEAD_DIMS", range(1, 513))
+    ran = []
+
+    def kernel(*args, **kwargs):
+        ran.append(torch.compiler.is_compiling())
+        return reference_kernel(*args, **kwargs)
+    monkeypatch.setattr(att, "fa3_kernel", lambda: (kernel, ""))
+    src, folder, _, _ = source("wan")
+    out = str(folder / "wan-fp8-compiled-attention.safetensors")
+    assert cli.main(["quantize", src, "-o", out, "--format", "float8_e4m3fn", "--weight-scale", "absmax",
+                     "--overwrite", "-q"]) == 0
+    patcher = att._with_override(comfy.sd.load_diffusion_model(out), att.fp8_attention_override)
+    comfy.model_management.load_models_gpu([patcher])
+    assert make_lean(patcher) > 0
+    kw = inputs("wan")
+    x = kw.pop("x")
+    t, topts = torch.tensor([0.7]), patcher.model_options["transformer_options"]
+    with torch.inference_mode():
+        run = lambda: patcher.model.apply_model(x, t, transformer_options=topts, **kw)  # noqa: E731
+        ref = run()
+        assert ran, "no attention call took the fp8 path"
+        ran.clear()
+        cb = CompiledBlocks(patcher.model.diffusion_model)
+        ok = cb.validate(run, ref, lambda: patcher.model.apply_model(rounding_noise(x, torch.bfloat16), t,
+                                                                     transformer_options=topts, **kw))
+    assert ok, cb.reason
+    assert any(ran), "the compiler never traced the fp8 attention"  # inside the compiled blocks
+    assert cb.checks[-1]["rel_l2"] <= cb.checks[-1]["limit"], cb.checks[-1]
