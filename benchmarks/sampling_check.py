@@ -206,9 +206,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--runs", type=int, default=3, help="whole runs per variant (first + steady)")
     ap.add_argument("--runtimes", nargs="*", default=None,
-                    help=f"variants to run (default all): {STOCK_16BIT!r}, "
-                         f"{OTHER_16BIT!r}, {STOCK_FP8!r}, the runtimes {list(RUNTIMES)}, "
-                         f"{EAGER_NOISE!r}")
+                    help=f"variants to run (default all): {STOCK_16BIT!r}, {OTHER_16BIT!r}, {STOCK_FP8!r}, "
+                         f"the runtimes {list(RUNTIMES)}, {EAGER_NOISE!r}")
     ap.add_argument("--profile", action="store_true",
                     help="after its runs, profile one more steady run of each variant (torch.profiler: where the "
                          "wall time of a whole run goes outside the model's kernels)")

@@ -143,8 +143,9 @@ def _quantize_into(source, sink, recipe: Recipe, stats, source_info, progress, c
     folds = Folds()
     if engine is not None:
         report.notes.append(engine.note())
-        if engine.smoothing() and not recipe.lowrank:  # own-loader low-rank layers carry the scales themselves
-            folds = plan_folds(plan, source, stats, recipe, progress, given=engine.smoothing())
+        given = engine.smoothing()
+        if given and not recipe.lowrank:  # own-loader low-rank layers carry the scales themselves
+            folds = plan_folds(plan, source, stats, recipe, progress, given=given)
     elif recipe.smoothing != "none" and not recipe.own_loader:  # own-loader files carry it per layer
         folds = plan_folds(plan, source, stats, recipe, progress)
     summary = stats.summary_json() if stats is not None else None

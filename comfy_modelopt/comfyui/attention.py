@@ -32,7 +32,8 @@ import torch
 from ..formats import F8_E4M3_MAX
 
 # below this many query and key tokens the fp8 path leaves attention to ComfyUI (per call, H200,
-# cuDNN's FP8 SDPA with Q/K/V quantized: 0.92x bf16 at 4,608 and 5,120 tokens, 1.35x at 16,896)
+# Q/K/V quantized: cuDNN's FP8 SDPA 0.92x bf16 at 4,608 and 5,120 tokens; FlashAttention-3's
+# FP8 forward 1.04x at 16,896, 1.37x at 32,760 - benchmarks/attention8.py)
 FP8_MIN_TOKENS = 12288
 KERNEL_DEVICES = ("cuda",)  # where the fp8 path runs (tests add "cpu", with a reference kernel)
 HEAD_DIMS = (64, 96, 128, 192, 256)  # what fa3-fwd 0.0.3 is built for
