@@ -4,7 +4,8 @@
 (The team's shared probe, tools/user_path_probe.py, kept here so that docs/benchmarks.md section
 0a can be rerun from the repository; --log-info adds the pack's INFO log - compilation, capture.)
 
-Flux (bf16) or SDXL (fp16), full size, random weights with channel outliers (an init of its own, not the
+Flux (bf16), SDXL (fp16) or Wan 2.1 (bf16: wan81 = the 1.3B at 81 frames of 832x480, wan14b = the 14B's
+width at 33 frames), full size, random weights with channel outliers (an init of its own, not the
 project's):
   1. stock 16-bit model (comfy.sd.load_diffusion_model_state_dict) -> whole KSampler runs
      (comfy.sample.sample, euler/simple, N steps): wall time per run, final latent
@@ -17,18 +18,20 @@ project's):
   of the 16-bit, the node's and the stock-loaded model; --budget F runs the planner.
 Prints wall times, speed ratios vs stock 16-bit, latent rel-L2 between variants, peak VRAM; writes JSON to --out.
 Usage (COMFYUI_PATH set, project importable):
-  python benchmarks/user_path.py --model flux|sdxl --out DIR [--steps 20] [--runs 4] [--runtime "..."] [--format F]
-  python benchmarks/user_path.py --model flux --cpu-tiny --runs 2 --steps 3   (a CPU smoke run)
+  python benchmarks/user_path.py --model flux|sdxl|wan81|wan14b --out DIR [--steps 20] [--runs 4] [--runtime "..."]... [--format F]
+  python benchmarks/user_path.py --model flux|wan81 --cpu-tiny --runs 2 --steps 3   (a CPU smoke run)
 """
 import argparse, json, math, os, sys, time, gc
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--model", default="flux")
+ap.add_argument("--model", default="flux", choices=("flux", "sdxl", "wan81", "wan14b"))
 ap.add_argument("--out", default=os.environ.get("OUT", "verify_out"))
 ap.add_argument("--steps", type=int, default=20)
 ap.add_argument("--runs", type=int, default=3)
 ap.add_argument("--format", default="float8_e4m3fn")
-ap.add_argument("--runtime", default=None, help="default: the nodes' default (auto)")
+ap.add_argument("--runtime", action="append", default=[],
+                help="the Quantize node's runtime (default: the nodes' default, auto); repeatable: the node runs "
+                     "once per runtime on the same calibration, each quantized model's runs side by side")
 ap.add_argument("--smoothing", default="none")
 ap.add_argument("--lowrank", type=int, default=0)
 ap.add_argument("--budget", type=float, default=0.0)
@@ -54,14 +57,18 @@ ap.add_argument("--fresh-load", action="store_true",
                      "Model (its default runtime) next to the stock 16-bit model; its rows are added here")
 ap.add_argument("--keep-files", default=None, metavar="DIR",
                 help="write the 16-bit model and the saved quantized file to DIR and keep them (for server_path.py)")
+ap.add_argument("--profile-first", action="store_true",
+                help="run each quantized variant's first image under cProfile; the top functions go to "
+                     "profile_first_*.txt in --out (where a LoRA's re-quantizing load or a compilation goes)")
 ap.add_argument("--load-file", default=None, help=argparse.SUPPRESS)  # the fresh process's side of --fresh-load
 ap.add_argument("--profile-node", action="store_true",
-                help="run the Quantize node under cProfile; the top functions go to profile_node.txt in --out")
+                help="run the Quantize node under cProfile; the top functions go to profile_first_node_*.txt in --out")
 A = ap.parse_args()
-if A.cpu_tiny and A.model != "flux":
+if A.cpu_tiny and A.model == "sdxl":
     # ComfyUI recognises SDXL by its exact UNet config (320 channels, depths 2/2/10): a shrunken one
     # is no model it knows, and the full one is too large for a CPU smoke run
-    ap.error("--cpu-tiny runs Flux only (a tiny SDXL config is not one ComfyUI detects)")
+    ap.error("--cpu-tiny runs Flux or Wan (a tiny SDXL config is not one ComfyUI detects)")
+WAN = A.model.startswith("wan")
 if A.log_info:
     import logging
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)7.0f ms %(levelname)s %(message)s")
@@ -122,6 +129,11 @@ def random_state_dict(kind, dtype):
         fake = flux_meta(*( (256, 2, 2, 256) if A.cpu_tiny else (3072, 19, 38, 4096)))
         cfg = md.detect_unet_config(fake, "")
         mc = md.model_config_from_unet_config(cfg, fake)
+    elif WAN:
+        import architectures  # Wan 2.1's configurations (benchmarks/architectures.py)
+        cfg = dict(architectures.WAN_SMALL if A.cpu_tiny else
+                   architectures.WAN_14B if A.model == "wan14b" else architectures.WAN_FULL)
+        mc = md.model_config_from_unet_config(cfg)
     else:
         cfg = dict(SDXL_CFG)
         if A.cpu_tiny:
@@ -146,7 +158,7 @@ def random_state_dict(kind, dtype):
             t = torch.ones(v.shape, device=dev)
         # give a few input channels of every Linear's producer real outlier structure: scale some
         # columns of the weight (mimics trained models' channel-wise outliers)
-        if v.ndim == 2 and v.shape[1] >= 256 and ("mlp.0" in k or "ff.net.0" in k or "qkv" in k or "linear1" in k):
+        if v.ndim == 2 and v.shape[1] >= 256 and ("mlp.0" in k or "ff.net.0" in k or "ffn.0" in k or "qkv" in k or "linear1" in k):
             idx = torch.randperm(v.shape[1], generator=g, device=dev)[: max(1, v.shape[1] // 128)]
             t[:, idx] *= 8.0
         sd[k] = t.to(dtype).cpu()
@@ -157,7 +169,7 @@ def random_lora(sd, rank):
     """A LoRA state dict in ComfyUI's plain key style for every block Linear weight of the model."""
     g = torch.Generator().manual_seed(3); out = {}
     for k, v in sd.items():
-        if v.ndim != 2 or not k.endswith(".weight") or not any(b in k for b in ("double_blocks", "single_blocks", "transformer_blocks")):
+        if v.ndim != 2 or not k.endswith(".weight") or not any(b in k for b in ("double_blocks", "single_blocks", "transformer_blocks", "blocks.")):
             continue
         base = "diffusion_model." + k[: -len(".weight")]
         out[base + ".lora_down.weight"] = (torch.randn(rank, v.shape[1], generator=g) / math.sqrt(v.shape[1])).to(torch.bfloat16)
@@ -178,6 +190,9 @@ def conds(kind, dtype):
         pos = [[ctx, {"pooled_output": pooled, "guidance": 3.5}]]
         neg = [[torch.zeros_like(ctx), {"pooled_output": pooled, "guidance": 3.5}]]
         return pos, neg, 1.0
+    if WAN:  # umT5-XXL's 4096-wide text embeddings, cfg 5 (Wan 2.1's)
+        ctx = torch.randn(1, 16 if A.cpu_tiny else 512, 4096, generator=g)
+        return [[ctx, {}]], [[torch.zeros_like(ctx), {}]], 5.0
     ctx = torch.randn(1, 77, 2048, generator=g)
     pooled = torch.randn(1, 1280, generator=g)
     extra = {"pooled_output": pooled, "width": 1024, "height": 1024}
@@ -185,6 +200,9 @@ def conds(kind, dtype):
 
 
 def latent(kind):
+    if WAN:  # the video VAE's strides: 4x in time, 8x in space
+        frames, h, w = (9, 48, 80) if A.cpu_tiny else (33 if kind == "wan14b" else 81, 480, 832)
+        return torch.zeros(1, 16, (frames - 1) // 4 + 1, h // 8, w // 8)
     res = 64 if A.cpu_tiny else 1024
     ch = 16 if kind == "flux" else 4
     return torch.zeros(1, ch, res // 8, res // 8)
@@ -203,14 +221,29 @@ def sync():
         torch.cuda.synchronize()
 
 
-def timed_runs(label, model, pos, neg, cfg):
+def profiled(label, fn):
+    """fn() under cProfile; its top functions (cumulative and own time) written beside the results."""
+    import cProfile, io as _io, pstats
+    prof = cProfile.Profile()
+    out = prof.runcall(fn)
+    text = _io.StringIO()
+    for key in ("cumulative", "tottime"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
+    slug = "".join(ch if ch.isalnum() else "_" for ch in label)[:80]
+    with open(os.path.join(A.out, f"profile_first_{slug}.txt"), "w") as f:
+        f.write(text.getvalue())
+    return out
+
+
+def timed_runs(label, model, pos, neg, cfg, profile=False):
     times, out = [], None
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
     for i in range(A.runs):
         sync(); t0 = time.perf_counter()
-        out = sample(model, pos, neg, cfg)
-        sync(); times.append(time.perf_counter() - t0)
+        run = lambda: (sample(model, pos, neg, cfg), sync())[0]
+        out = profiled(label, run) if profile and i == 0 else run()
+        times.append(time.perf_counter() - t0)
         log(f"{label}: run {i + 1} {times[-1]:.3f} s")
     peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else None
     row = {"variant": label, "run_s": [round(t, 3) for t in times], "steady_s": round(min(times[1:] or times), 3),
@@ -253,11 +286,22 @@ def fresh_load(path):
     return child["rows"]
 
 
+def quantize_node(base, stats, runtime, chosen):
+    """The Quantize Model node as ComfyUI calls it; (its output, seconds)."""
+    node = lambda: N.ModelOptQuantizeUNet.execute(model=base, format=A.format, weight_scale="mse", input_scale="mse",
+                                                  smoothing=A.smoothing, static_nvfp4_input=False,
+                                                  keep="", runtime=runtime, lowrank=A.lowrank, calibration=stats,
+                                                  **({"weight_only": A.weight_only} if A.weight_only else {}),
+                                                  **chosen, **({"budget": A.budget} if A.budget else {}))
+    t0 = time.perf_counter()
+    out = profiled(f"node_{A.model}_{A.format}", node) if A.profile_node else node()
+    return out, time.perf_counter() - t0
+
 def main():
-    dtype = torch.bfloat16 if A.model == "flux" else torch.float16
+    dtype = torch.float16 if A.model == "sdxl" else torch.bfloat16
     from comfy_modelopt.comfyui.runtime import DEFAULT_RUNTIME
-    runtime = A.runtime or DEFAULT_RUNTIME  # the nodes' default
-    RES["runtime"] = runtime
+    runtimes = A.runtime or [DEFAULT_RUNTIME]  # the nodes' default
+    RES["runtime"] = runtimes[0] if len(runtimes) == 1 else runtimes
     tmp = A.keep_files or os.path.join(A.out, "models"); os.makedirs(tmp, exist_ok=True)
     folder_paths.add_model_folder_path("diffusion_models", tmp, is_default=True)
     t0 = time.perf_counter()
@@ -273,7 +317,8 @@ def main():
     base = comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options={"dtype": dtype})
     lora = random_lora(sd, A.lora) if A.lora else None
     RES["lora_tensors"] = len(lora) if lora else 0
-    lat16, row16 = timed_runs(f"{dtype} stock" + (f" + LoRA r{A.lora}" if lora else ""), with_lora(base, lora) if lora else base, pos, neg, cfg)
+    lat16, row16 = timed_runs(f"{dtype} stock" + (f" + LoRA r{A.lora}" if lora else ""), with_lora(base, lora) if lora else base,
+                              pos, neg, cfg, profile=A.profile_first)
     if A.load_file:
         del base, sd; gc.collect(); mm.unload_all_models(); mm.soft_empty_cache()
         quantized_from_file(A.load_file, lora, row16, lat16, pos, neg, cfg)
@@ -297,46 +342,34 @@ def main():
     t_cal = time.perf_counter() - t0
     log(f"calibration {t_cal:.1f} s")
 
-    t0 = time.perf_counter()
     from comfy_modelopt.recipe import Recipe
     flags = ("gptq", "gptq_act_order", "convrot", "sensitivity")
     given = {k: getattr(A, k) for k in flags if getattr(A, k) is not None}
     chosen = {k: given.get(k, getattr(Recipe(), k)) for k in flags}
     RES["recipe_flags"] = chosen
-    node = lambda: N.ModelOptQuantizeUNet.execute(model=base, format=A.format, weight_scale="mse", input_scale="mse",
-                                                  smoothing=A.smoothing, static_nvfp4_input=False,
-                                                  keep="", runtime=runtime, lowrank=A.lowrank, calibration=stats,
-                                                  **({"weight_only": A.weight_only} if A.weight_only else {}),
-                                                  **chosen, **({"budget": A.budget} if A.budget else {}))
-    if A.profile_node:
-        import cProfile
-        prof = cProfile.Profile()
-        out = prof.runcall(node)
-    else:
-        out = node()
-    t_q = time.perf_counter() - t0
-    if A.profile_node:
-        import io as _io, pstats
-        text = _io.StringIO()
-        for key in ("cumulative", "tottime"):
-            pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
-        with open(os.path.join(A.out, f"profile_node_{A.model}_{A.format}.txt"), "w") as f:
-            f.write(text.getvalue())
-    qmodel, report = out.args[0], out.args[1]
-    log(f"quantize node {t_q:.1f} s"); log(report.splitlines()[0:4])
-    RES["calibrate_s"] = round(t_cal, 1); RES["quantize_s"] = round(t_q, 1); RES["report_head"] = report[:2000]
-    latq, rowq = timed_runs(f"{A.format} project node, {runtime}" + (f" + LoRA r{A.lora}" if lora else ""),
-                            with_lora(qmodel, lora) if lora else qmodel, pos, neg, cfg)
-    rowq["vs_16bit_stock"] = round(row16["steady_s"] / rowq["steady_s"], 3)
-    rowq["rel_vs_16bit"] = round(rel(latq, lat16), 5)
-    runner = qmodel.model_options.get("model_function_wrapper")
-    if runner is not None and hasattr(runner, "capture_seconds"):
-        rowq["graphs"] = {"captures": runner.captures, "capture_s": runner.capture_seconds,
-                          "compile_check_s": runner.compile_seconds, "pool_sizing": runner.pool_sizing,
-                          "compiled_checks": runner.compiled.checks if runner.compiled is not None else None}
-        log(json.dumps(rowq["graphs"], default=str))
-    RES["runtime_note"] = next((line for line in report.splitlines() if line.startswith("runtime")), None)
-    log(RES["runtime_note"])
+    qmodel = out = runner = None
+    for runtime in runtimes:
+        if qmodel is not None:  # the previous runtime's model leaves before the next is made
+            qmodel = out = runner = None; gc.collect(); mm.soft_empty_cache()
+        out, t_q = quantize_node(base, stats, runtime, chosen)
+        qmodel, report = out.args[0], out.args[1]
+        log(f"quantize node ({runtime}) {t_q:.1f} s"); log(report.splitlines()[0:4])
+        RES["calibrate_s"] = round(t_cal, 1); RES.setdefault("quantize_s", []).append(round(t_q, 1))
+        RES["report_head"] = report[:2000]
+        latq, rowq = timed_runs(f"{A.format} project node, {runtime}" + (f" + LoRA r{A.lora}" if lora else ""),
+                                with_lora(qmodel, lora) if lora else qmodel, pos, neg, cfg, profile=A.profile_first)
+        rowq["vs_16bit_stock"] = round(row16["steady_s"] / rowq["steady_s"], 3)
+        rowq["rel_vs_16bit"] = round(rel(latq, lat16), 5)
+        rowq["quantize_s"] = round(t_q, 1)
+        runner = qmodel.model_options.get("model_function_wrapper")
+        if runner is not None and hasattr(runner, "capture_seconds"):
+            rowq["graphs"] = {"captures": runner.captures, "capture_s": runner.capture_seconds,
+                              "compile_check_s": runner.compile_seconds, "pool_sizing": runner.pool_sizing,
+                              "compiled_checks": runner.compiled.checks if runner.compiled is not None else None}
+            log(json.dumps(rowq["graphs"], default=str))
+        rowq["runtime_note"] = RES["runtime_note"] = next(
+            (line for line in report.splitlines() if line.startswith("runtime")), None)
+        log(RES["runtime_note"])
     for label in A.then_runtime:
         from comfy_modelopt.comfyui.cuda_graphs import enable_cuda_graphs
         from comfy_modelopt.comfyui.runtime import runtime_of

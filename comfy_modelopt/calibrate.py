@@ -62,6 +62,23 @@ class RecordedCall:
                 args = (first_tensor(args[0]), *args[1:])
             return fn(*args, **kwargs)
 
+    def cast(self, dtype, positions=(0,), skip=()) -> "RecordedCall":
+        """The call with the tensors of the positional arguments at ``positions`` and of every
+        keyword argument not in ``skip`` (each, or each in a list) in ``dtype``, integer ones
+        (int32, int64) kept - as a model computing in ``dtype`` is called.  A runtime that
+        compiles ahead replays the calibration's call on a model of another compute dtype (ComfyUI
+        runs a Wan fp8 file in fp16, the bf16 model it was calibrated on in bf16); compiled code
+        guards on the dtypes, so a call left in the calibration's dtype compiles code the first
+        image never uses (H200: Wan 2.1 compiled again at its first image, 9 s)."""
+        def to(v):
+            if isinstance(v, list):
+                return [to(x) for x in v]
+            if not isinstance(v, _Stored) or v[0].dtype in (torch.int32, torch.int64):
+                return v
+            return _Stored((v[0].to(dtype), v[1]))
+        return RecordedCall(tuple(to(a) if i in positions else a for i, a in enumerate(self.args)),
+                            {k: v if k in skip else to(v) for k, v in self.kwargs.items()})
+
     def signature(self) -> dict | None:
         """The call described in JSON (tensors by shape, dtype and device; the options as they
         are), for a file to carry: a loader in a fresh process compiles ahead from it

@@ -268,6 +268,10 @@ class CompiledBlocks:
         diffusion model's first call while calibrating, replayed on ``device``) and check them
         against eager, before any image: a later evaluation of the same shapes and options finds
         them compiled and only checks them again (a Dynamo cache hit, three forwards)."""
+        if dtype is not None:  # in the dtypes the sampler's calls will have (BaseModel._apply_model:
+            # the latent and every conditioning tensor but ints and longs; the timestep is float32)
+            call = call.cast(dtype, positions=(0,), skip=("control", "transformer_options"))
+
         def run(first_tensor=None):
             return call.replay(diffusion_model, device, first_tensor)
         return self.validate(run, run(), lambda: run(lambda x: rounding_noise(x, dtype)))

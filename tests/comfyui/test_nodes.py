@@ -763,6 +763,38 @@ def test_load_quantized_model_compiles_ahead_from_the_call_its_file_describes(en
     assert runtime.first_call_of(Info, "x.safetensors") is None
 
 
+def test_compiling_ahead_replays_the_call_in_the_models_compute_dtype(env, monkeypatch):
+    """The model calibrated and the model quantized may compute in different dtypes (ComfyUI runs
+    a Wan fp8 file in fp16, the bf16 model it was calibrated on in bf16): the calibration's call is
+    replayed in the quantized model's dtype, as the sampler will call it, so the first image at
+    those shapes compiles nothing (on an H200 a Wan first image compiled again, 9 s)."""
+    import comfy.model_management as mm
+    import torch._dynamo.utils
+    runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
+    free = mm.get_free_memory
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (
+        (8 << 30, 8 << 30) if torch_free_too else 8 << 30) if mm.is_device_cpu(dev) else free(dev, torch_free_too))
+    qmodel, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
+    dtype = qmodel.model.get_dtype_inference()
+    other = torch.bfloat16 if dtype != torch.bfloat16 else torch.float16
+    # the call as a calibration of the model in the other dtype recorded it
+    recorded = env["stats"].first_call.cast(other, skip=("control", "transformer_options"))
+    assert recorded.args[0][0].dtype == recorded.kwargs["context"][0].dtype == other
+    torch._dynamo.reset()
+    clone, runner = graphs.enable_cuda_graphs(qmodel, compile_blocks=True)
+    note = runtime._compile_ahead(clone, runner, recorded)
+    assert "blocks compiled for the calibration's shapes" in note, note
+    cb = runner.compiled
+
+    def compiled(apply_model, args):
+        with cb.installed():
+            return apply_model(args["input"], args["timestep"], **args["c"])
+    clone.model_options["model_function_wrapper"] = compiled
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    sample(env, clone, 3, 3)
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames, "the first image compiled again"
+
+
 def save_and_reload(env, qmodel, plain, filename, refusal):
     """Save ``qmodel``, check stock ComfyUI refuses the file (``refusal``: pytest.raises args),
     reload it with Load Quantized Model; outputs of the 16-bit model, ``qmodel``, the reloaded
