@@ -30,6 +30,7 @@ import comfy_kitchen as ck
 import torch
 
 from ..formats import F8_E4M3_MAX
+from .compiled_blocks import block_independent
 
 # below this many query and key tokens the fp8 path leaves attention to ComfyUI (per call, H200,
 # Q/K/V quantized: cuDNN's FP8 SDPA 0.92x bf16 at 4,608 and 5,120 tokens; FlashAttention-3's
@@ -73,6 +74,7 @@ def comfy_layout(out: torch.Tensor, kwargs) -> torch.Tensor:
     return out.reshape(b, n, h * d)
 
 
+@block_independent
 def int8_attention_override(func, *args, **kwargs):
     """``optimized_attention_override``: kitchen's INT8 attention (SageAttention-style, Hadamard-
     rotated Q/K) for unmasked 64/128/256-dim heads on CUDA; anything else goes to ComfyUI's choice."""
@@ -125,6 +127,7 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return (out + v_mean).to(q.dtype)
 
 
+@block_independent
 def fp8_attention_override(func, *args, **kwargs):
     """``optimized_attention_override``: ``fp8_attention`` for unmasked self-attention of at least
     ``FP8_MIN_TOKENS`` tokens with ``HEAD_DIMS`` heads on CUDA; anything else goes to ComfyUI's

@@ -98,6 +98,14 @@ def _is_weight_layer(m) -> bool:
 _KEYS_LEFT_OUT = ("block", "block_index", "transformer_index", "sample_sigmas")
 
 
+def block_independent(fn):
+    """Marks a callable of the options (an attention override) that reads none of the per-block
+    keys in ``_KEYS_LEFT_OUT``: regions are then called without those keys, as without a callable
+    (else compiled code keeps one variant per block and guards on the sigma schedule's length)."""
+    fn.block_independent = True
+    return fn
+
+
 class CompiledBlocks:
     """TorchInductor-compiled forwards of a model's blocks, installed on demand.
 
@@ -175,9 +183,9 @@ class CompiledBlocks:
             if isinstance(topts, dict) and any(k in topts for k in _KEYS_LEFT_OUT):
                 if carried_patches(topts):
                     return eager(*args, **kwargs)
-                if any(callable(v) for v in topts.values()):
-                    # e.g. an optimized_attention_override, which may read the block's index:
-                    # compiled as it is (one variant per block, but the same behaviour)
+                if any(callable(v) and not getattr(v, "block_independent", False) for v in topts.values()):
+                    # e.g. another pack's optimized_attention_override, which may read the block's
+                    # index: compiled as it is (one variant per block, but the same behaviour)
                     return compiled(*args, **kwargs)
                 topts = {k: v for k, v in topts.items() if k not in _KEYS_LEFT_OUT}
                 if by_position:
@@ -263,14 +271,21 @@ class CompiledBlocks:
                      f"in {seconds:.1f} s, relative L2 vs eager {err:.2e} (eager rounding noise {noise:.2e})")
         return True
 
-    def compile_for(self, call, diffusion_model, device, dtype=None) -> bool:
+    def compile_for(self, call, diffusion_model, device, dtype=None, options=None) -> bool:
         """Compile the blocks for the shapes of ``call`` (``calibrate.RecordedCall``: the
         diffusion model's first call while calibrating, replayed on ``device``) and check them
         against eager, before any image: a later evaluation of the same shapes and options finds
-        them compiled and only checks them again (a Dynamo cache hit, three forwards)."""
-        if dtype is not None:  # in the dtypes the sampler's calls will have (BaseModel._apply_model:
-            # the latent and every conditioning tensor but ints and longs; the timestep is float32)
+        them compiled and only checks them again (a Dynamo cache hit, three forwards).  The call
+        is made as the sampler will call this model: in its compute ``dtype``, with its own
+        transformer ``options`` (the MODEL's, e.g. an attention override the calibrated model did
+        not have) merged in as ComfyUI's sampler merges them - first, then the recorded ones."""
+        if dtype is not None:  # BaseModel._apply_model casts the latent and every conditioning
+            # tensor but ints and longs; the timestep stays float32
             call = call.cast(dtype, positions=(0,), skip=("control", "transformer_options"))
+        recorded = call.kwargs.get("transformer_options")
+        if options and isinstance(recorded, dict):
+            merged = {**options, **{k: v for k, v in recorded.items() if k not in options}}
+            call = type(call)(call.args, {**call.kwargs, "transformer_options": merged})
 
         def run(first_tensor=None):
             return call.replay(diffusion_model, device, first_tensor)

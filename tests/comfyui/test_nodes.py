@@ -795,6 +795,48 @@ def test_compiling_ahead_replays_the_call_in_the_models_compute_dtype(env, monke
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames, "the first image compiled again"
 
 
+def test_compiling_ahead_with_an_attention_override_holds_at_another_step_count(env, monkeypatch):
+    """The fp8 attention runtime: its override lives in the quantized MODEL's options, not in the
+    calibration's call, and the image samples more steps than the calibration did.  Compiling
+    ahead merges the MODEL's options in as the sampler does, and the override (which reads no
+    per-block key) lets the regions drop the sigma schedule: the first image compiles nothing
+    (on an H100 the Wan first image compiled again, 10 s, for both reasons)."""
+    import comfy.model_management as mm
+    import torch._dynamo.utils
+    from test_attention8 import reference_kernel
+    att = pack_module("attention")
+    runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
+    monkeypatch.setattr(att, "KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(att, "FP8_MIN_TOKENS", 1)
+    monkeypatch.setattr(att, "HEAD_DIMS", range(1, 513))
+    ran = []
+    count = torch.compiler.disable(lambda: ran.append(1))  # a list's length in traced code is a guard
+
+    def kernel(*args, **kwargs):
+        count()
+        return reference_kernel(*args, **kwargs)
+    monkeypatch.setattr(att, "fa3_kernel", lambda: (kernel, ""))
+    free = mm.get_free_memory
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (
+        (8 << 30, 8 << 30) if torch_free_too else 8 << 30) if mm.is_device_cpu(dev) else free(dev, torch_free_too))
+    qmodel, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
+    withatt = att._with_override(qmodel, att.fp8_attention_override)
+    torch._dynamo.reset()
+    clone, runner = graphs.enable_cuda_graphs(withatt, compile_blocks=True)
+    note = runtime._compile_ahead(clone, runner, env["stats"].first_call)  # calibrated with 3 steps
+    assert "blocks compiled for the calibration's shapes" in note, note
+    assert ran, "compiling ahead never called the override"
+    cb = runner.compiled
+
+    def compiled(apply_model, args):
+        with cb.installed():
+            return apply_model(args["input"], args["timestep"], **args["c"])
+    clone.model_options["model_function_wrapper"] = compiled
+    frames, ran[:] = torch._dynamo.utils.counters["frames"]["ok"], []
+    sample(env, clone, 5, 3)
+    assert ran and torch._dynamo.utils.counters["frames"]["ok"] == frames, "the first image compiled again"
+
+
 def save_and_reload(env, qmodel, plain, filename, refusal):
     """Save ``qmodel``, check stock ComfyUI refuses the file (``refusal``: pytest.raises args),
     reload it with Load Quantized Model; outputs of the 16-bit model, ``qmodel``, the reloaded
