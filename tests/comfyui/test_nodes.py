@@ -629,22 +629,46 @@ def test_compiled_blocks_installed_for_one_thread(env):
     assert cb._owner is None and not cb._lock.locked()
 
 
+def cpu_free_memory(monkeypatch):
+    """8 GiB free on the CPU device, whatever this machine has: the CPU's sub-quadratic attention
+    sizes its chunks by the free memory, which compiled code guards on (a GPU runs SDPA)."""
+    import comfy.model_management as mm
+    free = mm.get_free_memory
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (
+        (8 << 30, 8 << 30) if torch_free_too else 8 << 30) if mm.is_device_cpu(dev) else free(dev, torch_free_too))
+
+
+def compiles_ahead_then_nothing(env, patcher, call, steps=3) -> int:
+    """Compile ``patcher``'s blocks ahead from ``call`` (the runtime's own path), then sample
+    ``steps`` with them installed; returns the frames that run compiled (0 expected)."""
+    import torch._dynamo.utils
+    runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
+    torch._dynamo.reset()
+    clone, runner = graphs.enable_cuda_graphs(patcher, compile_blocks=True)
+    note = runtime._compile_ahead(clone, runner, call)
+    assert "blocks compiled for the calibration's shapes" in note, note
+    cb = runner.compiled
+
+    def compiled(apply_model, args):
+        with cb.installed():
+            return apply_model(args["input"], args["timestep"], **args["c"])
+    clone.model_options["model_function_wrapper"] = compiled
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    sample(env, clone, steps, 3)
+    return torch._dynamo.utils.counters["frames"]["ok"] - frames
+
+
 def test_compiled_blocks_compile_ahead_from_the_calibration(env, monkeypatch):
     """Calibrate Model keeps the diffusion model's first call; the graph runtime's blocks are
     compiled from it (what Quantize Model does on a GPU before it returns) and serve a later
     KSampler run at the calibration's size: nothing is compiled during that run (the node path's
     first image paid the compilation: Flux +11 s with a cold cache on an H200), and its output is
     eager's within the compiled tolerance."""
-    import comfy.model_management as mm
     import torch._dynamo.utils
     runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
     call = env["stats"].first_call
     assert call is not None and call.args[0][0].shape == (2, 4, 8, 8)
-    # the CPU's sub-quadratic attention sizes its chunks by the free memory, which compiled code
-    # guards on (a GPU runs SDPA): held still here
-    free = mm.get_free_memory
-    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (
-        (8 << 30, 8 << 30) if torch_free_too else 8 << 30) if mm.is_device_cpu(dev) else free(dev, torch_free_too))
+    cpu_free_memory(monkeypatch)
     model, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
     torch._dynamo.reset()
     clone, runner = graphs.enable_cuda_graphs(model, compile_blocks=True)
@@ -680,13 +704,10 @@ def test_compiled_ahead_blocks_serve_another_step_count_in_either_mode(env, monk
     with grad on (a script): nothing is compiled during the run.  On an H200 the sampler's sigma
     schedule in the options made a 20-step image compile again, a server compiled every block
     twice for a file calibrated in a script, and a script's node failed to compile ahead."""
-    import comfy.model_management as mm
     import comfy.sample
     import torch._dynamo.utils
     runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
-    free = mm.get_free_memory
-    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (
-        (8 << 30, 8 << 30) if torch_free_too else 8 << 30) if mm.is_device_cpu(dev) else free(dev, torch_free_too))
+    cpu_free_memory(monkeypatch)
     model, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
     torch._dynamo.reset()
     with torch.inference_mode(inference), torch.enable_grad():
@@ -714,14 +735,10 @@ def test_load_quantized_model_compiles_ahead_from_the_call_its_file_describes(en
     the blocks for it before the first image as Quantize Model does from the calibration: a
     KSampler run at those shapes then compiles nothing.  A described call this loader refuses
     (too large, not a description) leaves the model loading, uncompiled ahead."""
-    import comfy.model_management as mm
-    import torch._dynamo.utils
     nodes = env["nodes"]
-    runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
+    runtime = pack_module("runtime")
     calibrate_mod = sys.modules[PACK + ".comfy_modelopt.calibrate"]
-    free = mm.get_free_memory
-    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (
-        (8 << 30, 8 << 30) if torch_free_too else 8 << 30) if mm.is_device_cpu(dev) else free(dev, torch_free_too))
+    cpu_free_memory(monkeypatch)
     qmodel, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
     with torch.inference_mode():
         path = nodes.ModelOptSaveQuantized.execute(model=qmodel, filename="test/sd15-call", overwrite=True).args[0]
@@ -738,20 +755,7 @@ def test_load_quantized_model_compiles_ahead_from_the_call_its_file_describes(en
     assert [t.shape for t, _ in call.args] == [t.shape for t, _ in want.args]
     # ComfyUI loops over the options' keys and compiled code guards on their order: kept through JSON
     assert list(call.kwargs["transformer_options"]) == list(want.kwargs["transformer_options"])
-    torch._dynamo.reset()
-    clone, runner = graphs.enable_cuda_graphs(loaded, compile_blocks=True)
-    note = runtime._compile_ahead(clone, runner, call)
-    assert "blocks compiled for the calibration's shapes" in note, note
-    cb = runner.compiled
-
-    def compiled(apply_model, args):
-        with cb.installed():
-            return apply_model(args["input"], args["timestep"], **args["c"])
-    clone.model_options["model_function_wrapper"] = compiled
-    counters = torch._dynamo.utils.counters
-    frames = counters["frames"]["ok"]
-    sample(env, clone, 3, 3)
-    assert counters["frames"]["ok"] == frames, "the sampling run compiled frames the file's call had not"
+    assert compiles_ahead_then_nothing(env, loaded, call) == 0, "the sampling run compiled frames the file's call had not"
 
     class Info:  # what inspect_file says of a file whose description was tampered with
         ours = {"calibration": {"first_call": {**signature, "args": {"tuple": [
@@ -768,31 +772,14 @@ def test_compiling_ahead_replays_the_call_in_the_models_compute_dtype(env, monke
     a Wan fp8 file in fp16, the bf16 model it was calibrated on in bf16): the calibration's call is
     replayed in the quantized model's dtype, as the sampler will call it, so the first image at
     those shapes compiles nothing (on an H200 a Wan first image compiled again, 9 s)."""
-    import comfy.model_management as mm
-    import torch._dynamo.utils
-    runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
-    free = mm.get_free_memory
-    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (
-        (8 << 30, 8 << 30) if torch_free_too else 8 << 30) if mm.is_device_cpu(dev) else free(dev, torch_free_too))
+    cpu_free_memory(monkeypatch)
     qmodel, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
     dtype = qmodel.model.get_dtype_inference()
     other = torch.bfloat16 if dtype != torch.bfloat16 else torch.float16
     # the call as a calibration of the model in the other dtype recorded it
     recorded = env["stats"].first_call.cast(other, skip=("control", "transformer_options"))
     assert recorded.args[0][0].dtype == recorded.kwargs["context"][0].dtype == other
-    torch._dynamo.reset()
-    clone, runner = graphs.enable_cuda_graphs(qmodel, compile_blocks=True)
-    note = runtime._compile_ahead(clone, runner, recorded)
-    assert "blocks compiled for the calibration's shapes" in note, note
-    cb = runner.compiled
-
-    def compiled(apply_model, args):
-        with cb.installed():
-            return apply_model(args["input"], args["timestep"], **args["c"])
-    clone.model_options["model_function_wrapper"] = compiled
-    frames = torch._dynamo.utils.counters["frames"]["ok"]
-    sample(env, clone, 3, 3)
-    assert torch._dynamo.utils.counters["frames"]["ok"] == frames, "the first image compiled again"
+    assert compiles_ahead_then_nothing(env, qmodel, recorded) == 0, "the first image compiled again"
 
 
 def test_compiling_ahead_with_an_attention_override_holds_at_another_step_count(env, monkeypatch):
@@ -801,11 +788,8 @@ def test_compiling_ahead_with_an_attention_override_holds_at_another_step_count(
     ahead merges the MODEL's options in as the sampler does, and the override (which reads no
     per-block key) lets the regions drop the sigma schedule: the first image compiles nothing
     (on an H100 the Wan first image compiled again, 10 s, for both reasons)."""
-    import comfy.model_management as mm
-    import torch._dynamo.utils
     from test_attention8 import reference_kernel
     att = pack_module("attention")
-    runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
     monkeypatch.setattr(att, "KERNEL_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(att, "FP8_MIN_TOKENS", 1)
     monkeypatch.setattr(att, "HEAD_DIMS", range(1, 513))
@@ -816,25 +800,13 @@ def test_compiling_ahead_with_an_attention_override_holds_at_another_step_count(
         count()
         return reference_kernel(*args, **kwargs)
     monkeypatch.setattr(att, "fa3_kernel", lambda: (kernel, ""))
-    free = mm.get_free_memory
-    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (
-        (8 << 30, 8 << 30) if torch_free_too else 8 << 30) if mm.is_device_cpu(dev) else free(dev, torch_free_too))
+    cpu_free_memory(monkeypatch)
     qmodel, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
     withatt = att._with_override(qmodel, att.fp8_attention_override)
-    torch._dynamo.reset()
-    clone, runner = graphs.enable_cuda_graphs(withatt, compile_blocks=True)
-    note = runtime._compile_ahead(clone, runner, env["stats"].first_call)  # calibrated with 3 steps
-    assert "blocks compiled for the calibration's shapes" in note, note
-    assert ran, "compiling ahead never called the override"
-    cb = runner.compiled
-
-    def compiled(apply_model, args):
-        with cb.installed():
-            return apply_model(args["input"], args["timestep"], **args["c"])
-    clone.model_options["model_function_wrapper"] = compiled
-    frames, ran[:] = torch._dynamo.utils.counters["frames"]["ok"], []
-    sample(env, clone, 5, 3)
-    assert ran and torch._dynamo.utils.counters["frames"]["ok"] == frames, "the first image compiled again"
+    # calibrated with 3 steps, sampled with 5
+    assert compiles_ahead_then_nothing(env, withatt, env["stats"].first_call, steps=5) == 0, \
+        "the first image compiled again"
+    assert ran, "the override never ran"
 
 
 def save_and_reload(env, qmodel, plain, filename, refusal):
