@@ -82,7 +82,7 @@ RUNTIME_TOOLTIP = ("auto (default): lean + compiled blocks + cuda graphs where t
                    "flash attention); + fp8 attention: FlashAttention-3's FP8 forward for video-length "
                    "self-attention (12,288+ tokens) on Hopper, pip install fa3-fwd - changes attention "
                    "numerics (final latent within eager's own rounding noise): Wan 2.1 81 frames 832x480 "
-                   "1.50x bf16 with compiled blocks (1.10x without it), 14B width 1.59x (1.35x); "
+                   "1.46-1.50x bf16 with compiled blocks on an H200 (1.07-1.10x without it), 14B width 1.59x (1.35x); "
                    "stock: ComfyUI's own layers.")
 
 DEQUANT_CACHE_TOOLTIP = ("GiB of VRAM for 16-bit copies of the weights this GPU cannot compute natively "
