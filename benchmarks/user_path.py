@@ -246,7 +246,9 @@ def timed_runs(label, model, pos, neg, cfg, profile=False):
         times.append(time.perf_counter() - t0)
         log(f"{label}: run {i + 1} {times[-1]:.3f} s")
     peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else None
-    row = {"variant": label, "run_s": [round(t, 3) for t in times], "steady_s": round(min(times[1:] or times), 3),
+    steady = times[1:] or times
+    row = {"variant": label, "run_s": [round(t, 3) for t in times], "steady_s": round(min(steady), 3),
+           "spread": round(max(steady) / min(steady) - 1, 4),  # of the steady runs (2..n), as server_path.py's
            "peak_gib": round(peak, 2) if peak else None}
     RES["rows"].append(row); save()
     return out.float().cpu(), row
