@@ -78,7 +78,7 @@ HUNYUAN_FULL = {"image_model": "hunyuan_video", "in_channels": 16, "patch_size":
                 "theta": 256, "qkv_bias": True, "byt5": False, "guidance_embed": True,
                 "use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False}
 HUNYUAN_SMALL = dict(HUNYUAN_FULL, hidden_size=256, num_heads=2, depth=1, depth_single_blocks=1)
-LTXV_FULL = {"image_model": "ltxv", "num_layers": 28, "attention_head_dim": 64, "cross_attention_dim": 4096}
+LTXV_FULL = {"image_model": "ltxv", "num_layers": 28, "attention_head_dim": 64, "cross_attention_dim": 2048}  # LTX-Video 2B: T5 4096 -> 2048
 LUMINA2_FULL = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 2304, "cap_feat_dim": 2304,
                 "n_layers": 26, "qk_norm": True, "n_heads": 24, "n_kv_heads": 8, "axes_dims": [32, 32, 32],
                 "axes_lens": [300, 512, 512], "rope_theta": 10000.0, "ffn_dim_multiplier": 4.0}

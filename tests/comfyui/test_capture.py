@@ -35,6 +35,7 @@ INPUTS = {
     "lumina2": dict(x=(1, 16, 32, 32), c_crossattn=(1, 77, 2304), num_tokens=77),
     "flux2": dict(x=(1, 128, 32, 32), c_crossattn=(1, 77, 15360), guidance=(1,)),
     "chroma": dict(x=(1, 16, 32, 32), c_crossattn=(1, 77, 4096), guidance=(1,)),
+    "ltxv": dict(x=(1, 128, 2, 16, 16), c_crossattn=(1, 77, 4096), attention_mask=None, frame_rate=25),
 }
 
 
