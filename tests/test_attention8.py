@@ -20,6 +20,15 @@ def reference_kernel(q8, k8, v8, softmax_scale=None, causal=False, q_descale=Non
     return out.transpose(1, 2).to(torch.bfloat16)
 
 
+def fp8_attention_on_cpu(monkeypatch, attention, kernel=reference_kernel):
+    """``attention`` (the module as the caller imported it) taking every self-attention call of a
+    small model on the CPU: any token count, any head width, ``kernel`` in FlashAttention-3's place."""
+    monkeypatch.setattr(attention, "KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(attention, "FP8_MIN_TOKENS", 1)
+    monkeypatch.setattr(attention, "HEAD_DIMS", range(1, 513))  # the small configurations' heads
+    monkeypatch.setattr(attention, "fa3_kernel", lambda: (kernel, ""))
+
+
 def _qkv(b=1, n=256, h=4, d=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(b, n, h, d, generator=g) for _ in range(3))

@@ -429,17 +429,14 @@ def test_the_fp8_attention_override_takes_every_familys_attention_calls(source, 
     override's own work - layouts, centring, per-head scales - is checked against the model's
     16-bit output; the kernel runs on the GPU machine."""
     from comfy_modelopt.comfyui import attention as att
-    from test_attention8 import reference_kernel
+    from test_attention8 import fp8_attention_on_cpu, reference_kernel
     src, _, _, base = source(family)
-    monkeypatch.setattr(att, "KERNEL_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(att, "FP8_MIN_TOKENS", 1)
-    monkeypatch.setattr(att, "HEAD_DIMS", range(1, 513))  # the small configurations' heads
     ran = []
 
     def kernel(*args, **kwargs):
         ran.append(args[0].shape)
         return reference_kernel(*args, **kwargs)
-    monkeypatch.setattr(att, "fa3_kernel", lambda: (kernel, ""))
+    fp8_attention_on_cpu(monkeypatch, att, kernel)
     seen = []
 
     def spy(func, *args, **kwargs):
@@ -465,16 +462,13 @@ def test_compiled_blocks_trace_through_the_fp8_attention(source, monkeypatch):
     from comfy_modelopt.comfyui import attention as att
     from comfy_modelopt.comfyui.compiled_blocks import CompiledBlocks, rounding_noise
     from comfy_modelopt.comfyui.lean import make_lean
-    from test_attention8 import reference_kernel
-    monkeypatch.setattr(att, "KERNEL_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(att, "FP8_MIN_TOKENS", 1)
-    monkeypatch.setattr(att, "HEAD_DIMS", range(1, 513))
+    from test_attention8 import fp8_attention_on_cpu, reference_kernel
     ran = []
 
     def kernel(*args, **kwargs):
         ran.append(torch.compiler.is_compiling())
         return reference_kernel(*args, **kwargs)
-    monkeypatch.setattr(att, "fa3_kernel", lambda: (kernel, ""))
+    fp8_attention_on_cpu(monkeypatch, att, kernel)
     src, folder, _, _ = source("wan")
     out = str(folder / "wan-fp8-compiled-attention.safetensors")
     assert cli.main(["quantize", src, "-o", out, "--format", "float8_e4m3fn", "--weight-scale", "absmax",

@@ -788,18 +788,15 @@ def test_compiling_ahead_with_an_attention_override_holds_at_another_step_count(
     ahead merges the MODEL's options in as the sampler does, and the override (which reads no
     per-block key) lets the regions drop the sigma schedule: the first image compiles nothing
     (on an H100 the Wan first image compiled again, 10 s, for both reasons)."""
-    from test_attention8 import reference_kernel
+    from test_attention8 import fp8_attention_on_cpu, reference_kernel
     att = pack_module("attention")
-    monkeypatch.setattr(att, "KERNEL_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(att, "FP8_MIN_TOKENS", 1)
-    monkeypatch.setattr(att, "HEAD_DIMS", range(1, 513))
     ran = []
     count = torch.compiler.disable(lambda: ran.append(1))  # a list's length in traced code is a guard
 
     def kernel(*args, **kwargs):
         count()
         return reference_kernel(*args, **kwargs)
-    monkeypatch.setattr(att, "fa3_kernel", lambda: (kernel, ""))
+    fp8_attention_on_cpu(monkeypatch, att, kernel)
     cpu_free_memory(monkeypatch)
     qmodel, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
     withatt = att._with_override(qmodel, att.fp8_attention_override)
