@@ -349,6 +349,7 @@ def main():
     given = {k: getattr(A, k) for k in flags if getattr(A, k) is not None}
     chosen = {k: given.get(k, getattr(Recipe(), k)) for k in flags}
     RES["recipe_flags"] = chosen
+    RES["calibrate_s"] = round(t_cal, 1)
     qmodel = out = runner = None
     for runtime in runtimes:
         if qmodel is not None:  # the previous runtime's model leaves before the next is made
@@ -356,7 +357,7 @@ def main():
         out, t_q = quantize_node(base, stats, runtime, chosen)
         qmodel, report = out.args[0], out.args[1]
         log(f"quantize node ({runtime}) {t_q:.1f} s"); log(report.splitlines()[0:4])
-        RES["calibrate_s"] = round(t_cal, 1); RES.setdefault("quantize_s", []).append(round(t_q, 1))
+        RES.setdefault("quantize_s", []).append(round(t_q, 1))
         RES["report_head"] = report[:2000]
         latq, rowq = timed_runs(f"{A.format} project node, {runtime}" + (f" + LoRA r{A.lora}" if lora else ""),
                                 with_lora(qmodel, lora) if lora else qmodel, pos, neg, cfg, profile=A.profile_first)
