@@ -83,16 +83,21 @@ def _bias(module, x):
 
 
 def fp8_mm(x, qdata, scale_a, scale_b, bias, fast_accum: bool):
-    """fp8 with a static input scale on plain tensors (also the compiled blocks' operator,
-    ``traced_layers``)."""
+    """fp8 with a static input scale on plain tensors: kitchen's activation quantizer, then
+    ``fp8_gemm``."""
     x2 = x.reshape(-1, x.shape[-1])
-    xq = ck.quantize_per_tensor_fp8(x2, scale_a, qdata.dtype)
-    if fast_accum:
-        out = torch._scaled_mm(xq, qdata.t(), scale_a=scale_a, scale_b=scale_b,
-                               bias=bias, out_dtype=x.dtype, use_fast_accum=True)
-    else:
-        out = scaled_mm_v2(xq.contiguous(), qdata.t(), scale_a, scale_b, bias, x.dtype)
+    out = fp8_gemm(ck.quantize_per_tensor_fp8(x2, scale_a, qdata.dtype), qdata, scale_a, scale_b, bias,
+                   fast_accum, x.dtype)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def fp8_gemm(xq, qdata, scale_a, scale_b, bias, fast_accum: bool, out_dtype):
+    """The GEMM of an fp8 layer on its 2-D input already in fp8 (also the compiled blocks'
+    operator, ``traced_layers``, which rounds the input in traced code)."""
+    if fast_accum:
+        return torch._scaled_mm(xq, qdata.t(), scale_a=scale_a, scale_b=scale_b,
+                                bias=bias, out_dtype=out_dtype, use_fast_accum=True)
+    return scaled_mm_v2(xq.contiguous(), qdata.t(), scale_a, scale_b, bias, out_dtype)
 
 
 def _fp8_forward(module, x, fast_accum: bool):

@@ -12,9 +12,14 @@ and Wan 2.1's compiled blocks 578 MiB against 458 - memory a CUDA graph then kee
 With the layers as operators the block is one graph whose buffers Inductor frees at their last
 use.
 
-The operator runs exactly the lean kernel (``lean.fp8_mm``; kitchen's ``int8_linear`` op; the
-16-bit ``linear`` ComfyUI's cast path ends in when the weight is already on the device in the
-input's dtype), so each layer's output is bit-identical to the eager one; a 16-bit Conv2d is
+The operator runs the lean kernel (``lean.fp8_gemm``; kitchen's ``int8_linear`` op; the 16-bit
+``linear`` ComfyUI's cast path ends in when the weight is already on the device in the input's
+dtype).  An fp8 layer's static-scale input rounding is traced as torch operations (kitchen's
+formula, ``_fp8_input``) so that TorchInductor fuses it into the kernel that produced the input -
+the norm, modulation or GELU before it writes e4m3 instead of 16-bit, and no separate pass reads
+the activation again (Wan's 8,960-wide FFN input: 1.2 GB per block call at 81 frames); it computes
+in float32 where kitchen's CUDA kernel may round the product to 16-bit first, so a rare input lands
+one e4m3 step away.  The int8 and 16-bit layers' outputs are bit-identical to eager; a 16-bit Conv2d is
 ``F.conv2d`` with its geometry, as torch's Conv2d calls it (Inductor may hand it another memory
 layout, so cuDNN may pick another algorithm: the compiled block is checked against eager's
 rounding noise as a whole, ``CompiledBlocks.validate``).  Taken only where
@@ -48,12 +53,12 @@ try:
 except ImportError:  # pragma: no cover
     QuantizedTensor = ()
 
-_OP = "comfy_modelopt::fp8_linear"
+_OP = "comfy_modelopt::fp8_gemm"
 
 
 def _registered() -> bool:
     try:
-        torch.ops.comfy_modelopt.fp8_linear  # noqa: B018 - a module imported twice registers once
+        torch.ops.comfy_modelopt.fp8_gemm  # noqa: B018 - a module imported twice registers once
         return True
     except (AttributeError, RuntimeError):
         return False
@@ -67,15 +72,14 @@ def _register() -> bool:
     try:
         # no postponed annotations in this module: custom_op reads the schema from these types
         @torch.library.custom_op(_OP, mutates_args=())
-        def fp8_linear(x: torch.Tensor, qdata: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                       bias: Optional[torch.Tensor], fast_accum: bool) -> torch.Tensor:
-            """The lean fp8 kernel as one operator: kitchen's static-scale activation quantizer +
-            ``scaled_mm`` (``lean.fp8_mm``)."""
-            return _lean_module().fp8_mm(x, qdata, scale_a, scale_b, bias, fast_accum)
+        def fp8_gemm(xq: torch.Tensor, qdata: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                     bias: Optional[torch.Tensor], fast_accum: bool, out_dtype: torch.dtype) -> torch.Tensor:
+            """The lean fp8 GEMM as one operator (``lean.fp8_gemm``), on the 2-D input in fp8."""
+            return _lean_module().fp8_gemm(xq, qdata, scale_a, scale_b, bias, fast_accum, out_dtype)
 
-        @fp8_linear.register_fake
-        def _fp8_linear_fake(x, qdata, scale_a, scale_b, bias, fast_accum):
-            return x.new_empty((*x.shape[:-1], qdata.shape[0]))
+        @fp8_gemm.register_fake
+        def _fp8_gemm_fake(xq, qdata, scale_a, scale_b, bias, fast_accum, out_dtype):
+            return xq.new_empty((xq.shape[0], qdata.shape[0]), dtype=out_dtype)
     except Exception as e:  # pragma: no cover - an older torch's custom_op
         logging.info(f"[comfy-modelopt] compiled blocks keep fp8 layers opaque: {type(e).__name__}: {e}")
         return False
@@ -88,6 +92,13 @@ _FP8_OP = _register()
 def _plain(t):
     """A parameter as the plain tensor Dynamo lifts as a graph input."""
     return t.detach() if isinstance(t, torch.nn.Parameter) else t
+
+
+def _fp8_input(x, scale, dtype):
+    """``x`` [N, K] rounded to ``dtype`` with the static ``scale``: kitchen's quantizer's formula
+    (``quantize_per_tensor_fp8``), written in torch operations for the compiler to fuse."""
+    bound = torch.finfo(dtype).max
+    return (x * (1.0 / scale).to(x.dtype)).clamp(-bound, bound).to(dtype)
 
 
 def _traced(self, input, *args, **kwargs):
@@ -106,7 +117,10 @@ def _traced(self, input, *args, **kwargs):
         bias = bias.to(input.dtype)
     if kind == "fp8":
         scale_a, scale_b, fast_accum = extra
-        return torch.ops.comfy_modelopt.fp8_linear(input, weight, scale_a, scale_b, bias, fast_accum)
+        x2 = input.reshape(-1, input.shape[-1])
+        out = torch.ops.comfy_modelopt.fp8_gemm(_fp8_input(x2, scale_a, weight.dtype), weight, scale_a, scale_b,
+                                                bias, fast_accum, input.dtype)
+        return out.reshape(*input.shape[:-1], out.shape[-1])
     if kind == "int8":
         scale, convrot, group = extra
         return torch.ops.comfy_kitchen.int8_linear(input.contiguous(), weight, scale, bias,
