@@ -15,7 +15,8 @@ runtime's graphs run them: no Python, no launch gaps), and compares with an fp32
 - ``int8 kitchen``: comfy-kitchen's SageAttention-style INT8 attention (``ck.int8_attention``);
 - ``fp8 fa3``: the runtime's FP8 attention (``comfyui.attention.fp8_attention``): keys and values
   centred, per-head e4m3 scales, FlashAttention-3's FP8 forward (``pip install fa3-fwd``), its
-  output 16-bit - everything it does per call.
+  output 16-bit - everything it does per call; ``compiled``: the same through TorchInductor (as
+  compiled blocks run it); ``kernel``: FlashAttention-3's FP8 forward alone, on Q/K/V in e4m3.
 
 Prints a markdown table and writes ``attention8.json``.  Needs a CUDA GPU; the fp8 rows need
 ``pip install nvidia-cudnn-frontend`` (left out with the reason where it is missing).
@@ -42,6 +43,8 @@ SHAPES = {
     "SDXL 1024x1024, first level, cfg batch 2": (2, 10, 4096, 64),
     "Wan 2.1 1.3B 512x512, 17 frames (whole-run benchmark)": (1, 12, 5120, 128),
     "Wan 2.1 1.3B 832x480, 81 frames": (1, 12, 32760, 128),
+    "Wan 2.1 1.3B 832x480, 81 frames, cfg batch 2": (2, 12, 32760, 128),
+    "Wan 2.1 14B 832x480, 33 frames, cfg batch 2": (2, 40, 14040, 128),
 }
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -139,7 +142,8 @@ def main(argv=None):
         int8_ok = bool(ck.int8_attention_is_available(device))
     except (AttributeError, RuntimeError):
         int8_ok = False
-    from comfy_modelopt.comfyui.attention import fa3_kernel, fp8_attention
+    from comfy_modelopt.comfyui.attention import e4m3_heads, fa3_kernel, fp8_attention
+    fp8_attention_compiled = torch.compile(fp8_attention, dynamic=False)  # as compiled blocks fuse it
     fa3, fa3_reason = fa3_kernel() if torch.cuda.get_device_capability()[0] == 9 else (None, "FA3's FP8 forward is SM 9.0 only")
     quantize_compiled = torch.compile(quantize, dynamic=False)
     rows = []
@@ -185,6 +189,10 @@ def main(argv=None):
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, N, H, D], as ComfyUI's layouts give it
             fa3_whole = lambda: fp8_attention(qt, kt, vt).reshape(b, s, h * d)  # noqa: E731
             row["fa3_ms"] = round(graph_ms(fa3_whole), 3)
+            (q8, dq), (k8, dk), (v8, dv) = (e4m3_heads(t) for t in (qt, kt, vt))
+            row["fa3_kernel_ms"] = round(graph_ms(lambda: fa3(q8, k8, v8, causal=False, q_descale=dq, k_descale=dk,
+                                                             v_descale=dv)), 3)
+            row["fa3_compiled_ms"] = round(graph_ms(lambda: fp8_attention_compiled(qt, kt, vt)), 3)
             row["fa3_rel_err"] = rel(fa3_whole())
             row["fa3_speedup"] = round(row["bf16_ms"] / row["fa3_ms"], 2)
         else:
@@ -198,7 +206,8 @@ def main(argv=None):
     tables.print_markdown([("shape", "shape"), ("bf16 ms", "bf16_ms"), ("fp8 kernel ms", "fp8_kernel_ms"),
                            ("x", "fp8_kernel_speedup"), ("fp8 whole ms", "fp8_whole_ms"), ("x", "fp8_whole_speedup"),
                            ("int8 ms", "int8_ms"), ("x", "int8_speedup"), ("fp8 fa3 ms", "fa3_ms"),
-                           ("x", "fa3_speedup"), ("rel err bf16", "bf16_rel_err"), ("fp8", "fp8_rel_err"),
+                           ("x", "fa3_speedup"), ("fa3 compiled ms", "fa3_compiled_ms"),
+                           ("fa3 kernel ms", "fa3_kernel_ms"), ("rel err bf16", "bf16_rel_err"), ("fp8", "fp8_rel_err"),
                            ("int8", "int8_rel_err"), ("fa3", "fa3_rel_err")], rows)
     tables.write_json(os.path.join(a.out, "attention8.json"), doc)
     return doc

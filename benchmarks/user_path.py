@@ -28,6 +28,7 @@ ap.add_argument("--model", default="flux", choices=("flux", "sdxl", "wan81", "wa
 ap.add_argument("--out", default=os.environ.get("OUT", "verify_out"))
 ap.add_argument("--steps", type=int, default=20)
 ap.add_argument("--runs", type=int, default=3)
+ap.add_argument("--res", type=int, default=1024, help="image side (Flux, SDXL)")
 ap.add_argument("--format", default="float8_e4m3fn")
 ap.add_argument("--runtime", action="append", default=[],
                 help="the Quantize node's runtime (default: the nodes' default, auto); repeatable: the node runs "
@@ -102,7 +103,7 @@ def log(*a):
 def save():
     tag = "".join(f"_{k}{int(v)}" for k, v in (("gptq", A.gptq), ("convrot", A.convrot), ("sensitivity", A.sensitivity))
                   if v is not None)
-    with open(os.path.join(A.out, f"verify_{A.model}_{A.format}{'_b' + str(A.budget) if A.budget else ''}{'_lora' if A.lora else ''}{tag}.json"), "w") as f:
+    with open(os.path.join(A.out, f"verify_{A.model}_{A.format}{'_b' + str(A.budget) if A.budget else ''}{'_lora' if A.lora else ''}{'_' + str(A.res) if A.res != 1024 else ''}{tag}.json"), "w") as f:
         json.dump(RES, f, indent=1, default=str)
 
 
@@ -195,7 +196,7 @@ def conds(kind, dtype):
         return [[ctx, {}]], [[torch.zeros_like(ctx), {}]], 5.0
     ctx = torch.randn(1, 77, 2048, generator=g)
     pooled = torch.randn(1, 1280, generator=g)
-    extra = {"pooled_output": pooled, "width": 1024, "height": 1024}
+    extra = {"pooled_output": pooled, "width": A.res, "height": A.res}
     return [[ctx, dict(extra)]], [[torch.zeros_like(ctx), dict(extra)]], 7.0
 
 
@@ -203,7 +204,7 @@ def latent(kind):
     if WAN:  # the video VAE's strides: 4x in time, 8x in space
         frames, h, w = (9, 48, 80) if A.cpu_tiny else (33 if kind == "wan14b" else 81, 480, 832)
         return torch.zeros(1, 16, (frames - 1) // 4 + 1, h // 8, w // 8)
-    res = 64 if A.cpu_tiny else 1024
+    res = 64 if A.cpu_tiny else A.res
     ch = 16 if kind == "flux" else 4
     return torch.zeros(1, ch, res // 8, res // 8)
 

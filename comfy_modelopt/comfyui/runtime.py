@@ -29,11 +29,12 @@ class Runtime:
     compiled_blocks: bool = False  # ... over TorchInductor-compiled blocks
     attention: str = ""            # 8-bit attention (attention.ATTENTIONS: "int8", "fp8"; changes its numerics)
     ahead_only: bool = False       # compiled blocks only where they compile before the first image
+    attention_optional: bool = False  # the 8-bit attention only where it runs (else left out, with why)
 
 
 AUTO = "auto"
 RUNTIMES = {r.label: r for r in (
-    Runtime(AUTO, cuda_graphs=True, compiled_blocks=True, ahead_only=True),
+    Runtime(AUTO, cuda_graphs=True, compiled_blocks=True, ahead_only=True, attention="fp8", attention_optional=True),
     Runtime("lean"),
     Runtime("lean + cuda graphs", cuda_graphs=True),
     Runtime("lean + compiled blocks + cuda graphs", cuda_graphs=True, compiled_blocks=True),
@@ -43,21 +44,26 @@ RUNTIMES = {r.label: r for r in (
             attention="fp8"),
     Runtime("stock", lean=False),
 )}
-# FP8 attention (FlashAttention-3, ``pip install fa3-fwd``, Hopper) is opt-in: it changes attention's
-# numerics (2.9% per call against bf16's 0.2%, H200, benchmarks/attention8.py) and acts only on
-# self-attention of at least attention.FP8_MIN_TOKENS tokens - video.  Measured in whole runs on
-# an H200 (sampling_check.py, fp8 W8A8, 2026-12-02, results/2026-12-02d-h200-wan-fp8-attention/):
-# Wan 2.1 1.3B, 81 frames of 832x480, 20 steps: bf16 22.10 s; compiled blocks + graphs 20.03 s
-# (1.10x), + fp8 attention 14.69 s (1.50x); lean + graphs + fp8 attention 16.75 s (1.32x).  Wan
-# 2.1 14B's width at 33 frames, 10 steps: bf16 18.28 s; lean + graphs 1.31x, compiled 1.35x, + fp8
-# attention 1.59x.  Its final latent moved 0.0143 from the same file in stock ComfyUI - less than
-# rounding every model input once more does (0.0148).
+# FP8 attention (FlashAttention-3, ``pip install fa3-fwd``, Hopper) acts only on self-attention of at
+# least attention.FP8_MIN_TOKENS tokens - video, and images of 2 MP and more; everything shorter
+# keeps ComfyUI's attention, bit for bit.  It changes attention's numerics (2.9% per call against
+# bf16's 0.2%, H200, benchmarks/attention8.py), and in whole runs moved the final latent less than
+# rounding every model input once more does (Wan 1.3B: 0.0143 against 0.0148 from the same file
+# in stock ComfyUI, results/2026-12-02d-h200-wan-fp8-attention/).  It is in ``auto`` where it runs,
+# since through the nodes it is the faster whole run at every length it acts on (user_path.py, H200,
+# fp8, 2026-12-02, results/2026-12-02f-h200-auto-fp8-attention/): Wan 2.1 1.3B, 81 frames of
+# 832x480, 20 steps: 1.48x bf16 with it, 1.06-1.07x without; Wan 14B's width at 33 frames, 10 steps:
+# 1.53x against 1.30x; Flux at 2048x2048 (16,896 tokens), 10 steps: 1.59x against 1.33x.  Where it
+# cannot run (another GPU, fa3-fwd missing, a MODEL with its own attention override) ``auto`` says
+# why and runs without it.
 # The default, measured through the nodes (benchmarks/user_path.py, H200, fp8, 20 steps, one
 # process each, docs/benchmarks.md 0a): graphs over compiled blocks where the blocks can be
 # compiled before the first image - Quantize Model with a calibration compiles them for the
 # calibration's shapes (Flux +14 s in the node with a cold compile cache, SDXL +52 s / +9 s
 # warm); no image compiles then: Flux first image 2.7-3.1 s, then 2.00 s = 1.56x bf16 (lean + graphs
-# 2.38 s = 1.31x, its first image 5.6 s in a process of its own), SDXL 3.05 s then 0.66 s (0.83 s).
+# 2.38 s = 1.31x, its first image 5.6 s in a process of its own), SDXL 3.05 s then 0.66 s (0.83 s);
+# again 2026-12-02 with the FP8 attention in it (acting on nothing at 1024x1024): Flux 2.50 s then
+# 1.95 s = 1.60x, SDXL 2.11 s then 0.64 s = 1.67x (fp16 stock 1.07 s in that process).
 # Elsewhere (Load Quantized Model, no calibration, no Triton, no CUDA GPU) lean + graphs:
 # compiling at the first image made it slower than that whole runtime's first image (Flux +3.4 s
 # with a warm compile cache, +11 s cold; SDXL +9 / +47 s).  Graphs are bit-exact with stock, the
@@ -67,7 +73,9 @@ DEFAULT_RUNTIME = AUTO
 RUNTIME_TOOLTIP = ("auto (default): lean + compiled blocks + cuda graphs where the blocks can be compiled "
                    "before the first image (Quantize Model with a calibration, on a CUDA GPU with Triton: it "
                    "compiles them for the calibration's image size - Flux +14 s, SDXL +52 s with a cold compile "
-                   "cache, +3.5 s / +9 s warm), else lean + cuda graphs; the report says which and why. "
+                   "cache, +3.5 s / +9 s warm), else lean + cuda graphs; + fp8 attention where it runs (Hopper "
+                   "with fa3-fwd; only self-attention of 12,288+ tokens: video, 2 MP+ images); the report says "
+                   "which and why. "
                    "lean: the same kernels as stock ComfyUI without its per-layer Python dispatch "
                    "(bit-exact for fp8/int8); + cuda graphs: replay whole model evaluations, kept between "
                    "runs while the model stays loaded (bit-exact; falls back to eager when offloading or "
@@ -79,10 +87,11 @@ RUNTIME_TOOLTIP = ("auto (default): lean + compiled blocks + cuda graphs where t
                    "logged reason if they differ; needs Triton; + int8 attention: kitchen's SageAttention-style "
                    "INT8 attention "
                    "(changes attention numerics; left off on Hopper, where it measured slower than cuDNN's "
-                   "flash attention); + fp8 attention: FlashAttention-3's FP8 forward for video-length "
-                   "self-attention (12,288+ tokens) on Hopper, pip install fa3-fwd - changes attention "
-                   "numerics (final latent within eager's own rounding noise): Wan 2.1 81 frames 832x480 "
-                   "1.46-1.50x bf16 with compiled blocks on an H200 (1.07-1.10x without it), 14B width 1.59x (1.35x); "
+                   "flash attention); + fp8 attention: FlashAttention-3's FP8 forward for self-attention of "
+                   "12,288+ tokens on Hopper, pip install fa3-fwd - changes attention numerics (final latent "
+                   "within eager's own rounding noise); through the nodes on an H200, auto with it against "
+                   "without: Wan 2.1 1.3B 81 frames 832x480 1.48x bf16 (1.06x), 14B width 1.53x (1.30x), Flux "
+                   "2048x2048 1.59x (1.33x); 'lean + compiled blocks + cuda graphs' is auto without it; "
                    "stock: ComfyUI's own layers.")
 
 DEQUANT_CACHE_TOOLTIP = ("GiB of VRAM for 16-bit copies of the weights this GPU cannot compute natively "
@@ -117,12 +126,12 @@ def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.
         note += (f" + dequantized-weight cache of up to {cache.budget / 2**30:.2f} GiB" if cache.budget
                  else " (dequant cache unused: every layer runs natively on this GPU)")
     if rt.attention:
-        what, enable = ATTENTIONS[rt.attention]
+        what, enable, where = ATTENTIONS[rt.attention]
         try:
             patcher = enable(patcher, force=force_attention)
-            note += f" + {what}"
+            note += f" + {what}{where}"
         except ValueError as e:
-            note += f" ({what} not enabled: {e})"
+            note += f" ({what} {'left out' if rt.attention_optional else 'not enabled'}: {e})"
     if rt.cuda_graphs:
         compile_blocks, left_out = rt.compiled_blocks, None
         if rt.ahead_only:

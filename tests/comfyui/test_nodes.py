@@ -440,6 +440,28 @@ def test_nodes_replay_cuda_graphs_by_default(env):
         env["nodes"].ModelOptCudaGraphs.execute(foreign)
 
 
+def test_auto_runtime_takes_the_fp8_attention_where_it_runs(env, monkeypatch):
+    """The default runtime installs the FP8 attention override where its kernel runs (Hopper with
+    fa3-fwd; here the CPU with the torch re-statement of the kernel) - the override itself keeps
+    every call under its token threshold on ComfyUI's attention - and says why where it cannot;
+    a MODEL that already overrides attention keeps its own."""
+    from test_attention8 import fp8_attention_on_cpu
+    att, runtime = pack_module("attention"), pack_module("runtime")
+    plain = quantize(env, runtime="lean")[0]
+    if not torch.cuda.is_available():  # the kernel's own gate: Hopper only
+        _, note = runtime.apply_runtime(plain, "auto")
+        assert "FP8 attention left out: FlashAttention-3's FP8 forward runs on Hopper GPUs" in note, note
+    fp8_attention_on_cpu(monkeypatch, att)
+    model, note = runtime.apply_runtime(plain, "auto")
+    assert "+ FP8 attention on self-attention of" in note, note
+    assert model.model_options["transformer_options"]["optimized_attention_override"] is att.fp8_attention_override
+    assert "optimized_attention_override" not in plain.model_options.get("transformer_options", {})
+    own = att._with_override(plain, att.int8_attention_override)
+    model, note = runtime.apply_runtime(own, "auto")
+    assert "FP8 attention left out: this MODEL already overrides attention" in note, note
+    assert model.model_options["transformer_options"]["optimized_attention_override"] is att.int8_attention_override
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback: this run has a GPU")
 def test_cuda_graphs_fall_back_off_gpu(env):
     clone, runner = env["nodes"].enable_cuda_graphs(env["model"])
