@@ -122,3 +122,12 @@ def test_flashattention3_computes_what_the_reference_does():
     fa3, ref = att.fp8_attention(q, k, v), att.fp8_attention(q, k, v, kernel=reference_kernel)
     assert fa3.dtype == torch.bfloat16 and fa3.shape == q.shape
     assert _rel(fa3, exact) < 0.05 and _rel(fa3, ref) < 0.05, (_rel(fa3, exact), _rel(ref, exact))
+
+
+def test_centred_absmax_from_the_channel_statistics_is_the_centred_tensors():
+    """``centred`` reads each head's absmax off per-channel max, min and mean (one pass): exactly
+    the absmax of the centred tensor it returns, in bf16 as in float32."""
+    _, k, v = _qkv(b=2, n=300)
+    for t in (k, v, k.float()):
+        c, amax, mean = att.centred(t)
+        assert torch.equal(c, t - mean) and torch.equal(amax, c.abs().amax(dim=(1, 3))), (amax, c.abs().amax(dim=(1, 3)))

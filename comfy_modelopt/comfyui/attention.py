@@ -21,9 +21,9 @@ self-attention of at least ``FP8_MIN_TOKENS`` tokens: at Flux's 4,608 quantizing
 more than the kernel saves (benchmarks/attention8.py), at video lengths attention is most of
 the forward.  Per call on an H200 (2026-12-02, Q/K/V quantized eagerly): 1.37x bf16 at Wan's
 32,760 tokens, 1.04x at Flux 2048x2048's 16,896, its error 2.9% against bf16's 0.2%; compiled
-(TorchInductor fuses the centring and scaling) at Wan's shape with the cfg batch of 2: 15.2 ms
-against bf16's 22.9 ms, the kernel alone 14.1 ms.  In whole runs it is what lifts Wan from 1.06x
-to 1.48x bf16 and Flux 2048x2048 from 1.33x to 1.59x (runtime.py: part of ``auto`` where it runs),
+(TorchInductor fuses the centring and scaling) at Wan's shape with the cfg batch of 2: 14.8 ms
+against bf16's 22.9 ms, the kernel alone 14.2 ms.  In whole runs it is what lifts Wan from 1.06x
+to 1.51x bf16 and Flux 2048x2048 from 1.33x to 1.59x (runtime.py: part of ``auto`` where it runs),
 the final latent within eager's own rounding noise.  Random-weight models attend almost
 uniformly, which hides attention error from their final latent: the per-call error above, with
 peaked softmax rows and outlier channels, is the measure of the kernel.
@@ -108,14 +108,25 @@ def fa3_kernel():
     return _FA3[0]
 
 
-def e4m3_heads(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def e4m3_heads(t: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` [B, N, H, D] in e4m3 with one float32 scale per batch and head [B, H] (its absmax /
-    448: the kernel's descale factor)."""
+    448: the kernel's descale factor); ``amax``: that absmax [B, H] where the caller has it."""
     # the scale in t's dtype, the one divided by, is the descale handed over (a float32 one would
     # differ from it by the 16-bit rounding: up to 0.4% per head)
-    scale = (t.abs().amax(dim=(1, 3)).float() / F8_E4M3_MAX).clamp_min(1e-12).to(t.dtype)
+    amax = t.abs().amax(dim=(1, 3)) if amax is None else amax
+    scale = (amax.float() / F8_E4M3_MAX).clamp_min(1e-12).to(t.dtype)
     q = (t / scale[:, None, :, None]).clamp(-F8_E4M3_MAX, F8_E4M3_MAX)
     return q.to(torch.float8_e4m3fn).contiguous(), scale.float()
+
+
+def centred(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``t`` [B, N, H, D] less each channel's mean over the tokens, its absmax per batch and head
+    [B, H], and the mean [B, 1, H, D].  The absmax comes from the same pass as the mean - the
+    larger distance from the mean to the channel's max or min (rounding is monotonic, so it is the
+    rounded centred tensor's absmax too) - instead of a second pass over the centred copy."""
+    mean = t.mean(dim=1, keepdim=True)
+    amax = torch.maximum(t.amax(dim=1, keepdim=True) - mean, mean - t.amin(dim=1, keepdim=True)).amax(dim=(1, 3))
+    return t - mean, amax, mean
 
 
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
@@ -124,8 +135,8 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     keys and values centred per channel first (module docstring); [B, Nq, H, D] in ``q``'s dtype.
     ``kernel``: FlashAttention-3's ``flash_attn_func`` (its signature, for a reference)."""
     kernel = kernel or fa3_kernel()[0]
-    v_mean = v.mean(dim=1, keepdim=True)
-    (q8, qs), (k8, ks), (v8, vs) = (e4m3_heads(t) for t in (q, k - k.mean(dim=1, keepdim=True), v - v_mean))
+    (kc, k_amax, _), (vc, v_amax, v_mean) = centred(k), centred(v)
+    (q8, qs), (k8, ks), (v8, vs) = e4m3_heads(q), e4m3_heads(kc, k_amax), e4m3_heads(vc, v_amax)
     out = kernel(q8, k8, v8, softmax_scale=scale, causal=False, q_descale=qs, k_descale=ks, v_descale=vs)
     out = out[0] if isinstance(out, tuple) else out
     return (out + v_mean).to(q.dtype)

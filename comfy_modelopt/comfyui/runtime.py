@@ -52,7 +52,7 @@ RUNTIMES = {r.label: r for r in (
 # in stock ComfyUI, results/2026-12-02d-h200-wan-fp8-attention/).  It is in ``auto`` where it runs,
 # since through the nodes it is the faster whole run at every length it acts on (user_path.py, H200,
 # fp8, 2026-12-02, results/2026-12-02f-h200-auto-fp8-attention/): Wan 2.1 1.3B, 81 frames of
-# 832x480, 20 steps: 1.48x bf16 with it, 1.06-1.07x without; Wan 14B's width at 33 frames, 10 steps:
+# 832x480, 20 steps: 1.49-1.51x bf16 with it, 1.06-1.07x without; Wan 14B's width at 33 frames, 10 steps:
 # 1.53x against 1.30x; Flux at 2048x2048 (16,896 tokens), 10 steps: 1.59x against 1.33x.  Where it
 # cannot run (another GPU, fa3-fwd missing, a MODEL with its own attention override) ``auto`` says
 # why and runs without it.
@@ -90,7 +90,7 @@ RUNTIME_TOOLTIP = ("auto (default): lean + compiled blocks + cuda graphs where t
                    "flash attention); + fp8 attention: FlashAttention-3's FP8 forward for self-attention of "
                    "12,288+ tokens on Hopper, pip install fa3-fwd - changes attention numerics (final latent "
                    "within eager's own rounding noise); through the nodes on an H200, auto with it against "
-                   "without: Wan 2.1 1.3B 81 frames 832x480 1.48x bf16 (1.06x), 14B width 1.53x (1.30x), Flux "
+                   "without: Wan 2.1 1.3B 81 frames 832x480 1.51x bf16 (1.06x), 14B width 1.53x (1.30x), Flux "
                    "2048x2048 1.59x (1.33x); 'lean + compiled blocks + cuda graphs' is auto without it; "
                    "stock: ComfyUI's own layers.")
 
