@@ -21,7 +21,10 @@ LoRA and other weight patches: ComfyUI adds a patch's delta to the stored weight
 smoothed layer lives in the smoothed basis (``W / smooth_scale`` per input column) and for an
 fp8 convolution in its scaled basis (``W / scale`` per output channel).  The patcher this loader
 returns maps every delta on such a layer into that basis, so the layer's output changes exactly
-as for a 16-bit model (up to re-quantization).
+as for a 16-bit model (up to re-quantization): its ``patches`` map files each delta on such a layer
+with a function that divides it into the stored basis (ComfyUI applies a patch's function to its
+delta, in the full and the lowvram path alike), and an ``ON_CLONE`` callback gives every clone
+the same map - the patcher keeps ComfyUI's class.
 
 Nothing it reads is trusted: ``load_file`` checks the header (sizes, counts, layout), every
 tensor's size against the memory there is, and every layer against its format's contract with
@@ -39,6 +42,7 @@ import torch
 
 import comfy.model_detection
 import comfy.model_management
+from comfy.patcher_extension import CallbacksMP
 import comfy.quant_ops
 import comfy.sd
 import comfy.utils
@@ -198,10 +202,8 @@ def _load(sd: dict, metadata: dict | None, where: str, **load_options):
             divisors["diffusion_model." + name + ".weight"] = ex["conv_scale"].float().view(-1, 1, 1, 1)
     model_record(patcher.model, create=True).stored_basis = divisors
     if divisors:
-        # a subclass, not an instance attribute: ModelPatcher.clone() keeps self.__class__, and
-        # where ComfyUI picks another class (a non-dynamic copy of a dynamic patcher) our
-        # clone() puts the mapping back on top of it
-        patcher.__class__ = _basis_aware(type(patcher))
+        _map_patches(None, patcher)
+        patcher.add_callback_with_key(CallbacksMP.ON_CLONE, "comfy_modelopt_stored_basis", _map_patches)
     return patcher
 
 
@@ -283,42 +285,42 @@ def attach(patcher, extras: dict) -> int:
     return len(extras)
 
 
-_PATCHER_CLASSES: dict = {}
+class _IntoStoredBasis:
+    """A patch's function: its delta (after the patch's own function) divided into the stored basis."""
+
+    def __init__(self, divisor: torch.Tensor, inner=None):
+        self.divisor, self.inner = divisor, inner
+
+    def __call__(self, delta):
+        delta = self.inner(delta) if self.inner is not None else delta
+        return delta / self.divisor.to(delta.device, delta.dtype)
 
 
-def _basis_aware(cls):
-    """``cls`` with add_patches mapping deltas on layers stored in another basis (smoothed,
-    fp8 convolutions) into that basis."""
-    if getattr(cls, "_modelopt_basis_aware", False):
-        return cls
-    if cls not in _PATCHER_CLASSES:
-        def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
-            rec = model_record(self.model)
-            divisors = rec.stored_basis if rec is not None else {}
-            mapped = {}
-            for k, v in patches.items():
-                key, offset, fn = (k, None, None) if isinstance(k, str) else (k[0], k[1], k[2] if len(k) > 2 else None)
-                if key in divisors and offset is None:
-                    k = (key, None, _into_stored_basis(divisors[key], fn))
-                mapped[k] = v
-            return cls.add_patches(self, mapped, strength_patch, strength_model)
+class _StoredBasisPatches(dict):
+    """``ModelPatcher.patches`` whose entries on a layer stored in another basis (weight key ->
+    divisor, ``ModelRecord.stored_basis``) are mapped into it as ``add_patches`` files them; entries
+    with an offset (a slice of the weight) are left as they are."""
 
-        def clone(self, *args, **kwargs):
-            n = cls.clone(self, *args, **kwargs)
-            rec = model_record(n.model)
-            if not getattr(type(n), "_modelopt_basis_aware", False) and rec is not None and rec.stored_basis:
-                n.__class__ = _basis_aware(type(n))
-            return n
-        _PATCHER_CLASSES[cls] = type(cls.__name__, (cls,), {"add_patches": add_patches, "clone": clone,
-                                                            "_modelopt_basis_aware": True})
-    return _PATCHER_CLASSES[cls]
+    def __init__(self, patches: dict, divisors: dict):
+        super().__init__()
+        self.divisors = divisors
+        for key, entries in patches.items():
+            self[key] = entries
+
+    def __setitem__(self, key, entries):
+        divisor = self.divisors.get(key)
+        if divisor is not None:  # (strength_patch, value, strength_model, offset, function)
+            entries[:] = [e if e[3] is not None or isinstance(e[4], _IntoStoredBasis)
+                          else (*e[:4], _IntoStoredBasis(divisor, e[4])) for e in entries]
+        super().__setitem__(key, entries)
 
 
-def _into_stored_basis(divisor: torch.Tensor, inner=None):
-    def fn(delta):
-        delta = inner(delta) if inner is not None else delta
-        return delta / divisor.to(delta.device, delta.dtype)
-    return fn
+def _map_patches(_, patcher):
+    """Give ``patcher`` (a model of this loader, or its clone: an ``ON_CLONE`` callback) the
+    stored-basis map of patches."""
+    rec = model_record(patcher.model)
+    if rec is not None and rec.stored_basis and not isinstance(patcher.patches, _StoredBasisPatches):
+        patcher.patches = _StoredBasisPatches(patcher.patches, rec.stored_basis)
 
 
 def _conv_fp8_forward(self, x, *args, **kwargs):

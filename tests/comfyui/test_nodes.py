@@ -886,7 +886,8 @@ def test_lowrank_own_loader(env):
     w = env["model"].model.diffusion_model.get_submodule(name).weight.float()
     delta = torch.randn(w.shape, generator=torch.Generator().manual_seed(1)) * float(w.abs().max())
     patched = reloaded.clone()
-    assert type(patched) is type(reloaded)  # the smoothing-aware patcher survives clone()
+    # the patcher keeps ComfyUI's class; its stored-basis map of patches survives clone()
+    assert type(patched).__module__ == "comfy.model_patcher" and type(patched.patches).__name__ == "_StoredBasisPatches"
     patched.add_patches({"diffusion_model." + name + ".weight": ("diff", (delta,))}, strength_patch=1.0)
     w0 = layer.weight.dequantize().float().clone()
     with torch.inference_mode():
@@ -992,7 +993,8 @@ def test_own_loader_models_can_be_rebuilt_by_comfyui(env):
         assert original.cached_patcher_init is not None
         copy = original.clone(force_deepcopy=True)  # the path ComfyUI takes through cached_patcher_init
         assert copy.model is not original.model
-        assert type(copy)._modelopt_basis_aware and copy.model._modelopt.stored_basis
+        assert type(copy.patches).__name__ == "_StoredBasisPatches" and copy.model._modelopt.stored_basis
+        assert type(copy).__module__ == "comfy.model_patcher"
         convs = [m for m in copy.model.diffusion_model.modules() if getattr(getattr(m, "_modelopt", None), "conv_fp8", False)]
         assert convs and all(m.weight.dtype == torch.float8_e4m3fn for m in convs)
         with torch.inference_mode():
