@@ -515,6 +515,11 @@ def test_cuda_graph_replays_leave_no_tensor_to_the_garbage_collector(env):
     tensors it collected - on Flux 80 MiB more at a run's peak, found on the H200)."""
     import gc
     from comfy_modelopt.comfyui.graph_inputs import tensors_of
+    # models earlier tests left loaded may be let go while this test samples (ComfyUI's model
+    # management drops them as it needs): unloaded and collected first, so that the window below
+    # sees only what the replays leave (a full suite run saw three of another model's tensors)
+    comfy.model_management.unload_all_models()
+    gc.collect()
     clone, runner = env["nodes"].enable_cuda_graphs(env["model"])
     runner._blocker = lambda args: None  # as on a GPU
 
