@@ -668,9 +668,10 @@ def cpu_free_memory(monkeypatch):
         (8 << 30, 8 << 30) if torch_free_too else 8 << 30) if mm.is_device_cpu(dev) else free(dev, torch_free_too))
 
 
-def compiles_ahead_then_nothing(env, patcher, call, steps=3) -> int:
+def compile_ahead_and_sample(env, patcher, call, steps=3) -> tuple:
     """Compile ``patcher``'s blocks ahead from ``call`` (the runtime's own path), then sample
-    ``steps`` with them installed; returns the frames that run compiled (0 expected)."""
+    ``steps`` with them installed; returns the frames that run compiled (0 expected), the
+    sampled latent and the compiled blocks."""
     import torch._dynamo.utils
     runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
     torch._dynamo.reset()
@@ -684,8 +685,8 @@ def compiles_ahead_then_nothing(env, patcher, call, steps=3) -> int:
             return apply_model(args["input"], args["timestep"], **args["c"])
     clone.model_options["model_function_wrapper"] = compiled
     frames = torch._dynamo.utils.counters["frames"]["ok"]
-    sample(env, clone, steps, 3)
-    return torch._dynamo.utils.counters["frames"]["ok"] - frames
+    out = sample(env, clone, steps, 3)
+    return torch._dynamo.utils.counters["frames"]["ok"] - frames, out, cb
 
 
 def test_compiled_blocks_compile_ahead_from_the_calibration(env, monkeypatch):
@@ -694,34 +695,21 @@ def test_compiled_blocks_compile_ahead_from_the_calibration(env, monkeypatch):
     KSampler run at the calibration's size: nothing is compiled during that run (the node path's
     first image paid the compilation: Flux +11 s with a cold cache on an H200), and its output is
     eager's within the compiled tolerance."""
-    import torch._dynamo.utils
     runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
     call = env["stats"].first_call
     assert call is not None and call.args[0][0].shape == (2, 4, 8, 8)
     cpu_free_memory(monkeypatch)
     model, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
-    torch._dynamo.reset()
-    clone, runner = graphs.enable_cuda_graphs(model, compile_blocks=True)
-    note = runtime._compile_ahead(clone, runner, call)
-    assert "blocks compiled for the calibration's shapes" in note, note
-    cb = runner.compiled
+    frames, out, cb = compile_ahead_and_sample(env, model, call)
     assert cb.checks[-1]["frames_compiled"] > 0
-
-    def compiled(apply_model, args):  # the blocks installed around each evaluation, as a capture does
-        with cb.installed():
-            return apply_model(args["input"], args["timestep"], **args["c"])
-    clone.model_options["model_function_wrapper"] = compiled  # on the CPU the graph runner runs eagerly
-    counters = torch._dynamo.utils.counters
-    frames = counters["frames"]["ok"]
-    out = sample(env, clone, 3, 3)
-    assert counters["frames"]["ok"] == frames, "the sampling run compiled frames the calibration's call had not"
+    assert frames == 0, "the sampling run compiled frames the calibration's call had not"
     ref = sample(env, model, 3, 3)
     assert float((out - ref).norm() / ref.norm()) < cb.checks[-1]["limit"]
-    assert "no calibration to compile ahead from" in runtime._compile_ahead(clone, runner, None)
 
     def fails(*_args):  # e.g. out of memory while compiling: the node's model still comes back, uncompiled
         raise RuntimeError("no room")
     clone, runner = graphs.enable_cuda_graphs(model, compile_blocks=True)
+    assert "no calibration to compile ahead from" in runtime._compile_ahead(clone, runner, None)
     monkeypatch.setattr(runner.compiled, "compile_for", fails)
     assert runtime._compile_ahead(clone, runner, call).endswith("compiling ahead failed: RuntimeError: no room)")
     assert not runner.compiled.enabled
@@ -785,7 +773,7 @@ def test_load_quantized_model_compiles_ahead_from_the_call_its_file_describes(en
     assert [t.shape for t, _ in call.args] == [t.shape for t, _ in want.args]
     # ComfyUI loops over the options' keys and compiled code guards on their order: kept through JSON
     assert list(call.kwargs["transformer_options"]) == list(want.kwargs["transformer_options"])
-    assert compiles_ahead_then_nothing(env, loaded, call) == 0, "the sampling run compiled frames the file's call had not"
+    assert compile_ahead_and_sample(env, loaded, call)[0] == 0, "the sampling run compiled frames the file's call had not"
 
     class Info:  # what inspect_file says of a file whose description was tampered with
         ours = {"calibration": {"first_call": {**signature, "args": {"tuple": [
@@ -809,7 +797,7 @@ def test_compiling_ahead_replays_the_call_in_the_models_compute_dtype(env, monke
     # the call as a calibration of the model in the other dtype recorded it
     recorded = env["stats"].first_call.cast(other, skip=("control", "transformer_options"))
     assert recorded.args[0][0].dtype == recorded.kwargs["context"][0].dtype == other
-    assert compiles_ahead_then_nothing(env, qmodel, recorded) == 0, "the first image compiled again"
+    assert compile_ahead_and_sample(env, qmodel, recorded)[0] == 0, "the first image compiled again"
 
 
 def test_compiling_ahead_with_an_attention_override_holds_at_another_step_count(env, monkeypatch):
@@ -831,7 +819,7 @@ def test_compiling_ahead_with_an_attention_override_holds_at_another_step_count(
     qmodel, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
     withatt = att._with_override(qmodel, att.fp8_attention_override)
     # calibrated with 3 steps, sampled with 5
-    assert compiles_ahead_then_nothing(env, withatt, env["stats"].first_call, steps=5) == 0, \
+    assert compile_ahead_and_sample(env, withatt, env["stats"].first_call, steps=5)[0] == 0, \
         "the first image compiled again"
     assert ran, "the override never ran"
 
