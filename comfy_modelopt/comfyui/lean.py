@@ -1,9 +1,12 @@
 """Lean runtime: the same quantized layers and kernels as stock ComfyUI, without its per-call
 Python dispatch.
 
-``make_lean(patcher)`` rebinds the forward of every quantized ``MixedPrecisionOps.Linear`` of a
-model *we created* (Quantize Model / Load Quantized Model output) to a direct call of the kernel
-the stock path ends in (the format's ``lean_kernel``):
+The models this pack builds (Quantize Model, Load Quantized Model: ``ownloader``) are made by
+ComfyUI's own loader with ComfyUI's own mixed-precision operations - picked as its loader picks
+them - whose Linear class is ours (``operations``: ``LeanForward`` over ComfyUI's Linear), as
+ComfyUI-GGUF's layers are made.  ``make_lean(patcher)`` then gives each quantized layer, in its
+record, a direct call of the kernel the stock path ends in (the format's ``lean_kernel``), which
+the class's forward takes whenever the call allows it:
 
 - fp8 with a static input scale: kitchen's fused activation quantizer + ``scaled_mm`` (bit-exact
   with stock; ``fast_accum`` trades exactness for Hopper's fast fp8 accumulation);
@@ -13,23 +16,26 @@ the stock path ends in (the format's ``lean_kernel``):
   ``DequantCache`` (``dequant_cache_bytes``), the GEMM alone on a kept 16-bit copy.
 
 Whenever a layer is offloaded, patched by a LoRA at run time (weight functions), or holds a
-16-bit weight, the stock forward runs instead.  Whole-evaluation replay lives in
+16-bit weight, ComfyUI's forward runs instead; a hook on top (ComfyUI's bypass LoRA, the own
+loader's low-rank branch) calls the class's forward underneath.  Whole-evaluation replay lives in
 ``cuda_graphs``, fused blocks in ``compiled_blocks``, the runtime table the nodes offer in
 ``runtime``.
 """
 from __future__ import annotations
 
-import logging
-import types
+import json
 
 import comfy_kitchen as ck
 import torch
 
+import comfy.model_detection
 import comfy.model_management
+import comfy.ops
+import comfy.utils
 from comfy.patcher_extension import CallbacksMP
 
 from ..formats import CONVROT_GROUP_DEFAULT, FORMATS
-from .records import layer_record, model_record
+from .records import ATTR, layer_record, model_record
 
 try:
     from comfy.quant_ops import QuantizedTensor
@@ -210,7 +216,8 @@ def dequant_cache_of(model):
 
 
 def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -> int:
-    """Rebind quantized Linear forwards of ``patcher``'s own model; returns how many.
+    """Give the quantized Linear layers of ``patcher``'s model (built with ``operations``) their
+    direct kernels; returns how many.
 
     ``dequant_cache_bytes``: budget of a ``DequantCache`` for the layers computed dequantized
     (``model_record(patcher.model).dequant_cache`` afterwards; none for 0)."""
@@ -228,22 +235,8 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
     for module in patcher.model.diffusion_model.modules():
         fmt = getattr(module, "quant_format", None)
         rec = layer_record(module)
-        if fmt is None or (rec is not None and rec.lean):
+        if fmt is None or not isinstance(module, LeanForward) or (rec is not None and rec.lean):
             continue
-        # own-loader layers wrap their base forward: make that one lean, keep the wrapper; a
-        # forward injected by someone else (ComfyUI's bypass LoRA hook keeps the layer's own one
-        # in ``original_forward``) stays on top, the lean one goes underneath it
-        owner, attr = module, "forward"
-        if rec is not None and rec.base_forward is not None:
-            owner, attr = rec, "base_forward"
-        elif "forward" in module.__dict__ and getattr(module.forward, "__self__", module) is not module:
-            hook = module.forward.__self__
-            if getattr(hook, "original_forward", None) is None:
-                logging.warning(f"[comfy-modelopt] lean runtime: {type(module).__name__} has a foreign "
-                                "forward injected; left on the stock path")
-                continue
-            owner, attr = hook, "original_forward"
-        stock = getattr(owner, attr)
         full_precision = module._full_precision_mm or fmt not in native
         kernel = _kernel(fmt) if not full_precision else None
         kind = None  # what compiled blocks may trace as one operator (traced_layers)
@@ -257,19 +250,10 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
             dequantized += module.weight.numel()
         else:
             continue  # natively computed formats without a lean path (e.g. nvfp4 on Blackwell)
-
-        def forward(self, input, *args, _fast=fast, _stock=stock, _on=device.type, **kwargs):
-            # the kernel was picked for the load device: evaluated elsewhere (a CPU run on a GPU
-            # host), the stock path decides
-            if input.device.type == _on and _fast_path_ok(self, input):
-                return _fast(self, input)
-            return _stock(input, *args, **kwargs)
-        bound = types.MethodType(forward, module)
-        setattr(owner, attr, bound)
         rec = layer_record(module, create=True)
-        rec.lean = True
-        if kind is not None and owner is module and attr == "forward":
-            rec.lean_kernel, rec.lean_forward = kind, bound
+        # the kernel was picked for the load device: evaluated elsewhere (a CPU run on a GPU host),
+        # ComfyUI's forward decides
+        rec.lean, rec.fast, rec.fast_on, rec.lean_kernel = True, fast, device.type, kind
         count += 1
     if new_cache:
         # never reserve more than the layers computed dequantized can use (at the compute dtype)
@@ -277,6 +261,49 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
     return count
 
 
+class LeanForward:
+    """The forward of the Linear layers of the models this pack builds (``operations``: ComfyUI's
+    mixed-precision Linear underneath): the direct kernel ``make_lean`` gave the layer, where the
+    call allows it (``_fast_path_ok``: on the device it was picked for, the quantized weight there,
+    no weight patches), else ComfyUI's own forward."""
+
+    def forward(self, input, *args, **kwargs):
+        rec = self.__dict__.get(ATTR)  # records.LayerRecord
+        fast = rec.fast if rec is not None else None
+        if fast is not None and input.device.type == rec.fast_on and _fast_path_ok(self, input):
+            return fast(self, input)
+        return super().forward(input, *args, **kwargs)
+
+
+_OPERATIONS: dict = {}
+
+
+def operations(sd: dict, metadata: dict | None, model_options: dict) -> tuple:
+    """``(sd, metadata, ops)`` for ComfyUI's loader: ComfyUI's own mixed-precision operations for
+    this state dict - its quantization layout read, the compute dtype and the natively computed
+    formats decided by ComfyUI's own calls, as its loader does - with ``LeanForward`` over their
+    Linear, to pass as ``custom_operations`` (which makes ComfyUI's loader skip that preparation:
+    it is done here, on a copy).  ``ops`` is None (and ``sd``, ``metadata`` are the ones given) for
+    a state dict without quantized layers or a model ComfyUI does not detect.  One class per
+    compute dtype and device: compiled code guards on a layer's class, so a model loaded again
+    (a server switching models) runs the code compiled for the first."""
+    work, meta = comfy.utils.convert_old_quants(dict(sd), "", metadata=metadata)
+    stripped = comfy.utils.state_dict_prefix_replace(
+        work, {comfy.model_detection.unet_prefix_from_state_dict(work): ""}, filter_keys=True)
+    if stripped:
+        work, meta = comfy.utils.convert_old_quants(stripped, "", metadata=meta)
+    config = comfy.model_detection.model_config_from_unet(work, "", metadata=meta)
+    if config is None or config.quant_config is None:
+        return sd, metadata, None
+    device = model_options.get("load_device", comfy.model_management.get_torch_device())
+    compute = comfy.model_management.unet_manual_cast(None, device, config.supported_inference_dtypes)
+    key = (compute, str(device), json.dumps(config.quant_config, sort_keys=True, default=str))
+    ops = _OPERATIONS.get(key)
+    if ops is None:
+        base = comfy.ops.pick_operations(None, compute, load_device=device, model_config=config)
+        ops = _OPERATIONS[key] = type("ModelOptOps", (base,), {
+            "Linear": type("Linear", (LeanForward, base.Linear), {"__module__": __name__})})
+    return work, meta, ops
 
 
 def _kernel(fmt_name: str):

@@ -57,6 +57,7 @@ from ..verify import Verification, read_conf_of, state_dict_entries, verify
 from ..fileformat import (COMFY_QUANT, CONV_FORMAT, LOWRANK_PREFIX, LOWRANK_SUFFIXES, QUANT_METADATA,
                           comfy_quant_tensor, decode_comfy_quant, decode_quantization_metadata,
                           encode_quantization_metadata, needs_own_loader, stock_conf)
+from . import lean
 from .records import layer_record, model_record
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
@@ -134,13 +135,22 @@ def load_state_dict(sd: dict, metadata: dict | None = None, rebuildable: bool = 
     return patcher
 
 
-def _comfy_load(sd: dict, metadata: dict | None, where: str, **load_options):
-    """ComfyUI's loader on ``sd`` (which it consumes); its errors and a model that does not
-    match the tensors become one-line CheckpointErrors naming ``where``."""
+def _comfy_load(sd: dict, metadata: dict | None, where: str, model_options: dict | None = None, **load_options):
+    """ComfyUI's loader on ``sd`` (which it consumes), with the quantized layers of this pack's
+    class (``lean.operations``); its errors and a model that does not match the tensors become
+    one-line CheckpointErrors naming ``where``."""
+    model_options = dict(model_options or {})
+    try:
+        sd, metadata, ops = lean.operations(sd, metadata, model_options)
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        raise CheckpointError(f"{where}: ComfyUI could not read the model's layout: {one_line(e)[:300]}") from None
+    if ops is not None:
+        model_options["custom_operations"] = ops
     prefix = comfy.model_detection.unet_prefix_from_state_dict(sd)
     given = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)} or dict(sd)
     try:
-        patcher = comfy.sd.load_diffusion_model_state_dict(sd, metadata=metadata, **load_options)
+        patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=model_options, metadata=metadata,
+                                                           **load_options)
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
         raise CheckpointError(f"{where}: ComfyUI could not build the model from it: {one_line(e)[:300]}") from None
     if patcher is not None:

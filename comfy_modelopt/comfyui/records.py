@@ -1,6 +1,6 @@
 """What the runtime changed on a ComfyUI module or model, in one record each.
 
-A layer made lean, traced by compiled blocks or given its extras by the own loader, and a model
+A layer given a direct kernel, traced by compiled blocks or given its extras by the own loader, and a model
 given a dequantized-weight cache or a stored basis, carry one ``_modelopt`` attribute: a
 ``LayerRecord`` / ``ModelRecord`` that says what was changed and holds what the changed forwards
 need - instead of one private attribute per concern on ComfyUI's and torch's objects, so that
@@ -17,9 +17,10 @@ ATTR = "_modelopt"
 
 @dataclass(eq=False)
 class LayerRecord:
-    lean: bool = False                # its quantized forward runs a direct kernel (``lean.make_lean``)
+    lean: bool = False                # given a direct kernel (``lean.make_lean``)
+    fast: object = None               # that kernel's forward, (module, input) -> output: ``lean.LeanForward`` calls it
+    fast_on: str | None = None        # ... for inputs on this device type
     lean_kernel: tuple | None = None  # what compiled blocks may trace as one operator: ("fp8", fast_accum) | ("int8",)
-    lean_forward: object = None       # the lean forward installed as ``forward`` (a hook on top hides it)
     base_forward: object = None       # own loader: the layer's stock forward its wrapper calls (made lean there)
     conv_fp8: bool = False            # own loader: an fp8 convolution, dequantized per call
     traced: tuple | None = None       # while compiled blocks are installed: (kind, weight, bias, extra)

@@ -146,8 +146,8 @@ def traced_forward(m, untraced):
     if QuantizedTensor and isinstance(w, QuantizedTensor):
         rec = layer_record(m)
         kind = rec.lean_kernel if rec is not None else None
-        if kind is None or own is None or own is not rec.lean_forward:
-            return None  # not (or no longer) the lean forward: the own loader's, a LoRA hook's
+        if kind is None or own is not None:
+            return None  # no direct kernel, or a forward on top of the class's: the own loader's, a LoRA hook's
         if kind[0] == "fp8" and _FP8_OP:
             traced = ("fp8", w._qdata, bias, (_plain(m.input_scale), w._params.scale, kind[1]))
         elif kind[0] == "int8" and lean.dtype_code is not None:

@@ -29,6 +29,7 @@ import comfy.sd  # noqa: E402
 from comfy.quant_ops import QuantizedTensor  # noqa: E402
 
 from comfy_modelopt import cli  # noqa: E402
+from comfy_modelopt.comfyui import ownloader  # noqa: E402
 from comfy_modelopt.formats import FORMATS  # noqa: E402
 from comfy_modelopt.plan import make_plan  # noqa: E402
 from comfy_modelopt.recipe import Recipe  # noqa: E402
@@ -189,7 +190,7 @@ def test_compiled_blocks_trace_every_family(source, family):
     out = str(folder / f"{family}-fp8-compiled.safetensors")
     assert cli.main(["quantize", src, "-o", out, "--format", "float8_e4m3fn", "--weight-scale", "absmax",
                      "--overwrite", "-q"]) == 0
-    patcher = comfy.sd.load_diffusion_model(out)
+    patcher = ownloader.load_file(out)  # Load Quantized Model's loader: the layers of the lean class
     comfy.model_management.load_models_gpu([patcher])
     assert make_lean(patcher) > 0
     kw = inputs(family)
@@ -203,6 +204,31 @@ def test_compiled_blocks_trace_every_family(source, family):
         ok = cb.validate(run, ref, lambda: patcher.model.apply_model(rounding_noise(x, torch.bfloat16), t, **kw))
     assert ok, cb.reason
     assert cb.checks[-1]["rel_l2"] < 1e-3  # CPU: fp8 computed dequantized, fusion changes little
+
+
+def test_the_loader_has_comfyui_build_the_lean_layers(source):
+    """Load Quantized Model's loader has ComfyUI build the model with ComfyUI's own mixed-precision
+    operations under the pack's Linear class (``custom_operations``, ``lean.operations``): one class
+    for every load on a device (compiled code guards on a layer's class), no forward set on any
+    layer by ``make_lean``, and before it the model computes exactly what ComfyUI's stock loader's
+    model computes from the same file."""
+    from comfy_modelopt.comfyui.lean import LeanForward, make_lean
+    src, folder, _, _ = source("flux")
+    out = str(folder / "flux-fp8-lean-class.safetensors")
+    assert cli.main(["quantize", src, "-o", out, "--format", "float8_e4m3fn", "--weight-scale", "absmax",
+                     "--overwrite", "-q"]) == 0
+    a, b, stock = ownloader.load_file(out), ownloader.load_file(out), comfy.sd.load_diffusion_model(out)
+    quantized = [[m for m in p.model.diffusion_model.modules() if getattr(m, "quant_format", None)] for p in (a, b)]
+    assert quantized[0] and all(isinstance(m, LeanForward) for m in quantized[0])
+    assert len({type(m) for layers in quantized for m in layers}) == 1
+    assert not any(isinstance(m, LeanForward) for m in stock.model.diffusion_model.modules())
+    kw = inputs("flux")
+    x = kw.pop("x")
+    t = torch.tensor([0.7])
+    with torch.inference_mode():
+        assert torch.equal(b.model.apply_model(x, t, **kw), stock.model.apply_model(x, t, **kw))
+    assert make_lean(a) == len(quantized[0])
+    assert not any("forward" in m.__dict__ for m in quantized[0])
 
 
 def test_compiled_blocks_compile_per_shape_not_per_block():
@@ -475,7 +501,7 @@ def test_compiled_blocks_trace_through_the_fp8_attention(source, monkeypatch):
     out = str(folder / "wan-fp8-compiled-attention.safetensors")
     assert cli.main(["quantize", src, "-o", out, "--format", "float8_e4m3fn", "--weight-scale", "absmax",
                      "--overwrite", "-q"]) == 0
-    patcher = att._with_override(comfy.sd.load_diffusion_model(out), att.fp8_attention_override)
+    patcher = att._with_override(ownloader.load_file(out), att.fp8_attention_override)
     comfy.model_management.load_models_gpu([patcher])
     assert make_lean(patcher) > 0
     kw = inputs("wan")
