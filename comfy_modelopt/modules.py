@@ -170,14 +170,15 @@ class QuantConv2d(torch.nn.Conv2d):
 
     @classmethod
     def from_conv(cls, conv: torch.nn.Conv2d, q: torch.Tensor, scale: torch.Tensor, conf: dict) -> "QuantConv2d":
-        new = copy.copy(conv)
-        new.__class__ = cls
-        new._parameters = dict(conv._parameters)
-        new._buffers = dict(conv._buffers)
-        new._parameters["weight"] = torch.nn.Parameter(q.view(conf["shape"]), requires_grad=False)
-        new._buffers["weight_scale"] = scale.float()
+        new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
+                  dilation=conv.dilation, groups=conv.groups, bias=conv.bias is not None,
+                  padding_mode=conv.padding_mode, device="meta")
+        new.weight = torch.nn.Parameter(q.view(conf["shape"]), requires_grad=False)
+        if conv.bias is not None:
+            new.bias = conv.bias
+        new.register_buffer("weight_scale", scale.float())
         new.conf = dict(conf)
-        return new
+        return new.train(conv.training)
 
     def forward(self, x):
         w = (self.weight.float() * self.weight_scale.to(x.device).view(-1, 1, 1, 1)).to(x.dtype)
