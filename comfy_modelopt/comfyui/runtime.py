@@ -220,9 +220,11 @@ def borrowed_on(patcher, device):
     model = patcher.model.diffusion_model
     mm = comfy.model_management
     if device.type != "cpu":
-        need = mm.minimum_inference_memory() + sum(
+        # a dynamic model's weights are read at run time: not walked here (its state dict may be
+        # backed by the file)
+        need = 0 if patcher.is_dynamic() else mm.minimum_inference_memory() + sum(
             t.nbytes for t in model.state_dict().values() if t.device != device)
-        if not patcher.is_dynamic():
+        if need:
             mm.free_memory(need, device)
         if patcher.is_dynamic() or mm.get_free_memory(device) < need:
             mm.load_models_gpu([patcher])
