@@ -24,6 +24,7 @@ loader's low-rank branch) calls the class's forward underneath.  Whole-evaluatio
 from __future__ import annotations
 
 import json
+import logging
 
 import comfy_kitchen as ck
 import torch
@@ -232,10 +233,14 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
         _reserve_cache_memory(patcher.model, cache)
         patcher.add_callback_with_key(CallbacksMP.ON_DETACH, "comfy_modelopt_dequant_cache",
                                       release_on_detach(cache.release))
+    foreign = 0
     for module in patcher.model.diffusion_model.modules():
         fmt = getattr(module, "quant_format", None)
         rec = layer_record(module)
-        if fmt is None or not isinstance(module, LeanForward) or (rec is not None and rec.lean):
+        if fmt is None or (rec is not None and rec.lean):
+            continue
+        if not isinstance(module, LeanForward):
+            foreign += 1
             continue
         full_precision = module._full_precision_mm or fmt not in native
         kernel = _kernel(fmt) if not full_precision else None
@@ -255,6 +260,10 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
         # ComfyUI's forward decides
         rec.lean, rec.fast, rec.fast_on, rec.lean_kernel = True, fast, device.type, kind
         count += 1
+    if foreign:
+        logging.warning(f"[comfy-modelopt] lean runtime: {foreign} quantized layers were not built by this pack's "
+                        "loader (ComfyUI's own loader, or operations this ComfyUI could not give): they run ComfyUI's "
+                        "forward")
     if new_cache:
         # never reserve more than the layers computed dequantized can use (at the compute dtype)
         cache.budget = min(cache.budget, dequantized * patcher.model.get_dtype_inference().itemsize)
