@@ -1,7 +1,7 @@
 """What the runtime changed on a ComfyUI module or model, in one record each.
 
-A layer given a direct kernel, traced by compiled blocks or given its extras by the own loader, and a model
-given a dequantized-weight cache or a stored basis, carry one ``_modelopt`` attribute: a
+A layer given a direct kernel, traced by compiled blocks or given its extras by the own loader,
+and a model given a dequantized-weight cache or a stored basis, carry one ``_modelopt`` attribute: a
 ``LayerRecord`` / ``ModelRecord`` that says what was changed and holds what the changed forwards
 need - instead of one private attribute per concern on ComfyUI's and torch's objects, so that
 what the runtime did to a module is one read (``layer_record(m)``), and a test or a benchmark can
@@ -21,7 +21,7 @@ class LayerRecord:
     fast: object = None               # that kernel's forward, (module, input) -> output: ``lean.LeanForward`` calls it
     fast_on: str | None = None        # ... for inputs on this device type
     lean_kernel: tuple | None = None  # what compiled blocks may trace as one operator: ("fp8", fast_accum) | ("int8",)
-    base_forward: object = None       # own loader: the layer's stock forward its wrapper calls (made lean there)
+    base_forward: object = None       # own loader: the layer's class forward its wrapper calls (lean where it has a kernel)
     conv_fp8: bool = False            # own loader: an fp8 convolution, dequantized per call
     traced: tuple | None = None       # while compiled blocks are installed: (kind, weight, bias, extra)
     untraced: object = None           # ... and the forward any other call takes
