@@ -20,6 +20,8 @@ Prints wall times, speed ratios vs stock 16-bit, latent rel-L2 between variants,
 Usage (COMFYUI_PATH set, project importable):
   python benchmarks/user_path.py --model flux|sdxl|wan81|wan14b --out DIR [--steps 20] [--runs 4] [--runtime "..."]... [--format F]
   python benchmarks/user_path.py --model flux|wan81 --cpu-tiny --runs 2 --steps 3   (a CPU smoke run)
+  COMFY_MODELOPT_CODE=DIR python benchmarks/user_path.py ...   (the comfy_modelopt package in DIR - e.g.
+  another commit's, `git archive REV comfy_modelopt | tar -x -C DIR` - for an A/B on one machine)
 """
 import argparse, json, math, os, sys, time, gc
 
@@ -74,6 +76,8 @@ if A.log_info:
     import logging
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)7.0f ms %(levelname)s %(message)s")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project
+if os.environ.get("COMFY_MODELOPT_CODE"):  # another version of the package, ahead of the project's
+    sys.path.insert(0, os.environ["COMFY_MODELOPT_CODE"])
 
 sys.path.insert(0, os.environ["COMFYUI_PATH"])
 from comfy.cli_args import args as cargs
@@ -91,7 +95,8 @@ from comfy_modelopt.comfyui import nodes as N
 DEV = mm.get_torch_device()
 CUDA = DEV.type == "cuda"
 os.makedirs(A.out, exist_ok=True)
-RES = {"args": vars(A), "env": {"torch": torch.__version__}, "rows": [], "notes": []}
+RES = {"args": vars(A), "env": {"torch": torch.__version__, "package": os.path.dirname(N.__file__)[:-len("/comfyui")]},
+       "rows": [], "notes": []}
 if CUDA:
     RES["env"]["gpu"] = torch.cuda.get_device_name(0)
 
