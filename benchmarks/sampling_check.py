@@ -115,7 +115,7 @@ def _run_variant(label, q, runs, sample, ref, fp8_ref=None):
     peak_trace = None
     if TRACE_PEAK and common.CUDA:
         # one more run with the allocator's history and stacks on: what is live at its peak
-        from comfy_modelopt.graph_memory import live_at_peak
+        from allocations import live_at_peak
         with torch.inference_mode(), AllocationTrace(stacks=True) as trace:
             sample(q)
             common.sync()

@@ -155,3 +155,19 @@ def test_quality_real_planner_floor_honours_its_budget():
     assert mid["bytes"] <= 0.4 and mid["layers_by_format"] == {"nvfp4": 1, "int8_tensorwise": 1}
     assert full["rel_err"] < mid["rel_err"] < low["rel_err"]
     assert all(type(m).forward is torch.nn.Linear.forward and "forward" not in m.__dict__ for m in model[::2])
+
+
+def test_live_at_peak_lists_what_the_peak_held():
+    live_at_peak = _benchmark_module("allocations").live_at_peak
+    frame = lambda name: [{"filename": "/x/ComfyUI/comfy/ldm/flux/layers.py", "line": 7, "name": name},  # noqa: E731
+                          {"filename": "/usr/lib/torch/nn/modules/module.py", "line": 1, "name": "_call_impl"}]
+    entries = [{"action": "alloc", "addr": 1, "size": 10, "frames": frame("a")},
+               {"action": "alloc", "addr": 2, "size": 30, "frames": frame("b")},
+               {"action": "free_completed", "addr": 1, "size": 10},
+               {"action": "alloc", "addr": 3, "size": 15, "frames": frame("c")},  # 45: the peak
+               {"action": "free_completed", "addr": 2, "size": 30},
+               {"action": "alloc", "addr": 4, "size": 20, "frames": frame("d")}]
+    got = live_at_peak(entries)
+    assert got["peak_bytes"] == 45
+    assert [a["bytes"] for a in got["allocations"]] == [30, 15]
+    assert got["allocations"][0]["frames"] == ["layers.py:7 b"]

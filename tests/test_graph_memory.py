@@ -262,19 +262,3 @@ def test_replay_of_a_recorded_capture_matches_the_pool_the_h200_grew(model):
     assert round(need.grown / MiB, 1) == measured["grown"]
     assert round(need.fitted / MiB, 1) == measured["sized"]
     assert need.peak < need.fitted <= 1.16 * need.peak < need.grown
-
-
-def test_live_at_peak_lists_what_the_peak_held():
-    from comfy_modelopt.graph_memory import live_at_peak
-    frame = lambda name: [{"filename": "/x/ComfyUI/comfy/ldm/flux/layers.py", "line": 7, "name": name},  # noqa: E731
-                          {"filename": "/usr/lib/torch/nn/modules/module.py", "line": 1, "name": "_call_impl"}]
-    entries = [{"action": "alloc", "addr": 1, "size": 10, "frames": frame("a")},
-               {"action": "alloc", "addr": 2, "size": 30, "frames": frame("b")},
-               {"action": "free_completed", "addr": 1, "size": 10},
-               {"action": "alloc", "addr": 3, "size": 15, "frames": frame("c")},  # 45: the peak
-               {"action": "free_completed", "addr": 2, "size": 30},
-               {"action": "alloc", "addr": 4, "size": 20, "frames": frame("d")}]
-    got = live_at_peak(entries)
-    assert got["peak_bytes"] == 45
-    assert [a["bytes"] for a in got["allocations"]] == [30, 15]
-    assert got["allocations"][0]["frames"] == ["layers.py:7 b"]

@@ -46,9 +46,6 @@ class GraphPool:
         return [seg for seg in torch.cuda.memory_snapshot()
                 if tuple(seg.get("segment_pool_id", ())) == tuple(self.handle)]
 
-    def idle_bytes(self) -> int:
-        return sum(b["size"] for seg in self._segments() for b in seg["blocks"] if b["state"] == "inactive")
-
     def reserved_bytes(self, kind: str | None = None) -> int:
         """Bytes of the pool's segments (``kind``: only "large" or "small" ones)."""
         return sum(seg["total_size"] for seg in self._segments() if kind in (None, seg.get("segment_type")))
