@@ -16,8 +16,8 @@ the class's forward takes whenever the call allows it:
   ``DequantCache`` (``dequant_cache_bytes``), the GEMM alone on a kept 16-bit copy.
 
 Whenever a layer is offloaded, patched by a LoRA at run time (weight functions), or holds a
-16-bit weight, ComfyUI's forward runs instead; a hook on top (ComfyUI's bypass LoRA, the own
-loader's low-rank branch) calls the class's forward underneath.  Whole-evaluation replay lives in
+16-bit weight, ComfyUI's forward runs instead; a hook on top (ComfyUI's bypass LoRA) calls the
+class's forward underneath, and the own loader's layer kinds compute around it.  Whole-evaluation replay lives in
 ``cuda_graphs``, fused blocks in ``compiled_blocks``, the runtime table the nodes offer in
 ``runtime``.
 """
@@ -271,47 +271,64 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
 
 
 class LeanForward:
-    """The forward of the Linear layers of the models this pack builds (``operations``: ComfyUI's
-    mixed-precision Linear underneath): the direct kernel ``make_lean`` gave the layer, where the
-    call allows it (``_fast_path_ok``: on the device it was picked for, the quantized weight there,
-    no weight patches), else ComfyUI's own forward."""
+    """The forward of the Linear and Conv2d layers of the models this pack builds (``operations``:
+    ComfyUI's own classes underneath): the own loader's computation where the layer is one of its
+    kinds (``LayerRecord.own_forward``), around the direct kernel ``make_lean`` gave the layer -
+    taken where the call allows it (``_fast_path_ok``: on the device it was picked for, the
+    quantized weight there, no weight patches) - else ComfyUI's own forward."""
 
     def forward(self, input, *args, **kwargs):
         rec = self.__dict__.get(ATTR)  # records.LayerRecord
-        fast = rec.fast if rec is not None else None
-        if fast is not None and input.device.type == rec.fast_on and _fast_path_ok(self, input):
-            return fast(self, input)
+        if rec is None:
+            return super().forward(input, *args, **kwargs)
+        if rec.own_forward is not None:
+            return rec.own_forward(self, input, lambda x: self._direct(rec, x, *args, **kwargs))
+        return self._direct(rec, input, *args, **kwargs)
+
+    def _direct(self, rec, input, *args, **kwargs):
+        if rec.fast is not None and input.device.type == rec.fast_on and _fast_path_ok(self, input):
+            return rec.fast(self, input)
         return super().forward(input, *args, **kwargs)
 
 
 _OPERATIONS: dict = {}
 
 
-def operations(sd: dict, metadata: dict | None, model_options: dict) -> tuple:
-    """``(sd, metadata, ops)`` for ComfyUI's loader: ComfyUI's own mixed-precision operations for
-    this state dict - its quantization layout read, the compute dtype and the natively computed
-    formats decided by ComfyUI's own calls, as its loader does - with ``LeanForward`` over their
-    Linear, to pass as ``custom_operations`` (which makes ComfyUI's loader skip that preparation:
-    it is done here, on a copy).  ``ops`` is None (and ``sd``, ``metadata`` are the ones given) for
-    a state dict without quantized layers or a model ComfyUI does not detect.  One class per
-    compute dtype and device: compiled code guards on a layer's class, so a model loaded again
-    (a server switching models) runs the code compiled for the first."""
+def operations(sd: dict, metadata: dict | None, model_options: dict, own_layers: bool = False) -> tuple:
+    """``(sd, metadata, ops)`` for ComfyUI's loader: the operations ComfyUI would pick for this
+    state dict - its quantization layout read, the dtypes and the natively computed formats
+    decided by ComfyUI's own calls, as its loader and model do - with ``LeanForward`` over their
+    Linear and Conv2d, to pass as ``custom_operations`` (which makes ComfyUI's loader skip that
+    preparation: it is done here, on a copy).  ``ops`` is None (and ``sd``, ``metadata`` the ones
+    given) for a model ComfyUI does not detect, or one without quantized layers unless
+    ``own_layers`` (the own loader's layer kinds need the class).  One class per dtypes and device:
+    compiled code guards on a layer's class, so a model loaded again (a server switching models)
+    runs the code compiled for the first."""
+    mm = comfy.model_management
     work, meta = comfy.utils.convert_old_quants(dict(sd), "", metadata=metadata)
     stripped = comfy.utils.state_dict_prefix_replace(
         work, {comfy.model_detection.unet_prefix_from_state_dict(work): ""}, filter_keys=True)
     if stripped:
         work, meta = comfy.utils.convert_old_quants(stripped, "", metadata=meta)
     config = comfy.model_detection.model_config_from_unet(work, "", metadata=meta)
-    if config is None or config.quant_config is None:
+    if config is None or (config.quant_config is None and not own_layers):
         return sd, metadata, None
-    device = model_options.get("load_device", comfy.model_management.get_torch_device())
-    compute = comfy.model_management.unet_manual_cast(None, device, config.supported_inference_dtypes)
-    key = (compute, str(device), json.dumps(config.quant_config, sort_keys=True, default=str))
+    device = model_options.get("load_device", mm.get_torch_device())
+    supported = config.supported_inference_dtypes
+    weight = None  # comfy.sd.load_diffusion_model_state_dict's choices, then BaseModel's pick
+    if config.quant_config is None:
+        weight = model_options.get("dtype") or mm.unet_dtype(
+            model_params=comfy.utils.calculate_parameters(work), supported_dtypes=list(supported),
+            weight_dtype=comfy.utils.weight_dtype(work))
+    compute = mm.unet_manual_cast(weight, device, supported)
+    fp8 = bool(model_options.get("fp8_optimizations", False))
+    key = (weight, compute, str(mm.get_torch_device()), fp8, json.dumps(config.quant_config, sort_keys=True, default=str))
     ops = _OPERATIONS.get(key)
     if ops is None:
-        base = comfy.ops.pick_operations(None, compute, load_device=device, model_config=config)
+        base = comfy.ops.pick_operations(weight, compute, fp8_optimizations=fp8, model_config=config)
         ops = _OPERATIONS[key] = type("ModelOptOps", (base,), {
-            "Linear": type("Linear", (LeanForward, base.Linear), {"__module__": __name__})})
+            name: type(name, (LeanForward, getattr(base, name)), {"__module__": __name__})
+            for name in ("Linear", "Conv2d")})
     return work, meta, ops
 
 

@@ -3,8 +3,9 @@
 Such layers carry a format name that is not a ComfyUI ``QUANT_ALGOS`` key
 (``modelopt_lowrank_<base>``), so stock ComfyUI refuses the file instead of silently dropping
 their extra tensors.  This loader rewrites them to their stock base format, lets ComfyUI's own
-loader build the model (mixed-precision ops, model management, LoRA all unchanged), then gives
-each such layer its extra computation:
+loader build the model (its mixed-precision ops under this pack's layer classes,
+``lean.operations``; model management, LoRA all unchanged), then gives each such layer its extra
+computation, which the layer's class runs from its record (``LayerRecord.own_forward``):
 
     y = base(x * smooth_scale) + (x * smooth_scale) @ lowrank_down^T @ lowrank_up^T
 
@@ -36,7 +37,6 @@ leave uninitialised) or a layer the model does not have is an error naming it.
 from __future__ import annotations
 
 import os
-import types
 
 import torch
 
@@ -135,13 +135,14 @@ def load_state_dict(sd: dict, metadata: dict | None = None, rebuildable: bool = 
     return patcher
 
 
-def _comfy_load(sd: dict, metadata: dict | None, where: str, model_options: dict | None = None, **load_options):
-    """ComfyUI's loader on ``sd`` (which it consumes), with the quantized layers of this pack's
-    class (``lean.operations``); its errors and a model that does not match the tensors become
+def _comfy_load(sd: dict, metadata: dict | None, where: str, model_options: dict | None = None,
+                own_layers: bool = False, **load_options):
+    """ComfyUI's loader on ``sd`` (which it consumes), with the layers of this pack's class
+    (``lean.operations``); its errors and a model that does not match the tensors become
     one-line CheckpointErrors naming ``where``."""
     model_options = dict(model_options or {})
     try:
-        sd, metadata, ops = lean.operations(sd, metadata, model_options)
+        sd, metadata, ops = lean.operations(sd, metadata, model_options, own_layers)
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
         raise CheckpointError(f"{where}: ComfyUI could not read the model's layout: {one_line(e)[:300]}") from None
     if ops is not None:
@@ -196,7 +197,7 @@ def _load(sd: dict, metadata: dict | None, where: str, **load_options):
     if not needs_own_loader(metadata, sd):
         return _comfy_load(sd, metadata, where, **load_options)
     stock_sd, meta, extras = split_state_dict(sd, metadata)
-    patcher = _comfy_load(stock_sd, meta, where, **load_options)
+    patcher = _comfy_load(stock_sd, meta, where, own_layers=True, **load_options)
     if patcher is None:
         return None
     try:
@@ -265,6 +266,8 @@ def attach(patcher, extras: dict) -> int:
     dtype = patcher.model.get_dtype() or torch.bfloat16
     for name, ex in extras.items():
         module = model.get_submodule(name)
+        if not isinstance(module, lean.LeanForward):  # lean.operations gave none: ComfyUI built another model
+            raise CheckpointError(f"{name}: {type(module).__name__} is not a layer this loader can extend")
         if "conv_weight" in ex:
             if not isinstance(module, torch.nn.Conv2d):
                 raise CheckpointError(f"{name}: {CONV_FORMAT} needs a Conv2d, the model has {type(module).__name__}")
@@ -273,8 +276,7 @@ def attach(patcher, extras: dict) -> int:
                                       f"model's {list(module.weight.shape)}")
             module.weight = torch.nn.Parameter(ex["conv_weight"], requires_grad=False)
             module.register_buffer("weight_scale", ex["conv_scale"])
-            module.forward = types.MethodType(_conv_fp8_forward, module)
-            layer_record(module, create=True).conv_fp8 = True
+            layer_record(module, create=True).own_forward = _conv_fp8_forward
             continue
         if not hasattr(module, "in_features"):
             raise CheckpointError(f"{name}: a low-rank layer needs a Linear, the model has {type(module).__name__}")
@@ -290,8 +292,7 @@ def attach(patcher, extras: dict) -> int:
             if t is not None and buf != "smooth_scale":
                 t = t.to(dtype=dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32)
             module.register_buffer(buf, t)
-        layer_record(module, create=True).base_forward = module.forward
-        module.forward = types.MethodType(_branch_forward, module)
+        layer_record(module, create=True).own_forward = _branch_forward
     return len(extras)
 
 
@@ -333,7 +334,7 @@ def _map_patches(_, patcher):
         patcher.patches = _StoredBasisPatches(patcher.patches, rec.stored_basis)
 
 
-def _conv_fp8_forward(self, x, *args, **kwargs):
+def _conv_fp8_forward(self, x, _inner):
     """Dequantize (fp32, per output channel) and convolve; weight functions (ComfyUI's lowvram
     patches) act on the stored basis, where their deltas were mapped to."""
     cast = comfy.model_management.cast_to_device
@@ -347,11 +348,12 @@ def _conv_fp8_forward(self, x, *args, **kwargs):
     return self._conv_forward(x, w, b)
 
 
-def _branch_forward(self, x, *args, **kwargs):
+def _branch_forward(self, x, inner):
+    """The smoothed input through the layer's class forward (``inner``) plus the low-rank branch."""
     cast = comfy.model_management.cast_to_device
     if self.smooth_scale is not None:
         x = x * cast(self.smooth_scale, x.device, x.dtype)
-    y = self._modelopt.base_forward(x, *args, **kwargs)  # records.LayerRecord
+    y = inner(x)
     down = cast(self.lowrank_down, x.device, x.dtype)
     up = cast(self.lowrank_up, x.device, x.dtype)
     return y + torch.nn.functional.linear(torch.nn.functional.linear(x, down), up)

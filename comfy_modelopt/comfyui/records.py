@@ -21,8 +21,8 @@ class LayerRecord:
     fast: object = None               # that kernel's forward, (module, input) -> output: ``lean.LeanForward`` calls it
     fast_on: str | None = None        # ... for inputs on this device type
     lean_kernel: tuple | None = None  # what compiled blocks may trace as one operator: ("fp8", fast_accum) | ("int8",)
-    base_forward: object = None       # own loader: the layer's class forward its wrapper calls (lean where it has a kernel)
-    conv_fp8: bool = False            # own loader: an fp8 convolution, dequantized per call
+    own_forward: object = None        # own loader: (module, x, inner) -> y, its layer's computation around the
+    #                                   class's (``inner``: the direct kernel or ComfyUI's; an fp8 convolution replaces it)
     traced: tuple | None = None       # while compiled blocks are installed: (kind, weight, bias, extra)
     untraced: object = None           # ... and the forward any other call takes
 

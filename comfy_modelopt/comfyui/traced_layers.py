@@ -136,18 +136,19 @@ def traced_forward(m, untraced):
     opaque forward every other call takes (and a traced call whose input is on another device)."""
     lean = _lean_module()
     w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+    rec = layer_record(m)
     # nothing a call could still route elsewhere (lean's fast-path check less what only the
-    # input decides - the traced forward checks that)
+    # input decides - the traced forward checks that), and none of the own loader's layer kinds
     if (not isinstance(w, torch.Tensor) or (b is not None and b.device != w.device)
-            or not lean.unpatched(m, class_cast_ok=type(m).__name__ == "Conv2d")):
+            or not lean.unpatched(m, class_cast_ok=type(m).__name__ == "Conv2d")
+            or (rec is not None and rec.own_forward is not None)):
         return None
     own = m.__dict__.get("forward")
     bias = _plain(b) if b is not None else None
     if QuantizedTensor and isinstance(w, QuantizedTensor):
-        rec = layer_record(m)
         kind = rec.lean_kernel if rec is not None else None
         if kind is None or own is not None:
-            return None  # no direct kernel, or a forward on top of the class's: the own loader's, a LoRA hook's
+            return None  # no direct kernel, or a forward on top of the class's (a LoRA hook's)
         if kind[0] == "fp8" and _FP8_OP:
             traced = ("fp8", w._qdata, bias, (_plain(m.input_scale), w._params.scale, kind[1]))
         elif kind[0] == "int8" and lean.dtype_code is not None:

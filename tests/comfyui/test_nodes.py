@@ -896,7 +896,8 @@ def test_lowrank_own_loader(env):
     plain, _ = quantize(env, format="nvfp4", runtime="stock")
     qmodel, report = quantize(env, format="nvfp4", lowrank=16, smoothing="awq", runtime="lean")
     assert "modelopt_lowrank_nvfp4" in report
-    branched = [m for m in qmodel.model.diffusion_model.modules() if getattr(getattr(m, "_modelopt", None), "base_forward", None)]
+    branched = [m for m in qmodel.model.diffusion_model.modules()
+                if getattr(getattr(m, "_modelopt", None), "own_forward", None) is pack_module("ownloader")._branch_forward]
     assert len(branched) == 71 and all(m.lowrank_up.shape[1] == 16 for m in branched)
     # not a QUANT_ALGOS key: the stock loader refuses, it never drops the branch
     reloaded, _, err_a, err_p, _ = save_and_reload(env, qmodel, plain, "test/sd15-lowrank", (Exception, {}))
@@ -950,7 +951,8 @@ def test_conv_fp8_own_loader(env):
     qmodel, report = quantize(env, conv="fp8", runtime="lean")
     assert "convolutions:" in report and "fp8 (per output channel" in report
     dm = qmodel.model.diffusion_model
-    convs = {n: m for n, m in dm.named_modules() if getattr(getattr(m, "_modelopt", None), "conv_fp8", False)}
+    convs = {n: m for n, m in dm.named_modules()
+             if getattr(getattr(m, "_modelopt", None), "own_forward", None) is pack_module("ownloader")._conv_fp8_forward}
     assert len(convs) >= 4
     for m in convs.values():
         assert m.weight.dtype == torch.float8_e4m3fn and m.weight.dim() == 4 and m.weight_scale.shape == (m.out_channels,)
@@ -1036,7 +1038,8 @@ def test_own_loader_models_can_be_rebuilt_by_comfyui(env):
         assert copy.model is not original.model
         assert type(copy.patches).__name__ == "_StoredBasisPatches" and copy.model._modelopt.stored_basis
         assert type(copy).__module__ == "comfy.model_patcher"
-        convs = [m for m in copy.model.diffusion_model.modules() if getattr(getattr(m, "_modelopt", None), "conv_fp8", False)]
+        convs = [m for m in copy.model.diffusion_model.modules()
+                 if getattr(getattr(m, "_modelopt", None), "own_forward", None) is pack_module("ownloader")._conv_fp8_forward]
         assert convs and all(m.weight.dtype == torch.float8_e4m3fn for m in convs)
         with torch.inference_mode():
             a = original.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)
