@@ -83,12 +83,11 @@ def _round(v, n=2):
 
 
 def relean(patcher, **options) -> None:
-    """Make the quantized layers lean again with other options (the previous lean forward
-    becomes the fallback underneath)."""
+    """Make the quantized layers lean again with other options (each layer's direct kernel replaced)."""
     for m in patcher.model.diffusion_model.modules():
         rec = getattr(m, "_modelopt", None)  # comfyui.records.LayerRecord
-        if rec is not None and rec.lean:
-            rec.lean = False
+        if rec is not None:
+            rec.fast = None
     make_lean(patcher, **options)
 
 

@@ -89,13 +89,14 @@ import comfy.model_detection as md
 import comfy.sd, comfy.sample, comfy.utils
 import folder_paths
 
+import comfy_modelopt
 from comfy_modelopt.calibrate import calibrate, CalibrationOptions
 from comfy_modelopt.comfyui import nodes as N
 
 DEV = mm.get_torch_device()
 CUDA = DEV.type == "cuda"
 os.makedirs(A.out, exist_ok=True)
-RES = {"args": vars(A), "env": {"torch": torch.__version__, "package": os.path.dirname(N.__file__)[:-len("/comfyui")]},
+RES = {"args": vars(A), "env": {"torch": torch.__version__, "package": os.path.dirname(comfy_modelopt.__file__)},
        "rows": [], "notes": []}
 if CUDA:
     RES["env"]["gpu"] = torch.cuda.get_device_name(0)

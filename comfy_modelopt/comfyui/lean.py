@@ -2,8 +2,8 @@
 Python dispatch.
 
 The models this pack builds (Quantize Model, Load Quantized Model: ``ownloader``) are made by
-ComfyUI's own loader with ComfyUI's own mixed-precision operations - picked as its loader picks
-them - whose Linear class is ours (``operations``: ``LeanForward`` over ComfyUI's Linear), as
+ComfyUI's own loader with ComfyUI's own operations - picked as its loader picks them - whose
+Linear and Conv2d classes are ours (``operations``: ``LeanForward`` over ComfyUI's), as
 ComfyUI-GGUF's layers are made.  ``make_lean(patcher)`` then gives each quantized layer, in its
 record, a direct call of the kernel the stock path ends in (the format's ``lean_kernel``), which
 the class's forward takes whenever the call allows it:
@@ -17,9 +17,9 @@ the class's forward takes whenever the call allows it:
 
 Whenever a layer is offloaded, patched by a LoRA at run time (weight functions), or holds a
 16-bit weight, ComfyUI's forward runs instead; a hook on top (ComfyUI's bypass LoRA) calls the
-class's forward underneath, and the own loader's layer kinds compute around it.  Whole-evaluation replay lives in
-``cuda_graphs``, fused blocks in ``compiled_blocks``, the runtime table the nodes offer in
-``runtime``.
+class's forward underneath, and the own loader's layer kinds compute around it.
+Whole-evaluation replay lives in ``cuda_graphs``, fused blocks in ``compiled_blocks``, the
+runtime table the nodes offer in ``runtime``.
 """
 from __future__ import annotations
 
@@ -237,7 +237,7 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
     for module in patcher.model.diffusion_model.modules():
         fmt = getattr(module, "quant_format", None)
         rec = layer_record(module)
-        if fmt is None or (rec is not None and rec.lean):
+        if fmt is None or (rec is not None and rec.fast is not None):
             continue
         if not isinstance(module, LeanForward):
             foreign += 1
@@ -258,7 +258,7 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
         rec = layer_record(module, create=True)
         # the kernel was picked for the load device: evaluated elsewhere (a CPU run on a GPU host),
         # ComfyUI's forward decides
-        rec.lean, rec.fast, rec.fast_on, rec.lean_kernel = True, fast, device.type, kind
+        rec.fast, rec.fast_on, rec.lean_kernel = fast, device.type, kind
         count += 1
     if foreign:
         logging.warning(f"[comfy-modelopt] lean runtime: {foreign} quantized layers were not built by this pack's "

@@ -61,6 +61,8 @@ from . import lean
 from .records import layer_record, model_record
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+# what ComfyUI's loader raises on a state dict it cannot build a model from
+_COMFY_ERRORS = (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError)
 
 
 def split_state_dict(sd: dict, metadata: dict | None) -> tuple[dict, dict, dict]:
@@ -143,7 +145,7 @@ def _comfy_load(sd: dict, metadata: dict | None, where: str, model_options: dict
     model_options = dict(model_options or {})
     try:
         sd, metadata, ops = lean.operations(sd, metadata, model_options, own_layers)
-    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+    except _COMFY_ERRORS as e:
         raise CheckpointError(f"{where}: ComfyUI could not read the model's layout: {one_line(e)[:300]}") from None
     if ops is not None:
         model_options["custom_operations"] = ops
@@ -152,7 +154,7 @@ def _comfy_load(sd: dict, metadata: dict | None, where: str, model_options: dict
     try:
         patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=model_options, metadata=metadata,
                                                            **load_options)
-    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+    except _COMFY_ERRORS as e:
         raise CheckpointError(f"{where}: ComfyUI could not build the model from it: {one_line(e)[:300]}") from None
     if patcher is not None:
         _check_matches(patcher, given, where)

@@ -17,8 +17,7 @@ ATTR = "_modelopt"
 
 @dataclass(eq=False)
 class LayerRecord:
-    lean: bool = False                # given a direct kernel (``lean.make_lean``)
-    fast: object = None               # that kernel's forward, (module, input) -> output: ``lean.LeanForward`` calls it
+    fast: object = None               # its direct kernel's forward (``lean.make_lean``), (module, input) -> output
     fast_on: str | None = None        # ... for inputs on this device type
     lean_kernel: tuple | None = None  # what compiled blocks may trace as one operator: ("fp8", fast_accum) | ("int8",)
     own_forward: object = None        # own loader: (module, x, inner) -> y, its layer's computation around the

@@ -222,11 +222,12 @@ def borrowed_on(patcher, device):
     if device.type != "cpu":
         # a dynamic model's weights are read at run time: not walked here (its state dict may be
         # backed by the file)
-        need = 0 if patcher.is_dynamic() else mm.minimum_inference_memory() + sum(
+        dynamic = patcher.is_dynamic()
+        need = 0 if dynamic else mm.minimum_inference_memory() + sum(
             t.nbytes for t in model.state_dict().values() if t.device != device)
-        if need:
+        if not dynamic:
             mm.free_memory(need, device)
-        if patcher.is_dynamic() or mm.get_free_memory(device) < need:
+        if dynamic or mm.get_free_memory(device) < need:
             mm.load_models_gpu([patcher])
             yield
             return

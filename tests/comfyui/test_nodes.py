@@ -394,7 +394,7 @@ def test_lean_runtime_equals_stock(env, fmt):
                 m._full_precision_mm = False
         for m in lean.model.diffusion_model.modules():
             if getattr(m, "quant_format", None) == fmt:
-                m._modelopt.lean = False  # records.LayerRecord
+                m._modelopt.fast = None  # records.LayerRecord: no direct kernel yet
         orig = lean_runtime.native_formats
         lean_runtime.native_formats = lambda d: orig(d) | {"float8_e4m3fn"}
         try:
