@@ -20,7 +20,7 @@ Usage (COMFYUI_PATH set):
   python benchmarks/server_path.py --model flux --files /tmp/files --prompts 8 --out DIR
   (--cpu-tiny for both: a CPU smoke run of a tiny model, the server started with --cpu)
 """
-import argparse, glob, json, os, shutil, socket, subprocess, sys, time, urllib.error, urllib.request
+import argparse, glob, json, os, shutil, signal, socket, subprocess, sys, time, urllib.error, urllib.request
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="flux")
@@ -31,6 +31,12 @@ ap.add_argument("--steps", type=int, default=20)
 ap.add_argument("--out", default=os.environ.get("OUT", "verify_out"))
 ap.add_argument("--cpu-tiny", action="store_true")
 ap.add_argument("--log-recompiles", action="store_true", help="the server logs each Dynamo recompilation and its reason")
+ap.add_argument("--py-spy", default=None, metavar="BIN",
+                help="run the server under this py-spy binary (py-spy record, every thread, collapsed stacks to "
+                     "server_pyspy.txt in --out): where a first prompt's seconds go")
+ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                help="one more argument for main.py (repeatable), e.g. --server-arg=--reserve-vram "
+                     "--server-arg=110: a GPU as small as what is left, where switching models evicts part of one")
 ap.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for one phase")
 A = ap.parse_args()
 
@@ -170,14 +176,18 @@ def main():
     cmd = [sys.executable, os.path.join(os.environ["COMFYUI_PATH"], "main.py"), "--listen", "127.0.0.1",
            "--port", str(port), "--base-directory", BASE, "--disable-auto-launch",
            "--database-url", "sqlite:///" + os.path.join(BASE, "user", "comfyui.db"),
-           "--front-end-root", web] + ["--cpu"] * A.cpu_tiny  # an empty web root: no browser here
+           "--front-end-root", web] + ["--cpu"] * A.cpu_tiny + A.server_arg  # an empty web root: no browser here
+    if A.py_spy:  # sampled, all threads: ComfyUI runs prompts on a worker thread (cProfile sees one thread)
+        cmd = [os.path.abspath(A.py_spy), "record", "--format", "raw", "--threads", "--rate", "200", "--nonblocking",
+               "-o", os.path.join(A.out, "server_pyspy.txt"), "--"] + cmd
     log(" ".join(cmd))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # ComfyUI's own choice (cudaMallocAsync on CUDA 13 builds)
     if A.log_recompiles:
         env["TORCH_LOGS"] = "recompiles"
     with open(LOG, "w") as logf:
-        SERVER = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=BASE)
+        SERVER = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=BASE,
+                                  start_new_session=bool(A.py_spy))
     try:
         t0 = time.time()
         while True:
@@ -202,15 +212,24 @@ def main():
         sq = run_phase("switch: quantized again", ours, [100, 101], "qs")
         sq["vs_16bit"] = round(s16["steady_s"] / sq["steady_s"], 3)
         sq["vs_first_quantized_phase"] = round(rq["steady_s"] / sq["steady_s"], 3)
-        ref, got = latents("b16"), latents("q")
-        diffs = [float((got[s] - ref[s]).norm() / ref[s].norm().clamp_min(1e-12)) for s in seeds if s in ref and s in got]
-        rq["rel_vs_16bit"] = round(sum(diffs) / max(len(diffs), 1), 5)
+        for phase, (b, q) in ((rq, ("b16", "q")), (sq, ("b16s", "qs"))):  # the switch too: replays after it
+            ref, got = latents(b), latents(q)
+            diffs = [float((got[s] - ref[s]).norm() / ref[s].norm().clamp_min(1e-12)) for s in ref if s in got]
+            phase["rel_vs_16bit"] = round(sum(diffs) / max(len(diffs), 1), 5)
     finally:
-        SERVER.terminate()
+        if A.py_spy:  # py-spy writes its stacks on SIGINT; the server under it goes with its session
+            SERVER.send_signal(signal.SIGINT)
+        else:
+            SERVER.terminate()
         try:
             SERVER.wait(60)
         except subprocess.TimeoutExpired:
             SERVER.kill()
+        if A.py_spy:
+            try:
+                os.killpg(SERVER.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     with open(LOG) as f:  # from the first prompt on (at start ComfyUI lists the optional packages a machine lacks)
         lines = f.readlines()[STARTUP_LINES:]
         RES["pack_log"] = [line.rstrip() for line in lines if "[comfy-modelopt]" in line or "Recompiling" in line]
@@ -223,7 +242,7 @@ def main():
     for r in RES["phases"]:
         print(f"| {r['phase']} | {', '.join(f'{t:.2f}' for t in r['prompt_s'])} | {r['steady_s']:.3f} | "
               f"{100 * r['spread']:.1f}% | {r.get('vs_16bit', '')} | {r['vram_free_gib']} |")
-    print(f"final latent vs 16-bit (same seeds): {rq['rel_vs_16bit']}")
+    print(f"final latent vs 16-bit (same seeds): {rq['rel_vs_16bit']}; after the switch: {sq['rel_vs_16bit']}")
     print("server WARNING/ERROR lines:", len(RES["server_warnings"]))
     for line in RES["server_warnings"][:40]:
         print("  ", line)
