@@ -112,10 +112,12 @@ class HostCopies(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops: list = []
+        self.bytes = 0  # what those ops copied
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor) and out.device.type != "cpu" and \
                 any(isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dim() for a in args):
             self.ops.append(str(func))
+            self.bytes += out.nbytes
         return out

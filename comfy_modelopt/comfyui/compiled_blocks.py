@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from ..device_constants import ConstantsOnDevice
+from ..device_constants import ConstantsOnDevice, HostCopies
 from .traced_layers import clear as clear_traced
 from .traced_layers import traced_forward
 
@@ -283,14 +283,20 @@ class CompiledBlocks:
                      f"in {seconds:.1f} s, relative L2 vs eager {err:.2e} (eager rounding noise {noise:.2e})")
         return True
 
-    def compile_for(self, call, diffusion_model, device, dtype=None, options=None) -> bool:
+    def compile_for(self, call, diffusion_model, device, dtype=None, options=None, streaming_check=False) -> bool:
         """Compile the blocks for the shapes of ``call`` (``calibrate.RecordedCall``: the
         diffusion model's first call while calibrating, replayed on ``device``) and check them
         against eager, before any image: a later evaluation of the same shapes and options finds
         them compiled and only checks them again (a Dynamo cache hit, three forwards).  The call
         is made as the sampler will call this model: in its compute ``dtype``, with its own
         transformer ``options`` (the MODEL's, e.g. an attention override the calibrated model did
-        not have) merged in as ComfyUI's sampler merges them - first, then the recorded ones."""
+        not have) merged in as ComfyUI's sampler merges them - first, then the recorded ones.
+
+        ``streaming_check`` (a model ComfyUI loads with dynamic VRAM): the second eager evaluation
+        - the perturbed one the check needs anyway, made before compiling - must not copy weights
+        from the CPU: a model that does not fit in the GPU's free memory streams its weights at
+        every evaluation, which no CUDA graph can capture, so compiling would only cost time
+        (H200 with 12 GiB left to ComfyUI, Flux fp8: 13.7 s, then every capture failed)."""
         if dtype is not None:  # BaseModel._apply_model casts the latent and every conditioning
             # tensor but ints and longs; the timestep stays float32
             call = call.cast(dtype, positions=(0,), skip=("control", "transformer_options"))
@@ -299,14 +305,41 @@ class CompiledBlocks:
             merged = {**options, **{k: v for k, v in recorded.items() if k not in options}}
             call = type(call)(call.args, {**call.kwargs, "transformer_options": merged})
 
-        def run(first_tensor=None):
-            return call.replay(diffusion_model, device, first_tensor)
-        return self.validate(run, run(), lambda: run(lambda x: rounding_noise(x, dtype)))
+        def run(first_tensor=None, fn=diffusion_model):
+            return call.replay(fn, device, first_tensor)
+
+        def perturbed():
+            return run(lambda x: rounding_noise(x, dtype))
+        ref = run()  # the first evaluation: a dynamic model's weights are paged in here
+        if streaming_check:
+            def checked(*args, **kwargs):  # as the CUDA-graph warm-up checks its forward
+                with HostCopies() as copies, ConstantsOnDevice():
+                    out = diffusion_model(*args, **kwargs)
+                if copies.bytes >= STREAMED_BYTES:
+                    raise _Streams()
+                return out
+            try:
+                noisy = run(lambda x: rounding_noise(x, dtype), checked)
+            except _Streams:
+                return self.disable("the model's weights are copied from the CPU at every evaluation (it does not fit "
+                                    "in the GPU's free memory, so ComfyUI streams them): no CUDA graph can capture that "
+                                    "- it runs as ComfyUI runs it")
+            perturbed = lambda: noisy  # noqa: E731
+        return self.validate(run, ref, perturbed)
 
     def disable(self, reason: str) -> bool:
         self.enabled, self.reason = False, reason
         logging.warning(f"[comfy-modelopt] compiled blocks turned off: {reason}")
         return False
+
+
+# what an evaluation may copy from the CPU before its model counts as streamed: far above any input
+# or constant a model builds on the host, below one page of ComfyUI's dynamic VRAM (32 MiB) times two
+STREAMED_BYTES = 64 << 20
+
+
+class _Streams(Exception):
+    """An evaluation copied weights from the CPU (``compile_for``)."""
 
 
 _IMPORTING = threading.Lock()

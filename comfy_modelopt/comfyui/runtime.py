@@ -192,7 +192,8 @@ def _compile_ahead(patcher, runner, first_call) -> str:
     try:
         with borrowed_on(patcher, patcher.load_device):
             ok = runner.compiled.compile_for(first_call, patcher.model.diffusion_model, patcher.load_device,
-                                             runner.compute_dtype(), patcher.model_options.get("transformer_options"))
+                                             runner.compute_dtype(), patcher.model_options.get("transformer_options"),
+                                             streaming_check=patcher.is_dynamic())
     except Exception as e:  # out of memory, a forward that fails on these inputs: the model still comes back
         # (ComfyUI's interrupt is a BaseException: a cancel still cancels)
         ok = runner.compiled.disable(f"compiling ahead failed: {type(e).__name__}: {str(e)[:200]}")

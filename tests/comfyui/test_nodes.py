@@ -629,6 +629,38 @@ def test_compiled_blocks_validated_against_eager(env):
         assert "differs from eager by 0.333" in bad.reason
 
 
+def test_compiled_blocks_not_compiled_for_a_streamed_model(env, monkeypatch):
+    """A model whose evaluation copies weights from the CPU at every call (dynamic VRAM on a GPU
+    it does not fit: ComfyUI streams them) is not compiled ahead: no CUDA graph could capture it.
+    Found by the second eager evaluation, before anything compiles; a resident model's is clean.
+    (A CPU->meta copy in one layer stands for ComfyUI's host-to-GPU weight copy.)"""
+    blocks = pack_module("compiled_blocks")
+    calibrate_mod = sys.modules[PACK + ".comfy_modelopt.calibrate"]
+    model, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
+    dm = model.model.diffusion_model
+    g = torch.Generator().manual_seed(0)
+    x, c = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 8, 768, generator=g)
+    call = calibrate_mod.RecordedCall.of((x, torch.tensor([0.5])), {"context": c})
+    compiled = []
+    monkeypatch.setattr(blocks.CompiledBlocks, "validate", lambda self, *a: compiled.append(a) or True)
+    with torch.inference_mode():
+        assert blocks.CompiledBlocks(dm).compile_for(call, dm, torch.device("cpu"), streaming_check=True)
+        assert len(compiled) == 1  # resident: on to compiling
+        layer = next(m for m in dm.modules() if getattr(m, "quant_format", None))
+        calls, weight = [], torch.ones(blocks.STREAMED_BYTES // 4)  # made before the evaluation, as weights are
+        hook = layer.register_forward_pre_hook(lambda m, a: calls.append(weight.to("meta")))
+        try:
+            cb = blocks.CompiledBlocks(dm)
+            ok = cb.compile_for(call, dm, torch.device("cpu"), streaming_check=True)
+            assert not ok and len(compiled) == 1 and len(calls) == 2 and not cb.enabled, (ok, len(calls))
+            assert "copied from the CPU at every evaluation" in cb.reason, cb.reason
+            assert blocks.CompiledBlocks(dm).compile_for(call, dm, torch.device("cpu"))  # not asked: compiles
+            weight = torch.ones(blocks.STREAMED_BYTES // 8)  # a copy of less: on to compiling
+            assert blocks.CompiledBlocks(dm).compile_for(call, dm, torch.device("cpu"), streaming_check=True)
+        finally:
+            hook.remove()
+
+
 def test_compiled_blocks_installed_for_one_thread(env):
     """Installed in one thread, the regions run eagerly for any other thread (another sampler in
     the process): nothing is compiled or run compiled there, and the output is eager's
