@@ -136,38 +136,26 @@ class CompiledBlocks:
         # thread (another workflow's sampler in the same process) runs eagerly
         self._owner = None
         self._lock = threading.Lock()
-        self._compiled = None  # the regions' compiled forwards, made at the first installation
         if not self.regions:
             self.enabled, self.reason = False, "no blocks (nn.ModuleList) to compile"
             return
-        if torch.cuda.is_available():
-            import_compiler_soon()
-
-    @property
-    def compiled(self) -> list:
-        """The regions' compiled forwards (``torch.compile`` objects; nothing compiles until one
-        runs).  Made at first use rather than with the object: the compiler's modules (~1.8 s to
-        import on the H200's host) then load in the background meanwhile (``import_compiler_soon``)
-        - while the first eager evaluation pages the weights in, at a first prompt."""
-        if self._compiled is None:
-            # Dynamo keeps one cache entry per code object, shape and guard set.  Opaque layers (a
-            # cast or patched convolution, anything not traced as an operator) break the graph, so
-            # the frames that call them (a UNet's blocks, their attention) are compiled on their own;
-            # ComfyUI's per-block keys are kept out of them (_region_forward), but a model passing
-            # other per-block constants would still need one entry per module instance.  Past the
-            # limit Dynamo silently runs the frame eager - measured on SDXL (70 transformer blocks,
-            # limit 41): part of the model lost its fusion.
-            cfg = torch._dynamo.config
-            per_class = collections.Counter(type(m) for r in self.regions for m in r.modules()
-                                            if not _is_weight_layer(m))
-            limit = max(8, len(self.regions), max(per_class.values(), default=0)) + 8
-            wanted = {"recompile_limit": limit, "cache_size_limit": limit,
-                      "accumulated_recompile_limit": max(256, 4 * sum(per_class.values()))}
-            for name, value in wanted.items():
-                if hasattr(cfg, name) and getattr(cfg, name) < value:
-                    setattr(cfg, name, value)
-            self._compiled = [self._region_forward(m, torch.compile(m.forward, dynamic=False)) for m in self.regions]
-        return self._compiled
+        # Dynamo keeps one cache entry per code object, shape and guard set.  Opaque layers (a
+        # cast or patched convolution, anything not traced as an operator) break the graph, so
+        # the frames that call them (a UNet's blocks, their attention) are compiled on their own;
+        # ComfyUI's per-block keys are kept out of them (_region_forward), but a model passing
+        # other per-block constants would still need one entry per module instance.  Past the
+        # limit Dynamo silently runs the frame eager - measured on SDXL (70 transformer blocks,
+        # limit 41): part of the model lost its fusion.
+        cfg = torch._dynamo.config
+        per_class = collections.Counter(type(m) for r in self.regions for m in r.modules()
+                                        if not _is_weight_layer(m))
+        limit = max(8, len(self.regions), max(per_class.values(), default=0)) + 8
+        wanted = {"recompile_limit": limit, "cache_size_limit": limit,
+                  "accumulated_recompile_limit": max(256, 4 * sum(per_class.values()))}
+        for name, value in wanted.items():
+            if hasattr(cfg, name) and getattr(cfg, name) < value:
+                setattr(cfg, name, value)
+        self.compiled = [self._region_forward(m, torch.compile(m.forward, dynamic=False)) for m in self.regions]
 
     def _region_forward(self, m, compiled):
         """What a region runs while installed: its compiled forward, called without the keys of
@@ -283,7 +271,7 @@ class CompiledBlocks:
                      f"in {seconds:.1f} s, relative L2 vs eager {err:.2e} (eager rounding noise {noise:.2e})")
         return True
 
-    def compile_for(self, call, diffusion_model, device, dtype=None, options=None, streaming_check=False) -> bool:
+    def compile_for(self, call, diffusion_model, device, dtype=None, options=None, may_stream=None) -> bool:
         """Compile the blocks for the shapes of ``call`` (``calibrate.RecordedCall``: the
         diffusion model's first call while calibrating, replayed on ``device``) and check them
         against eager, before any image: a later evaluation of the same shapes and options finds
@@ -292,11 +280,13 @@ class CompiledBlocks:
         transformer ``options`` (the MODEL's, e.g. an attention override the calibrated model did
         not have) merged in as ComfyUI's sampler merges them - first, then the recorded ones.
 
-        ``streaming_check`` (a model ComfyUI loads with dynamic VRAM): the second eager evaluation
-        - the perturbed one the check needs anyway, made before compiling - must not copy weights
-        from the CPU: a model that does not fit in the GPU's free memory streams its weights at
-        every evaluation, which no CUDA graph can capture, so compiling would only cost time
-        (H200 with 12 GiB left to ComfyUI, Flux fp8: 13.7 s, then every capture failed)."""
+        ``may_stream()`` (a model ComfyUI loads with dynamic VRAM): True when, after the first
+        evaluation, the model is not wholly on the GPU.  Then the second eager evaluation - the
+        perturbed one the check needs anyway, made before compiling - must not copy weights from
+        the CPU: a model that does not fit in the GPU's free memory streams its weights at every
+        evaluation, which no CUDA graph can capture, so compiling would only cost time (H200 with
+        12 GiB left to ComfyUI, Flux fp8: 13.7 s, then every capture failed).  Asked first because
+        the check costs a forward under a dispatch mode (Flux 1024x1024 on the H200: ~1.3 s)."""
         if dtype is not None:  # BaseModel._apply_model casts the latent and every conditioning
             # tensor but ints and longs; the timestep stays float32
             call = call.cast(dtype, positions=(0,), skip=("control", "transformer_options"))
@@ -311,7 +301,7 @@ class CompiledBlocks:
         def perturbed():
             return run(lambda x: rounding_noise(x, dtype))
         ref = run()  # the first evaluation: a dynamic model's weights are paged in here
-        if streaming_check:
+        if may_stream is not None and may_stream():
             def checked(*args, **kwargs):  # as the CUDA-graph warm-up checks its forward
                 with HostCopies() as copies, ConstantsOnDevice():
                     out = diffusion_model(*args, **kwargs)
@@ -340,26 +330,6 @@ STREAMED_BYTES = 64 << 20
 
 class _Streams(Exception):
     """An evaluation copied weights from the CPU (``compile_for``)."""
-
-
-_IMPORTING = threading.Lock()
-
-
-def import_compiler_soon() -> None:
-    """Import TorchDynamo and TorchInductor in a background thread (once per process): their
-    first import is most of the first ``torch.compile`` call's cost and needs no GPU, so it
-    overlaps with whatever the caller does next.  A thread that later needs them waits for the
-    import (Python's module locks) rather than importing again."""
-    if not _IMPORTING.acquire(blocking=False):
-        return
-
-    def run():
-        try:
-            import torch._dynamo  # noqa: F401
-            import torch._inductor.compile_fx  # noqa: F401
-        except Exception as e:  # the caller's own import then reports it
-            logging.debug(f"[comfy-modelopt] background import of the compiler: {type(e).__name__}: {e}")
-    threading.Thread(target=run, name="comfy-modelopt-import-compiler", daemon=True).start()
 
 
 def _without_capture_mode(compiled):

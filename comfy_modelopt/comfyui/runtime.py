@@ -18,6 +18,7 @@ import comfy.model_patcher
 
 from ..formats import FORMATS
 from .attention import ATTENTIONS
+from .compiled_blocks import STREAMED_BYTES
 from .cuda_graphs import enable_cuda_graphs
 from .lean import dequant_cache_of, make_lean, native_formats
 from .model import compute_device
@@ -193,7 +194,7 @@ def _compile_ahead(patcher, runner, first_call) -> str:
         with borrowed_on(patcher, patcher.load_device):
             ok = runner.compiled.compile_for(first_call, patcher.model.diffusion_model, patcher.load_device,
                                              runner.compute_dtype(), patcher.model_options.get("transformer_options"),
-                                             streaming_check=patcher.is_dynamic())
+                                             may_stream=_not_all_loaded(patcher) if patcher.is_dynamic() else None)
     except Exception as e:  # out of memory, a forward that fails on these inputs: the model still comes back
         # (ComfyUI's interrupt is a BaseException: a cancel still cancels)
         ok = runner.compiled.disable(f"compiling ahead failed: {type(e).__name__}: {str(e)[:200]}")
@@ -201,6 +202,13 @@ def _compile_ahead(patcher, runner, first_call) -> str:
         return f" (compiled blocks off: {runner.compiled.reason})"
     return (f" (blocks compiled for the calibration's shapes in {time.perf_counter() - t0:.1f} s; another "
             "image size compiles at its first image)")
+
+
+def _not_all_loaded(patcher):
+    """Whether ComfyUI holds less of ``patcher``'s weights on the GPU than the model has (what its
+    own model management reads: ``model_size() - loaded_size()``), past what one of its dynamic
+    VRAM pages rounds."""
+    return lambda: patcher.model_size() - patcher.loaded_size() >= STREAMED_BYTES
 
 
 @contextmanager

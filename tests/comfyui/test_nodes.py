@@ -632,7 +632,8 @@ def test_compiled_blocks_validated_against_eager(env):
 def test_compiled_blocks_not_compiled_for_a_streamed_model(env, monkeypatch):
     """A model whose evaluation copies weights from the CPU at every call (dynamic VRAM on a GPU
     it does not fit: ComfyUI streams them) is not compiled ahead: no CUDA graph could capture it.
-    Found by the second eager evaluation, before anything compiles; a resident model's is clean.
+    Found by the second eager evaluation, before anything compiles, where the model may stream
+    (``may_stream``); a resident model's is clean, and one that is wholly loaded is not checked.
     (A CPU->meta copy in one layer stands for ComfyUI's host-to-GPU weight copy.)"""
     blocks = pack_module("compiled_blocks")
     calibrate_mod = sys.modules[PACK + ".comfy_modelopt.calibrate"]
@@ -644,21 +645,37 @@ def test_compiled_blocks_not_compiled_for_a_streamed_model(env, monkeypatch):
     compiled = []
     monkeypatch.setattr(blocks.CompiledBlocks, "validate", lambda self, *a: compiled.append(a) or True)
     with torch.inference_mode():
-        assert blocks.CompiledBlocks(dm).compile_for(call, dm, torch.device("cpu"), streaming_check=True)
+        assert blocks.CompiledBlocks(dm).compile_for(call, dm, torch.device("cpu"), may_stream=lambda: True)
         assert len(compiled) == 1  # resident: on to compiling
         layer = next(m for m in dm.modules() if getattr(m, "quant_format", None))
         calls, weight = [], torch.ones(blocks.STREAMED_BYTES // 4)  # made before the evaluation, as weights are
         hook = layer.register_forward_pre_hook(lambda m, a: calls.append(weight.to("meta")))
         try:
             cb = blocks.CompiledBlocks(dm)
-            ok = cb.compile_for(call, dm, torch.device("cpu"), streaming_check=True)
+            ok = cb.compile_for(call, dm, torch.device("cpu"), may_stream=lambda: True)
             assert not ok and len(compiled) == 1 and len(calls) == 2 and not cb.enabled, (ok, len(calls))
             assert "copied from the CPU at every evaluation" in cb.reason, cb.reason
             assert blocks.CompiledBlocks(dm).compile_for(call, dm, torch.device("cpu"))  # not asked: compiles
+            # wholly loaded, says ComfyUI: not checked (no second evaluation here), compiled
+            assert blocks.CompiledBlocks(dm).compile_for(call, dm, torch.device("cpu"), may_stream=lambda: False)
+            assert len(calls) == 4 and len(compiled) == 3  # one evaluation each (validate is stubbed)
             weight = torch.ones(blocks.STREAMED_BYTES // 8)  # a copy of less: on to compiling
-            assert blocks.CompiledBlocks(dm).compile_for(call, dm, torch.device("cpu"), streaming_check=True)
+            assert blocks.CompiledBlocks(dm).compile_for(call, dm, torch.device("cpu"), may_stream=lambda: True)
         finally:
             hook.remove()
+
+
+def test_not_all_loaded_reads_comfyui(env):
+    """What compiling ahead asks before its streaming check: ComfyUI's own account of how much of
+    the model is on its device (``model_size() - loaded_size()``) - all of it once ComfyUI loaded it."""
+    runtime = pack_module("runtime")
+    model, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
+    comfy.model_management.unload_all_models()
+    if model.model_size() >= runtime.STREAMED_BYTES:
+        assert runtime._not_all_loaded(model)()
+    comfy.model_management.load_models_gpu([model])
+    assert not runtime._not_all_loaded(model)()
+    comfy.model_management.unload_all_models()
 
 
 def test_compiled_blocks_installed_for_one_thread(env):
