@@ -205,9 +205,9 @@ def _compile_ahead(patcher, runner, first_call) -> str:
 
 
 def _not_all_loaded(patcher):
-    """Whether ComfyUI holds less of ``patcher``'s weights on the GPU than the model has (what its
-    own model management reads: ``model_size() - loaded_size()``), past what one of its dynamic
-    VRAM pages rounds."""
+    """A callable: whether ComfyUI now holds less of ``patcher``'s weights on the GPU than the model
+    has (what its own model management reads: ``model_size() - loaded_size()``), by more than its
+    dynamic VRAM's page rounding."""
     return lambda: patcher.model_size() - patcher.loaded_size() >= STREAMED_BYTES
 
 
