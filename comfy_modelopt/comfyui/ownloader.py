@@ -36,12 +36,14 @@ leave uninitialised) or a layer the model does not have is an error naming it.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 import comfy.model_detection
 import comfy.model_management
+import comfy.model_patcher
 from comfy.patcher_extension import CallbacksMP
 import comfy.quant_ops
 import comfy.sd
@@ -151,6 +153,10 @@ def _comfy_load(sd: dict, metadata: dict | None, where: str, model_options: dict
         model_options["custom_operations"] = ops
     prefix = comfy.model_detection.unet_prefix_from_state_dict(sd)
     given = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)} or dict(sd)
+    if "disable_dynamic" not in load_options and dynamic_vram_on():
+        # (a placeholder of an fp8 convolution is one expanded zero: no memory)
+        load_options["disable_dynamic"] = resident_fits(sum(t.nbytes for t in sd.values() if 0 not in t.stride()),
+                                                        where)
     try:
         patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=model_options, metadata=metadata,
                                                            **load_options)
@@ -159,6 +165,36 @@ def _comfy_load(sd: dict, metadata: dict | None, where: str, model_options: dict
     if patcher is not None:
         _check_matches(patcher, given, where)
     return patcher
+
+
+def dynamic_vram_on() -> bool:
+    """Whether ComfyUI builds models for its dynamic VRAM (its default on NVIDIA: main.py swaps
+    ``CoreModelPatcher`` for ``ModelPatcherDynamic``)."""
+    mp = comfy.model_patcher
+    return getattr(mp, "ModelPatcherDynamic", None) is not None and mp.CoreModelPatcher is mp.ModelPatcherDynamic
+
+
+def resident_fits(nbytes: int, where: str = "the model") -> bool:
+    """Whether a model of ``nbytes`` weights is loaded the classic way (ComfyUI's ``ModelPatcher``,
+    the weights resident on the GPU while it is loaded) instead of with dynamic VRAM: when it fits
+    in the GPU with a quarter of its size and ComfyUI's inference reserve to spare.
+
+    Why: dynamic VRAM pages every layer's weights in through ComfyUI's cast path at call time, so
+    none of this pack's direct kernels can run (lean, and the layers compiled blocks trace as
+    operators): Flux fp8 in a server compiled 16 frames where the resident model compiles 2, and
+    no compile cache was shared between them (H200: 1.41-1.52x the 16-bit model per prompt in a
+    server against 1.60x through the nodes in one process).  A model that fits gains nothing from
+    paging; one that does not keeps dynamic VRAM, which streams it (a classic load would leave
+    part of it on the CPU, run by the cast path anyway).  ComfyUI's ``--disable-dynamic-vram``
+    makes every model resident; a rebuild that asks for a kind (``cached_patcher_init``) gets it."""
+    mm = comfy.model_management
+    device = mm.get_torch_device()
+    total = mm.get_total_memory(device)
+    fits = 1.25 * nbytes + mm.minimum_inference_memory() <= total
+    logging.info(f"[comfy-modelopt] {where}: {nbytes / 2**30:.1f} GiB of weights, {total / 2**30:.1f} GiB on "
+                 f"{device}: " + ("loaded resident (ComfyUI's classic load), where this pack's kernels run" if fits
+                                  else "loaded with ComfyUI's dynamic VRAM (streamed: too large to keep resident)"))
+    return fits
 
 
 def _check_matches(patcher, given: dict, where: str) -> None:

@@ -29,6 +29,7 @@ if not models.COMFYUI_PATH:
 
 models.setup_comfy()
 import comfy.model_management  # noqa: E402
+import comfy.sd  # noqa: E402
 from comfy.quant_ops import QuantizedTensor  # noqa: E402
 
 from comfy_modelopt.comfyui import ownloader  # noqa: E402
@@ -208,3 +209,32 @@ def test_semantic_mutations_never_load_damaged(files, tmp_path):
     assert not silent, f"{len(silent)} damaging mutations loaded, e.g. {silent[:5]}"
     assert not insane, f"{len(insane)} loaded models a sampler must not run, e.g. {insane[:5]}"
     assert outcomes["refused"] > FUZZ_CASES // 2, outcomes
+
+
+def test_dynamic_vram_server_loads_a_model_that_fits_resident(files, monkeypatch):
+    """Under ComfyUI's dynamic VRAM (a server's default on NVIDIA: main.py makes CoreModelPatcher
+    the dynamic kind) a model that fits is built the classic way - the kind this pack's kernels run
+    on - and one that does not keeps dynamic VRAM; a rebuild that asks for a kind gets it."""
+    import comfy.model_patcher as mp
+    asked = []
+    real = comfy.sd.load_diffusion_model_state_dict
+
+    def spy(sd, **kwargs):
+        asked.append(kwargs.get("disable_dynamic"))
+        return real(sd, **{**kwargs, "disable_dynamic": True})  # a dynamic patcher needs a CUDA device
+    monkeypatch.setattr(comfy.sd, "load_diffusion_model_state_dict", spy)
+    assert not ownloader.dynamic_vram_on()
+    ownloader.load_file(files["fp8-w8a8"][1])
+    assert asked == [None]  # not a dynamic server: ComfyUI's own default, untouched
+    monkeypatch.setattr(mp, "CoreModelPatcher", mp.ModelPatcherDynamic)
+    assert ownloader.dynamic_vram_on()
+    patcher = ownloader.load_file(files["fp8-w8a8"][1])
+    assert asked[-1] is True and not patcher.is_dynamic()
+    size = os.path.getsize(files["fp8-w8a8"][1])
+    # the GPU's memory as ComfyUI reads it, too small for the model next to its inference reserve
+    monkeypatch.setattr(comfy.model_management, "get_total_memory",
+                        lambda *a, **k: comfy.model_management.minimum_inference_memory() + size)
+    ownloader.load_file(files["fp8-w8a8"][1])
+    assert asked[-1] is False
+    ownloader.load_file(files["fp8-w8a8"][1], disable_dynamic=True)  # ComfyUI's non-dynamic rebuild
+    assert asked[-1] is True
