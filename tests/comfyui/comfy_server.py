@@ -1,6 +1,10 @@
 """A real ComfyUI server for the tests and the workflow builder: ``main.py --cpu`` with this
 repository in custom_nodes and a models folder of the caller's (--extra-model-paths-config),
-driven over HTTP as a user's client drives it."""
+driven over HTTP as a user's client drives it.
+
+``COMFY_MODELOPT_TEST_SERVER_GPU=1``: ``main.py`` as shipped on the GPU instead (dynamic VRAM,
+cudaMallocAsync), with the caller's PYTHONPATH less this repository (a GPU machine whose packages
+come from a folder on it)."""
 from __future__ import annotations
 
 import json
@@ -31,9 +35,18 @@ class Server:
         (base / "custom_nodes").mkdir()
         os.symlink(ROOT, base / "custom_nodes" / "comfy-modelopt")
         self.log = open(base / "server.log", "w")
-        env = dict(os.environ, PYTHONPATH="")  # the pack must import on its own
+        gpu = bool(os.environ.get("COMFY_MODELOPT_TEST_SERVER_GPU"))
+        # the pack must import on its own (from custom_nodes), not from the caller's path
+        path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                if p and os.path.realpath(p) != os.path.realpath(ROOT)] if gpu else []
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+        extra = ["--cpu"]
+        if gpu:  # a GPU machine without the frontend's package: an empty web root (no browser here)
+            (base / "web").mkdir()
+            (base / "web" / "index.html").write_text("<html></html>")
+            extra = ["--front-end-root", str(base / "web"), "--disable-auto-launch"]
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(COMFYUI_PATH, "main.py"), "--cpu", "--listen", "127.0.0.1",
+            [sys.executable, os.path.join(COMFYUI_PATH, "main.py"), *extra, "--listen", "127.0.0.1",
              "--port", str(self.port), "--base-directory", str(base), "--extra-model-paths-config", str(cfg)],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(base))
         self.url = f"http://127.0.0.1:{self.port}"
