@@ -124,6 +124,9 @@ def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.
             " (dequant cache ignored: it needs a lean runtime)" if dequant_cache_gib > 0 else "")
     n = make_lean(patcher, dequant_cache_bytes=int(dequant_cache_gib * 2**30))
     note = f"runtime: lean ({n} quantized layers on direct kernel calls)"
+    if patcher.is_dynamic():  # ComfyUI pages each layer's weight in through its cast path: not lean
+        note = (f"runtime: lean set on {n} quantized layers, but ComfyUI loads this model with dynamic VRAM "
+                "(over half the GPU), whose weights its own layers page in - they run as stock ComfyUI runs them")
     cache = dequant_cache_of(patcher.model)
     if cache is not None:
         note += (f" + dequantized-weight cache of up to {cache.budget / 2**30:.2f} GiB" if cache.budget

@@ -1335,3 +1335,16 @@ def test_dequant_cache_bit_exact_budgeted_and_invalidated(env):
     assert torch.equal(merged["cached"], merged["plain"])
     full.detach()
     assert cache.entries == {} and cache.used == 0 and cache.needs_fill()
+
+
+def test_runtime_note_says_when_dynamic_vram_keeps_the_lean_kernels_out(env, monkeypatch):
+    """A model ComfyUI loads with dynamic VRAM (too large to keep resident) runs its layers through
+    ComfyUI's cast path whatever lean set on them: the runtime line says so instead of promising
+    direct kernel calls."""
+    runtime = pack_module("runtime")
+    plain = quantize(env, runtime="lean")[0]
+    _, note = runtime.apply_runtime(plain, "lean")
+    assert note.startswith("runtime: lean (") and "dynamic VRAM" not in note, note
+    monkeypatch.setattr(plain, "is_dynamic", lambda: True)
+    _, note = runtime.apply_runtime(plain, "lean")
+    assert "ComfyUI loads this model with dynamic VRAM" in note and "direct kernel calls" not in note, note
