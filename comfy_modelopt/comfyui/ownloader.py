@@ -156,7 +156,7 @@ def _comfy_load(sd: dict, metadata: dict | None, where: str, model_options: dict
     if "disable_dynamic" not in load_options and dynamic_vram_on():
         # (a placeholder of an fp8 convolution is one expanded zero: no memory)
         load_options["disable_dynamic"] = resident_fits(sum(t.nbytes for t in sd.values() if 0 not in t.stride()),
-                                                        where)
+                                                        where, model_options.get("load_device"))
     try:
         patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=model_options, metadata=metadata,
                                                            **load_options)
@@ -174,10 +174,10 @@ def dynamic_vram_on() -> bool:
     return getattr(mp, "ModelPatcherDynamic", None) is not None and mp.CoreModelPatcher is mp.ModelPatcherDynamic
 
 
-def resident_fits(nbytes: int, where: str = "the model") -> bool:
+def resident_fits(nbytes: int, where: str = "the model", device=None) -> bool:
     """Whether a model of ``nbytes`` weights is loaded the classic way (ComfyUI's ``ModelPatcher``,
     the weights resident on the GPU while it is loaded) instead of with dynamic VRAM: when it takes
-    at most half the GPU next to ComfyUI's inference reserve.
+    at most half the GPU (``device``, default ComfyUI's) next to ComfyUI's inference reserve.
 
     Why: dynamic VRAM pages every layer's weights in through ComfyUI's cast path at call time, so
     none of this pack's direct kernels can run (lean, and the layers compiled blocks trace as
@@ -192,7 +192,7 @@ def resident_fits(nbytes: int, where: str = "the model") -> bool:
     ComfyUI's ``--disable-dynamic-vram`` makes every model resident; a rebuild that asks for a
     kind (``cached_patcher_init``) gets it."""
     mm = comfy.model_management
-    device = mm.get_torch_device()
+    device = device if device is not None else mm.get_torch_device()
     total = mm.get_total_memory(device)
     fits = 2 * nbytes + mm.minimum_inference_memory() <= total
     logging.info(f"[comfy-modelopt] {where}: {nbytes / 2**30:.1f} GiB of weights, {total / 2**30:.1f} GiB on "
