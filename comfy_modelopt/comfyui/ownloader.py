@@ -170,8 +170,7 @@ def _comfy_load(sd: dict, metadata: dict | None, where: str, model_options: dict
 def dynamic_vram_on() -> bool:
     """Whether ComfyUI builds models for its dynamic VRAM (its default on NVIDIA: main.py swaps
     ``CoreModelPatcher`` for ``ModelPatcherDynamic``)."""
-    mp = comfy.model_patcher
-    return getattr(mp, "ModelPatcherDynamic", None) is not None and mp.CoreModelPatcher is mp.ModelPatcherDynamic
+    return comfy.model_patcher.CoreModelPatcher is getattr(comfy.model_patcher, "ModelPatcherDynamic", None)
 
 
 def resident_fits(nbytes: int, where: str = "the model", device=None) -> bool:

@@ -213,8 +213,9 @@ def test_semantic_mutations_never_load_damaged(files, tmp_path):
 
 def test_dynamic_vram_server_loads_a_model_that_fits_resident(files, monkeypatch):
     """Under ComfyUI's dynamic VRAM (a server's default on NVIDIA: main.py makes CoreModelPatcher
-    the dynamic kind) a model that fits is built the classic way - the kind this pack's kernels run
-    on - and one that does not keeps dynamic VRAM; a rebuild that asks for a kind gets it."""
+    the dynamic kind) a model that takes at most half the GPU next to ComfyUI's reserve is built the
+    classic way - the kind this pack's kernels run on - and a larger one keeps dynamic VRAM; a
+    rebuild that asks for a kind gets it."""
     import comfy.model_patcher as mp
     asked = []
     real = comfy.sd.load_diffusion_model_state_dict
