@@ -55,6 +55,11 @@ SD3_FULL = {"in_channels": 16, "patch_size": 2, "out_channels": 16, "depth": 38,
             "x_block_self_attn_layers": []}                                            # SD3.5 Large
 SD3_SMALL = dict(SD3_FULL, depth=2, context_embedder_config={"target": "torch.nn.Linear",
                  "params": {"in_features": 4096, "out_features": 128}}, num_patches=4096, pos_embed_max_size=64)
+# the smallest SD3 whose every quantized module holds over 16 KiB even in nvfp4 (width 64 x depth):
+# under dynamic VRAM ComfyUI force-loads smaller modules by re-quantizing them (stochastic rounding,
+# scales recalculated), so only a model this wide loads what the file holds, bit for bit
+SD3_WIDE = dict(SD3_SMALL, depth=4, context_embedder_config={"target": "torch.nn.Linear",
+                "params": {"in_features": 4096, "out_features": 256}})
 
 FLUX_FULL = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 768, "context_in_dim": 4096,
              "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "depth": 19, "depth_single_blocks": 38,
@@ -97,7 +102,7 @@ CHROMA_FULL = {"image_model": "chroma", "axes_dim": [16, 56, 56], "num_heads": 2
 CONFIGS = {
     "sd15": {"full": SD15_FULL, "small": SD15_SMALL},
     "sdxl": {"full": SDXL_FULL, "small": SDXL_SMALL},
-    "sd3": {"full": SD3_FULL, "small": SD3_SMALL},
+    "sd3": {"full": SD3_FULL, "small": SD3_SMALL, "wide": SD3_WIDE},
     "flux": {"full": FLUX_FULL, "small": FLUX_SMALL},
     "wan": {"full": WAN_FULL, "small": WAN_SMALL, "14b": WAN_14B},
     "qwen_image": {"full": QWEN_FULL, "small": QWEN_SMALL},

@@ -18,6 +18,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMFYUI_PATH = os.environ.get("COMFYUI_PATH", "")
+GPU = bool(os.environ.get("COMFY_MODELOPT_TEST_SERVER_GPU"))  # main.py as shipped on the GPU (see above)
 
 
 def free_port() -> int:
@@ -35,7 +36,7 @@ class Server:
         (base / "custom_nodes").mkdir()
         os.symlink(ROOT, base / "custom_nodes" / "comfy-modelopt")
         self.log = open(base / "server.log", "w")
-        gpu = bool(os.environ.get("COMFY_MODELOPT_TEST_SERVER_GPU"))
+        gpu = GPU
         # the pack must import on its own (from custom_nodes), not from the caller's path
         path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                 if p and os.path.realpath(p) != os.path.realpath(ROOT)] if gpu else []

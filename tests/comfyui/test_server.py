@@ -25,7 +25,7 @@ if not models.COMFYUI_PATH:
                 allow_module_level=True)
 
 from comfy_modelopt.checkpoint import inspect_file  # noqa: E402
-from comfy_server import Server  # noqa: E402
+from comfy_server import GPU, Server  # noqa: E402
 import make_workflows  # noqa: E402
 from workflow_ui import to_api  # noqa: E402
 from comfy_modelopt.safetensors_io import SafetensorsFile, write_file  # noqa: E402
@@ -62,8 +62,10 @@ def server(tmp_path_factory):
     # the one file the shipped workflows' notes name (a small UNet, the real CLIP-L, a small VAE decoder)
     save(models_dir / "checkpoints" / make_workflows.CHECKPOINT, models.sd15_checkpoint())
     save(models_dir / "text_encoders" / "clip_l.safetensors", models.clip_l_state_dict())
-    for family, name in (("sd15", "sd15-bf16"), ("sd3", "sd3-bf16")):
-        _, sd = models.build(family, "small", seed=1)
+    # on a GPU server (dynamic VRAM) SD3 as wide as keeps every quantized module over the 16 KiB
+    # below which ComfyUI re-quantizes a module at load (architectures.SD3_WIDE)
+    for family, name, size in (("sd15", "sd15-bf16", "small"), ("sd3", "sd3-bf16", "wide" if GPU else "small")):
+        _, sd = models.build(family, size, seed=1)
         save(models_dir / "diffusion_models" / f"{name}.safetensors", sd)
     srv = Server(base, models_dir)
     srv.models_dir = models_dir
