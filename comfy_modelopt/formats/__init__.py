@@ -1,17 +1,45 @@
 """Quantization formats, one per ComfyUI ``QUANT_ALGOS`` key, one file each (base.py holds the
 contract every format fulfils).  ``FORMATS`` is the one table of them, built from the ``Format``
 instances the files of this package define; no other module tests a format's name.  A new
-format is its file, its name in ``NAMES`` and its test.
+format is its file (with its ``ORDER``) and its test.
 
 ``NAMES`` (and the ConvRot groups) are plain values, importable without torch - the command
-line's help lists them; everything else is imported from the format files on first use.
+line's help lists them - read from the format files' source (``_declared``); everything else is
+imported from the format files on first use.
 """
 from __future__ import annotations
 
+import ast
+import os
+
 from ..lazy import exports
 
+
+def _declared(*folders: str) -> tuple[str, ...]:
+    """The format names the files in ``folders`` declare, read from their source without importing
+    them (no torch): every top-level ``X = SomeFormat(name="...", ...)``, ordered by the file's
+    literal ``ORDER`` (then by place in the file).  An ImportError names a file that declares
+    formats without an ``ORDER``."""
+    found = []
+    for folder, file in sorted((d, f) for d in folders for f in os.listdir(d)):
+        if not file.endswith(".py") or file.startswith("_"):
+            continue
+        with open(os.path.join(folder, file), encoding="utf-8") as f:
+            body = ast.parse(f.read(), file).body
+        names = [kw.value.value for node in body if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                 for kw in node.value.keywords
+                 if kw.arg == "name" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str)]
+        order = [node.value for node in body if isinstance(node, ast.Assign)
+                 and any(isinstance(t, ast.Name) and t.id == "ORDER" for t in node.targets)]
+        if names and not order:
+            raise ImportError(f"formats/{file}: declares {', '.join(names)} without an ORDER (its place in the list)")
+        if names:
+            found.append((ast.literal_eval(order[0]), folder, file, names))
+    return tuple(n for *_where, names in sorted(found) for n in names)
+
+
 # the formats in the order FORMATS lists them (checked against it when it is built)
-NAMES = ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "mxfp8", "nvfp4", "convrot_w4a4")
+NAMES = _declared(*__path__)
 # the regular Hadamard sizes kitchen's ConvRot rotation takes, largest first
 CONVROT_GROUPS = (1024, 256, 64, 16)
 # the group ComfyUI (and kitchen) assume where a layer's config does not name one; the recipe's default

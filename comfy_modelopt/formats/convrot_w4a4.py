@@ -9,6 +9,8 @@ from . import CONVROT_GROUP_DEFAULT
 from .base import _shown, option
 from .int8 import RowwiseIntFormat, _anchored_rows, rotation_group
 
+ORDER = 5  # this file's place in formats.NAMES (the command line's and the node's lists)
+
 
 @dataclass(frozen=True)
 class ConvRotW4A4Format(RowwiseIntFormat):

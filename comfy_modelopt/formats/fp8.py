@@ -9,6 +9,8 @@ import torch
 from .. import gptq
 from .base import E4M3_NAN, E5M2_NAN, Format, ModelOptQuantizers, nan_code_problem, tensor_scale
 
+ORDER = 1  # this file's place in formats.NAMES (the command line's and the node's lists)
+
 _FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 

@@ -10,6 +10,8 @@ from .. import gptq
 from . import CONVROT_GROUP_DEFAULT, CONVROT_GROUPS
 from .base import Format, ModelOptQuantizers, _clip_rows, _row_alpha, _shown, option
 
+ORDER = 2  # this file's place in formats.NAMES (the command line's and the node's lists)
+
 
 def regular_hadamard(size: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
     """kitchen 0.2's ConvRot matrix restated: the normalized regular Hadamard built from the 4x4
