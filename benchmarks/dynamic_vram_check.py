@@ -10,6 +10,10 @@ quantizes it again (scales recalculated, stochastic rounding): the file's encodi
 Only tiny test models have such layers (the small SD3's 128x128 nvfp4 projections, 8 KiB);
 ``--size wide`` builds SD3 wide enough to have none.
 
+``--loader own``: the same for files only comfy-modelopt's loader runs (nvfp4 with a rank-16
+16-bit branch; on a UNet also fp8 convolutions), loaded by ``ownloader.load_file`` with dynamic
+VRAM kept (as a model over half the GPU is) and with it off; every weight-holding layer compared.
+
 Per file (small models of ComfyUI's own classes, random weights, quantized by comfy-modelopt
 without statistics): one ``apply_model`` call on each load with the same inputs; every quantized
 Linear's input and output recorded on the dynamic load; each classic layer run on the dynamic
@@ -28,9 +32,11 @@ import sys
 import tempfile
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-ap.add_argument("--families", default="sd3,flux")
+ap.add_argument("--families", default="sd3,flux", help="comma-separated, each FAMILY or FAMILY:SIZE")
 ap.add_argument("--formats", default="nvfp4,float8_e4m3fn,mxfp8,int8_tensorwise")
 ap.add_argument("--size", default="small", help="architectures size: small, or wide (SD3 only)")
+ap.add_argument("--loader", default="stock", choices=("stock", "own"),
+                help="stock: ComfyUI's loader, --formats as given; own: the pack's loader on own-loader files")
 ap.add_argument("--out", default=os.environ.get("OUT", "dynamic_vram_out"))
 a = ap.parse_args()
 
@@ -51,6 +57,7 @@ import comfy.model_patcher as mp  # noqa: E402
 import comfy.ops  # noqa: E402
 import comfy.sd  # noqa: E402
 import comfy.utils  # noqa: E402
+from comfy_modelopt.errors import PlanError  # noqa: E402
 
 if not (common.CUDA and comfy_aimdo is not None
         and comfy_aimdo.control.init_devices(d.index for d in mm.get_all_torch_devices())):
@@ -67,7 +74,11 @@ def inputs(family: str):
     sigma = torch.full((1,), 0.7, device=DEV)
     if family == "sd3":
         return r(1, 16, 32, 32), sigma, {"c_crossattn": r(1, 24, 4096), "y": r(1, 2048)}
-    return common.inputs("flux_small", 1, 256, 24, torch.bfloat16)
+    return common.inputs("flux_small" if family == "flux" else family, 1, 256, 24, torch.bfloat16)
+
+
+# own-loader files: name -> the recipe's changes (nvfp4 + low-rank branch; fp8 + fp8 convolutions)
+OWN = {"nvfp4+lowrank16": dict(format="nvfp4", lowrank=16), "fp8+conv_fp8": dict(format="float8_e4m3fn", conv="fp8")}
 
 
 def rel(a, b) -> float:
@@ -76,17 +87,28 @@ def rel(a, b) -> float:
 
 
 def quantized_layers(patcher) -> dict:
+    """The layers compared: the quantized ones (stock loader), or every layer holding a weight (own)."""
+    if a.loader == "own":
+        return {n: m for n, m in patcher.model.diffusion_model.named_modules()  # ComfyUI's mixed-precision
+                if type(m).__name__ in ("Linear", "Conv2d")}                    # Linear is no nn.Linear
     return {n: m for n, m in patcher.model.diffusion_model.named_modules() if getattr(m, "quant_format", None)}
 
 
-def check(family: str, fmt: str, folder: str) -> dict:
-    _, sd = common.architectures.build(family, a.size, seed=1)
-    path = os.path.join(folder, f"{family}-{fmt}.safetensors")
-    common.quantize(sd, common.Recipe(fmt), out=path, overwrite=True)
-    stored, metadata = comfy.utils.load_torch_file(path, return_metadata=True)
+def check(spec: str, fmt: str, folder: str) -> dict:
+    family, _, size = spec.partition(":")
+    _, sd = common.architectures.build(family, size or a.size, seed=1)
+    path = os.path.join(folder, f"{family}-{size or a.size}-{fmt}.safetensors")
+    common.quantize(sd, common.Recipe(**OWN[fmt]) if a.loader == "own" else common.Recipe(fmt), out=path,
+                    overwrite=True)
     x, sigma, kw = inputs(family)
-    dyn = comfy.sd.load_diffusion_model_state_dict(dict(stored), metadata=metadata)
-    cls = comfy.sd.load_diffusion_model_state_dict(dict(stored), metadata=metadata, disable_dynamic=True)
+    if a.loader == "own":
+        from comfy_modelopt.comfyui import ownloader
+        dyn = ownloader.load_file(path, disable_dynamic=False)  # kept dynamic, as a model over half the GPU
+        cls = ownloader.load_file(path, disable_dynamic=True)
+    else:
+        stored, metadata = comfy.utils.load_torch_file(path, return_metadata=True)
+        dyn = comfy.sd.load_diffusion_model_state_dict(dict(stored), metadata=metadata)
+        cls = comfy.sd.load_diffusion_model_state_dict(dict(stored), metadata=metadata, disable_dynamic=True)
     kinds = (type(dyn).__name__, type(cls).__name__)
     seen = {}
 
@@ -114,15 +136,19 @@ def check(family: str, fmt: str, folder: str) -> dict:
         classic, dyn_layers = quantized_layers(cls), quantized_layers(dyn)
         for n, (xin, y_dyn) in seen.items():
             y_cls = classic[n](xin)
+            row = {"layer": n, "format": getattr(classic[n], "quant_format", None) or type(classic[n]).__name__,
+                   "dyn_vs_classic": rel(y_dyn, y_cls), "dtype": str(y_dyn.dtype),
+                   # the input changed while the layer ran (its memory reused): then the recorded one is not what it used
+                   "input_changed_in_forward": rel(xin, before[n]),
+                   "module_bytes": mm.module_size(classic[n])}
+            rows.append(row)
+            if a.loader == "own":  # the own layers' math (branch, smoothing, fp8 convolution) is the loader's
+                continue
             w = classic[n].weight
             w_ref = (w.dequantize() if hasattr(w, "dequantize") else w).float()
             b = classic[n].bias
             ref = torch.nn.functional.linear(xin.float(), w_ref, None if b is None else b.float())
-            row = {"layer": n, "format": classic[n].quant_format, "dyn_vs_classic": rel(y_dyn, y_cls),
-                   "dyn_vs_ref": rel(y_dyn, ref), "classic_vs_ref": rel(y_cls, ref), "dtype": str(y_dyn.dtype),
-                   # the input changed while the layer ran (its memory reused): then the recorded one is not what it used
-                   "input_changed_in_forward": rel(xin, before[n]),
-                   "module_bytes": mm.module_size(classic[n])}
+            row.update(dyn_vs_ref=rel(y_dyn, ref), classic_vs_ref=rel(y_cls, ref))
             if row["dyn_vs_classic"]:  # which weight the dynamic load casts for it now, against the classic one's
                 w_dyn, b_dyn, stream = comfy.ops.cast_bias_weight(dyn_layers[n], xin, offloadable=True)
                 row["cast_weight_vs_classic"] = rel(w_dyn, w_ref)
@@ -132,10 +158,9 @@ def check(family: str, fmt: str, folder: str) -> dict:
                 row["dyn_output_vs_input_before"] = rel(y_dyn, torch.nn.functional.linear(
                     before[n].float(), w_ref, None if b is None else b.float()))
                 comfy.ops.uncast_bias_weight(dyn_layers[n], w_dyn, b_dyn, stream)
-            rows.append(row)
     mm.unload_all_models()
     worst = max(rows, key=lambda r: r["dyn_vs_classic"]) if rows else None
-    return {"family": family, "format": fmt, "patchers": kinds, "layers": len(rows),
+    return {"family": spec, "format": fmt, "patchers": kinds, "layers": len(rows),
             "bit_equal_layers": sum(r["dyn_vs_classic"] == 0 for r in rows),
             # ComfyUI force-loads (re-quantizes) modules up to 16 KiB under dynamic VRAM
             "differing_layers_over_16k": sum(r["dyn_vs_classic"] != 0 and r["module_bytes"] > 16 * 1024 for r in rows),
@@ -147,9 +172,11 @@ def main():
     results = []
     with tempfile.TemporaryDirectory() as folder:
         for family in a.families.split(","):
-            for fmt in a.formats.split(","):
+            for fmt in (OWN if a.loader == "own" else a.formats.split(",")):
                 try:
                     r = check(family, fmt, folder)
+                except PlanError as e:  # e.g. fp8 convolutions asked of a model without any
+                    r = {"family": family, "format": fmt, "error": f"n/a: {e}"}
                 except Exception as e:  # noqa: BLE001 - one failing pair must not hide the others
                     r = {"family": family, "format": fmt, "error": f"{type(e).__name__}: {e}"}
                 results.append(r)
@@ -164,8 +191,9 @@ def main():
         w = r["worst"] or {}
         print(f"| {r['family']} | {r['format']} | {' / '.join(r['patchers'])} | {r['bit_equal_layers']} of "
               f"{r['layers']} | {r['differing_layers_over_16k']} | {r['forward_dyn_vs_classic']:.3g} | {w.get('layer')}: {w.get('dyn_vs_classic', 0):.3g}, "
-              f"{w.get('dyn_vs_ref', 0):.3g}, {w.get('classic_vs_ref', 0):.3g} |")
-    common.write_json(os.path.join(a.out, "dynamic_vram_check.json"), {"env": common.env_info(), "results": results})
+              f"{w.get('dyn_vs_ref', float('nan')):.3g}, {w.get('classic_vs_ref', float('nan')):.3g} |")
+    common.write_json(os.path.join(a.out, "dynamic_vram_check.json"),
+                      {"env": common.env_info(), "args": vars(a), "results": results})
 
 
 main()

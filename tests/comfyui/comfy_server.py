@@ -36,13 +36,12 @@ class Server:
         (base / "custom_nodes").mkdir()
         os.symlink(ROOT, base / "custom_nodes" / "comfy-modelopt")
         self.log = open(base / "server.log", "w")
-        gpu = GPU
         # the pack must import on its own (from custom_nodes), not from the caller's path
         path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                if p and os.path.realpath(p) != os.path.realpath(ROOT)] if gpu else []
+                if p and os.path.realpath(p) != os.path.realpath(ROOT)] if GPU else []
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
         extra = ["--cpu"]
-        if gpu:  # a GPU machine without the frontend's package: an empty web root (no browser here)
+        if GPU:  # a GPU machine without the frontend's package: an empty web root (no browser here)
             (base / "web").mkdir()
             (base / "web" / "index.html").write_text("<html></html>")
             extra = ["--front-end-root", str(base / "web"), "--disable-auto-launch"]
