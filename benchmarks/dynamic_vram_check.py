@@ -19,7 +19,8 @@ without statistics): one ``apply_model`` call on each load with the same inputs;
 Linear's input and output recorded on the dynamic load; each classic layer run on the dynamic
 layer's recorded input, and both held against a float32 reference from the stored tensors
 (kitchen's dequantize of the layer's weight, the input as given).  Dynamic VRAM needs CUDA and
-comfy-aimdo; without them the script says so and exits 0.
+comfy-aimdo; without them the script says so and exits 0 (``--without-dynamic``: a control run,
+both loads classic, that must agree on every layer - the CPU smoke test runs it).
 
     python benchmarks/dynamic_vram_check.py --families sd3,flux --formats nvfp4,float8_e4m3fn --out DIR
 """
@@ -35,13 +36,18 @@ ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("--families", default="sd3,flux", help="comma-separated, each FAMILY or FAMILY:SIZE")
 ap.add_argument("--formats", default="nvfp4,float8_e4m3fn,mxfp8,int8_tensorwise")
 ap.add_argument("--size", default="small", help="architectures size: small, or wide (SD3 only)")
+ap.add_argument("--without-dynamic", action="store_true",
+                help="control run: both loads classic (no CUDA or comfy-aimdo needed) - every layer must agree")
 ap.add_argument("--loader", default="stock", choices=("stock", "own"),
                 help="stock: ComfyUI's loader, --formats as given; own: the pack's loader on own-loader files")
 ap.add_argument("--out", default=os.environ.get("OUT", "dynamic_vram_out"))
 a = ap.parse_args()
 
 # comfy-aimdo initialises before ComfyUI imports torch's allocator state (main.py's order)
+comfy_aimdo = None
 try:
+    if a.without_dynamic:
+        raise ImportError("not asked for (--without-dynamic)")
     import comfy_aimdo.control
     comfy_aimdo.control.init()
 except Exception as e:  # noqa: BLE001 - reported, not fatal: the script then has nothing to compare
@@ -59,12 +65,15 @@ import comfy.sd  # noqa: E402
 import comfy.utils  # noqa: E402
 from comfy_modelopt.errors import PlanError  # noqa: E402
 
-if not (common.CUDA and comfy_aimdo is not None
-        and comfy_aimdo.control.init_devices(d.index for d in mm.get_all_torch_devices())):
-    print("dynamic VRAM needs CUDA and comfy-aimdo: nothing to compare here")
+if a.without_dynamic:
+    print("control run: both loads classic")
+elif not (common.CUDA and comfy_aimdo is not None
+          and comfy_aimdo.control.init_devices(d.index for d in mm.get_all_torch_devices())):
+    print("dynamic VRAM needs CUDA and comfy-aimdo: nothing to compare here (--without-dynamic: a control run)")
     sys.exit(0)
-mp.CoreModelPatcher = mp.ModelPatcherDynamic
-comfy.memory_management.aimdo_enabled = True
+else:
+    mp.CoreModelPatcher = mp.ModelPatcherDynamic
+    comfy.memory_management.aimdo_enabled = True
 DEV = common.DEVICE
 
 
