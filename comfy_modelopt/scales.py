@@ -145,8 +145,9 @@ def activation_clip_candidates(hist: torch.Tensor, amax: float) -> list[float]:
     return sorted(c for c in cands if c > 0)
 
 
-def _histogram_errors(fmt: Format, cands: list, amax: float, hist, sample) -> list[float] | None:
-    """Clip errors on the histogram (per-tensor fp8: the error of a value depends on it alone)."""
+def histogram_errors(fmt: Format, cands: list, amax: float, hist, sample) -> list[float] | None:
+    """Clip errors on the histogram (per-tensor fp8: the error of a value depends on it alone) - an
+    ``input_search`` a format may name."""
     counts = hist.double().cpu()
     values = hist_centers().clamp(max=amax)
     used = counts > 0
@@ -155,20 +156,17 @@ def _histogram_errors(fmt: Format, cands: list, amax: float, hist, sample) -> li
     return [fp8_hist_error(values, counts, c / fmax, fmax, fmt.dtype) for c in cands]
 
 
-def _sample_errors(fmt: Format, cands: list, amax: float, hist, sample) -> list[float] | None:
-    """Clip errors on the sampled rows (block-scaled: a value's error depends on its block)."""
+def sample_errors(fmt: Format, cands: list, amax: float, hist, sample) -> list[float] | None:
+    """Clip errors on the sampled rows (block-scaled: a value's error depends on its block) - an
+    ``input_search`` a format may name."""
     if sample is None:
         return None
     return [float(squared_error(fmt, sample, None, torch.tensor(c)).sum()) for c in cands]
 
 
-# how each format's static input scale is searched (Format.input_search)
-INPUT_SEARCHES = {"histogram": _histogram_errors, "sample": _sample_errors}
-
-
 def _mse_activation_clip(fmt: Format, amax: float, hist, sample) -> float:
     cands = activation_clip_candidates(hist, amax)
-    errs = INPUT_SEARCHES[fmt.input_search](fmt, cands, amax, hist, sample)
+    errs = fmt.input_search(fmt, cands, amax, hist, sample)
     if errs is None:
         return amax
     return cands[min(range(len(cands)), key=errs.__getitem__)]

@@ -66,7 +66,9 @@ class Format:
     one_weight_scale: bool = False  # one scale for the whole weight (fp8): rescaling some rows
     #                                 of it (a smoothing fold into a producer) costs precision
     values_per_element: int = 1     # weight values packed into one stored element (4-bit: 2)
-    input_search: str = ""    # static input scale searched on the "histogram" or a "sample"
+    # how a static input scale's clip is searched: f(fmt, candidates, amax, hist, sample) -> their
+    # errors, or None (then the max); scales.histogram_errors or scales.sample_errors
+    input_search: object = field(default=None, compare=False)
     native_gate: str = ""     # comfy.model_management predicate for native compute ("": always)
     lean_kernel: str = ""     # the lean runtime's direct kernel ("": dequantize, or stock)
     w8a8_gemm: bool = True          # a quantized-activation GEMM exists for it (fp8 e5m2: no

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import gptq
+from ..scales import histogram_errors
 from .base import E4M3_NAN, E5M2_NAN, Format, ModelOptQuantizers, nan_code_problem, tensor_scale
 
 ORDER = 1  # this file's place in formats.NAMES (the command line's and the node's lists)
@@ -72,7 +73,7 @@ class Fp8Format(Format):
 
 
 _FP8_KW = dict(layout="TensorCoreFP8Layout", native_sm=(8, 9), static_input_scale=True, needs_input_scale=True,
-            free_scale="tensor", k_multiple=16, n_multiple=16, one_weight_scale=True, input_search="histogram",
+            free_scale="tensor", k_multiple=16, n_multiple=16, one_weight_scale=True, input_search=histogram_errors,
             native_gate="supports_fp8_compute", lean_kernel="fp8_scaled_mm")
 # fp8 E4M3: per-tensor scale; W8A8 with a calibrated input_scale, else weight-only
 FLOAT8_E4M3FN = Fp8Format(name="float8_e4m3fn", **_FP8_KW, candidate=2, colour=(52, 120, 246), modelopt=ModelOptQuantizers(

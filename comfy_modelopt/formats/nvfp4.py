@@ -9,6 +9,7 @@ from comfy_kitchen.tensor import QuantizedTensor
 
 from .. import gptq
 from ..errors import QuantizeError
+from ..scales import sample_errors
 from .base import E4M3_NAN_OR_NEGATIVE, F4_E2M1_MAX, F8_E4M3_MAX, Format, ModelOptQuantizers, nan_code_problem, tensor_scale
 
 ORDER = 4  # this file's place in formats.NAMES (the command line's and the node's lists)
@@ -166,6 +167,6 @@ class NvFp4Format(Format):
 _NVFP4_MODELOPT = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}
 NVFP4 = NvFp4Format(name="nvfp4", layout="TensorCoreNVFP4Layout", native_sm=(10, 0), static_input_scale=True,
                     needs_input_scale=False, free_scale="tensor", k_multiple=32, lowrank=True,
-                    values_per_element=2, input_search="sample", native_gate="supports_nvfp4_compute",
+                    values_per_element=2, input_search=sample_errors, native_gate="supports_nvfp4_compute",
                     block_clip=True, block=16, candidate=1, colour=(235, 120, 30), modelopt=ModelOptQuantizers(
                         _NVFP4_MODELOPT, _NVFP4_MODELOPT, ("max", "awq_lite", "awq_full", "svdquant")))
