@@ -44,7 +44,6 @@ ap.add_argument("--out", default=os.environ.get("OUT", "dynamic_vram_out"))
 a = ap.parse_args()
 
 # comfy-aimdo initialises before ComfyUI imports torch's allocator state (main.py's order)
-comfy_aimdo = None
 try:
     if a.without_dynamic:
         raise ImportError("not asked for (--without-dynamic)")
@@ -95,7 +94,7 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def quantized_layers(patcher) -> dict:
+def compared_layers(patcher) -> dict:
     """The layers compared: the quantized ones (stock loader), or every layer holding a weight (own)."""
     if a.loader == "own":
         return {n: m for n, m in patcher.model.diffusion_model.named_modules()  # ComfyUI's mixed-precision
@@ -119,9 +118,7 @@ def check(spec: str, fmt: str, folder: str) -> dict:
         dyn = comfy.sd.load_diffusion_model_state_dict(dict(stored), metadata=metadata)
         cls = comfy.sd.load_diffusion_model_state_dict(dict(stored), metadata=metadata, disable_dynamic=True)
     kinds = (type(dyn).__name__, type(cls).__name__)
-    seen = {}
-
-    before = {}
+    seen, before = {}, {}
 
     def record_input(name):
         def hook(_module, args):  # the input as the layer receives it
@@ -132,7 +129,7 @@ def check(spec: str, fmt: str, folder: str) -> dict:
         def hook(_module, args, output):  # the first call of each layer (returns None: output unchanged)
             seen.setdefault(name, (args[0].detach().clone(), output.detach().clone()))
         return hook
-    hooks = [h for n, m in quantized_layers(dyn).items()
+    hooks = [h for n, m in compared_layers(dyn).items()
              for h in (m.register_forward_pre_hook(record_input(n)), m.register_forward_hook(record(n)))]
     with torch.no_grad():
         mm.load_models_gpu([dyn])
@@ -142,7 +139,7 @@ def check(spec: str, fmt: str, folder: str) -> dict:
         mm.load_models_gpu([cls])
         out_cls = cls.model.apply_model(x, sigma, **kw).float()
         rows = []
-        classic, dyn_layers = quantized_layers(cls), quantized_layers(dyn)
+        classic, dyn_layers = compared_layers(cls), compared_layers(dyn)
         for n, (xin, y_dyn) in seen.items():
             y_cls = classic[n](xin)
             row = {"layer": n, "format": getattr(classic[n], "quant_format", None) or type(classic[n]).__name__,

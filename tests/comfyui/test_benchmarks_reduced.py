@@ -28,14 +28,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("compile_overhead.py", ["--iters", "2"], "compile_overhead.json"),
     ("flux_smoothing.py", [], "flux_smoothing.json"),
     ("user_path.py", ["--model", "flux", "--cpu-tiny", "--runs", "2", "--steps", "2"], "verify_flux_float8_e4m3fn.json"),
-    ("dynamic_vram_check.py", ["--without-dynamic", "--families", "sd3", "--formats", "nvfp4,float8_e4m3fn"],
-     "dynamic_vram_check.json"),
-    ("dynamic_vram_check.py", ["--without-dynamic", "--loader", "own", "--families", "sd15"], "dynamic_vram_check.json"),
 ])
 def test_reduced(tmp_path, script, args, out):
+    assert _run(tmp_path, script, args, out)["env"]["torch"]
+
+
+@pytest.mark.parametrize("args", [["--families", "sd3", "--formats", "nvfp4,float8_e4m3fn"],
+                                  ["--loader", "own", "--families", "sd15"]])
+def test_dynamic_vram_check_control_run(tmp_path, args):
+    """The control run (both loads classic): one load compared with the same load, layer by layer."""
+    result = _run(tmp_path, "dynamic_vram_check.py", ["--without-dynamic", *args], "dynamic_vram_check.json")
+    assert all(r["layers"] and r["bit_equal_layers"] == r["layers"] for r in result["results"]), result["results"]
+
+
+def _run(tmp_path, script, args, out) -> dict:
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--out", str(tmp_path), *args],
                    check=True, capture_output=True, text=True, timeout=1800)
-    result = json.load(open(tmp_path / out))
-    assert result["env"]["torch"]
-    if script == "dynamic_vram_check.py":  # the control run: one load compared with the same load, layer by layer
-        assert all(r["layers"] and r["bit_equal_layers"] == r["layers"] for r in result["results"]), result["results"]
+    return json.load(open(tmp_path / out))
