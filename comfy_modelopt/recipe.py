@@ -246,6 +246,29 @@ def recipe_default(f):
     return () if f.default_factory is not MISSING else f.default
 
 
+# Where the Quantize node shows each field (``node_order``), fixed for the fields it had: saved UI
+# workflows store widget values by position
+_NODE_BEFORE_CALIBRATION = ("format",)
+_NODE_BEFORE_RUNTIME = ("weight_scale", "input_scale", "smoothing", "gptq", "convrot", "lowrank", "conv",
+                        "static_nvfp4_input", "keep", "budget", "max_error")
+_NODE_AFTER_RUNTIME = ("gptq_act_order", "percentile", "smooth_alpha", "sensitivity", "convrot_groupsize",
+                       "linear_dtype", "candidates", "allow_nonfinite", "weight_only")
+
+
+def node_order(names=None) -> tuple:
+    """The Quantize node's recipe inputs as (before its calibration input, before its runtime
+    input, after it): the positions its widgets have had, then every field of ``names`` (default:
+    the recipe's fields) not placed yet, in their order - a new field is a new last input, with
+    no edit here (declare it after the fields there are)."""
+    names = [f.name for f in fields(Recipe)] if names is None else list(names)
+    placed = _NODE_BEFORE_CALIBRATION + _NODE_BEFORE_RUNTIME + _NODE_AFTER_RUNTIME
+    gone = [n for n in placed if n not in names]
+    if gone:  # a widget position cannot be given up: old workflows would shift
+        raise ValueError(f"recipe fields the node places are missing: {', '.join(gone)}")
+    return (_NODE_BEFORE_CALIBRATION, _NODE_BEFORE_RUNTIME,
+            _NODE_AFTER_RUNTIME + tuple(n for n in names if n not in placed))
+
+
 def split_names(values) -> tuple[str, ...]:
     """A tuple field's value from text: one or several strings, each split on commas and lines."""
     if isinstance(values, str):

@@ -6,7 +6,7 @@ import pytest
 
 from comfy_modelopt import cli
 from comfy_modelopt.recipe import (CONV_CHOICES, FORMAT_CHOICES, INPUT_SCALE_METHODS, LINEAR_DTYPES,
-                                   SMOOTHING_METHODS, WEIGHT_SCALE_METHODS, Recipe)
+                                   SMOOTHING_METHODS, WEIGHT_SCALE_METHODS, Recipe, _opt, node_order)
 
 NON_DEFAULT = Recipe(format="convrot_w4a4", weight_scale="absmax", input_scale="percentile", percentile=99.9,
                      smoothing="awq", smooth_alpha=0.7, lowrank=16, gptq=False, gptq_act_order=False,
@@ -92,6 +92,21 @@ def test_cli_offers_every_recipe_field_with_the_recipes_default():
     a = cli._parser().parse_args(["quantize", "s.safetensors", "-o", "o.safetensors", "--no-sensitivity",
                                   "--allow-nonfinite", "--keep", "a.*,b.*", "--keep", "c.*"])
     assert cli.recipe_of(a) == Recipe(sensitivity=False, allow_nonfinite=True, keep=("a.*", "b.*", "c.*"))
+
+
+def test_a_new_field_is_the_node_s_last_input_without_an_edit():
+    """The Quantize node's widget order: every field placed once, the placed ones where saved
+    workflows have them, and a field declared after them (a new algorithm's) appended - read
+    from the dataclass, not listed anywhere."""
+    names = [f.name for f in dataclasses.fields(Recipe)]
+    order = node_order()
+    assert sorted(n for part in order for n in part) == sorted(names)
+    Wider = dataclasses.make_dataclass("Wider", [("tiny_step", bool, _opt(False, help="a no-op step"))],
+                                       bases=(Recipe,), frozen=True)
+    wider = node_order(f.name for f in dataclasses.fields(Wider))
+    assert wider[:2] == order[:2] and wider[2] == order[2] + ("tiny_step",)
+    with pytest.raises(ValueError, match="gptq_act_order"):  # a position given up would shift old workflows
+        node_order(n for n in names if n != "gptq_act_order")
 
 
 def test_defaults_are_the_measured_ones():

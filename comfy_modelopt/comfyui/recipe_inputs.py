@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..recipe import recipe_default, recipe_options
+from ..recipe import node_order, recipe_default, recipe_options
 
 _RECIPE_OPTIONS = {f.name: (f, o) for f, o in recipe_options()}
 
@@ -31,10 +31,6 @@ def recipe_input(name: str):
     return (io.Int if isinstance(default, int) else io.Float).Input(name, default=default, min=lo, max=hi, step=step, **kw)
 
 
-# The Quantize node's recipe inputs in the order its widgets were added: a saved UI workflow stores
-# widget values by position, so new fields only ever go at the end
-QUANTIZE_INPUTS_BEFORE_CALIBRATION = ("format",)
-QUANTIZE_INPUTS = ("weight_scale", "input_scale", "smoothing", "gptq", "convrot", "lowrank", "conv",
-                   "static_nvfp4_input", "keep", "budget", "max_error")
-QUANTIZE_INPUTS_AFTER_RUNTIME = ("gptq_act_order", "percentile", "smooth_alpha", "sensitivity", "convrot_groupsize",
-                                 "linear_dtype", "candidates", "allow_nonfinite", "weight_only")
+# The Quantize node's recipe inputs in the order its widgets were added (``recipe.node_order``): a
+# saved UI workflow stores widget values by position, so a new field only ever goes at the end
+QUANTIZE_INPUTS_BEFORE_CALIBRATION, QUANTIZE_INPUTS, QUANTIZE_INPUTS_AFTER_RUNTIME = node_order()
