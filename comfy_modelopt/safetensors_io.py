@@ -139,11 +139,11 @@ class SafetensorsFile:
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if not isinstance(dtype, str) or dtype not in TORCH_DTYPES:
             raise self._fail(f"{key}: unsupported dtype {one_line(repr(dtype))[:80]}")
-        if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < MAX_DIM for d in shape):
+        if not isinstance(shape, list) or not all(is_int(d) and 0 <= d < MAX_DIM for d in shape):
             raise self._fail(f"{key}: bad shape {one_line(repr(shape))[:200]}")
         if math.prod(d for d in shape if d) >= MAX_NUMEL:
             raise self._fail(f"{key}: shape {shape} has more elements than any tensor can")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o) for o in offsets)):
             raise self._fail(f"{key}: bad data_offsets {one_line(repr(offsets))[:200]}")
         start, end = offsets
         expected = math.prod(shape) * ITEMSIZE[dtype]
@@ -228,7 +228,7 @@ def _encodable(text: str) -> bool:
         return False
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 

@@ -30,9 +30,9 @@ from .fileformat import (COMFY_QUANT, CONV_FORMAT, INPUT_SCALE, LOWRANK_DOWN, LO
                          SUFFIX_KEYS, decode_comfy_quant, decode_quantization_metadata, own_base, stock_conf)
 from .families import detect_family
 from .formats import FORMATS
-from .formats.base import _is_int, positive_problem
+from .formats.base import positive_problem
 from .formats.conv_fp8 import CONV_FP8
-from .safetensors_io import FLOAT_DTYPES, ST_DTYPES
+from .safetensors_io import FLOAT_DTYPES, ST_DTYPES, is_int
 
 Entries = Mapping[str, tuple]          # key -> (safetensors dtype, shape)
 Reader = Callable[[str], torch.Tensor]
@@ -283,7 +283,7 @@ def _lowrank_problems(name: str, conf: dict, n: int, k: int, fmt, opts: dict, en
         logical_ok = 0 < n_up <= n and _planned(fmt, n_up, k, key) == _planned(fmt, n, k, key)
     except (ValueError, RuntimeError):
         logical_ok = False
-    if not (_is_int(rank) and rank == r_up == r_down and k_down == k and logical_ok):
+    if not (is_int(rank) and rank == r_up == r_down and k_down == k and logical_ok):
         problems.append(Problem(name + LOWRANK_UP, f"branch up {list(up[1])} / down {list(down[1])} does not fit a "
                                                    f"[{n}, {k}] weight with rank {rank!r}"))
     if name + SMOOTH_SCALE in entries:

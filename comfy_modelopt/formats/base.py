@@ -27,6 +27,7 @@ import comfy_kitchen as ck
 import comfy_kitchen.tensor as ck_tensor
 import torch
 from comfy_kitchen.tensor import QuantizedTensor
+from ..safetensors_io import is_int
 from . import CONVROT_GROUP_DEFAULT
 
 # kitchen's own layout classes, held directly: ComfyUI re-registers some layout names with its
@@ -249,11 +250,7 @@ class Format:
         return positive_problem(t) if suffix else None
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _shown(v) -> str:
+def shown(v) -> str:
     text = repr(v)
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -268,15 +265,15 @@ def check_common_fields(conf: dict, name: str, block: int = 0) -> None:
     """The fields any layer config may carry, in their domains (ValueError naming the field)."""
     params = conf.get("params", {})
     if not isinstance(params, dict):
-        raise ValueError(f"'params' must be a JSON object, got {_shown(params)}")
+        raise ValueError(f"'params' must be a JSON object, got {shown(params)}")
     for field_name, ok, want in (
             ("full_precision_matrix_mult", lambda v: isinstance(v, bool), "true or false"),
-            ("group_size", lambda v: _is_int(v) and v == (block or v) and v > 0,
+            ("group_size", lambda v: is_int(v) and v == (block or v) and v > 0,
              f"{block} for {name}" if block else "a positive integer"),
             ("orig_dtype", _float_dtype_name, "the name of a float dtype")):
         for where in (conf, params):
             if field_name in where and not ok(where[field_name]):
-                raise ValueError(f"'{field_name}' must be {want}, got {_shown(where[field_name])}")
+                raise ValueError(f"'{field_name}' must be {want}, got {shown(where[field_name])}")
 
 
 def option(conf: dict, name: str, default):
@@ -347,15 +344,15 @@ def tensor_scale(w: torch.Tensor, alpha: torch.Tensor | None, amax: torch.Tensor
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
-def _row_alpha(alpha: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor | None:
+def row_alpha(alpha: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor | None:
     if alpha is None:
         return None
     return alpha.reshape(-1, 1).to(w.dtype) if alpha.dim() else alpha.to(w.dtype)
 
 
-def _clip_rows(w: torch.Tensor, alpha: torch.Tensor | None) -> torch.Tensor:
+def clip_rows(w: torch.Tensor, alpha: torch.Tensor | None) -> torch.Tensor:
     """Clamp each row to alpha * its absmax, so kitchen's absmax scale becomes the clipped one."""
     if alpha is None:
         return w
-    bound = w.abs().amax(dim=-1, keepdim=True) * _row_alpha(alpha, w)
+    bound = w.abs().amax(dim=-1, keepdim=True) * row_alpha(alpha, w)
     return torch.minimum(torch.maximum(w, -bound), bound)

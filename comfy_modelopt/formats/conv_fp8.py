@@ -13,7 +13,8 @@ import math
 import torch
 
 from ..fileformat import CONV_FORMAT
-from .base import E4M3_NAN, _is_int, _shown, check_common_fields, nan_code_problem, positive_problem
+from ..safetensors_io import is_int
+from .base import E4M3_NAN, shown, check_common_fields, nan_code_problem, positive_problem
 
 
 class ConvFp8:
@@ -34,8 +35,8 @@ class ConvFp8:
         """The 4-D weight shape a stored layer's config names (ValueError naming the field)."""
         check_common_fields(conf, CONV_FORMAT)
         shape = conf.get("shape")
-        if not (isinstance(shape, list) and len(shape) == 4 and all(_is_int(d) and d > 0 for d in shape)):
-            raise ValueError(f"'shape' must be the 4 positive sizes of the convolution's weight, got {_shown(shape)}")
+        if not (isinstance(shape, list) and len(shape) == 4 and all(is_int(d) and d > 0 for d in shape)):
+            raise ValueError(f"'shape' must be the 4 positive sizes of the convolution's weight, got {shown(shape)}")
         return tuple(shape)
 
     @staticmethod

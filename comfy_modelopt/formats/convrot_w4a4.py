@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import torch
 
 from . import CONVROT_GROUP_DEFAULT
-from .base import _shown, option
-from .int8 import RowwiseIntFormat, _anchored_rows, rotation_group
+from .base import shown, option
+from .int8 import RowwiseIntFormat, anchored_rows, rotation_group
 
 ORDER = 5  # this file's place in formats.NAMES (the command line's and the node's lists)
 
@@ -15,7 +15,7 @@ ORDER = 5  # this file's place in formats.NAMES (the command line's and the node
 @dataclass(frozen=True)
 class ConvRotW4A4Format(RowwiseIntFormat):
     def gptq_rounding(self, w, alpha, **opts):
-        return _anchored_rows(self, w, alpha)
+        return anchored_rows(self, w, alpha)
 
     def _stored_params(self, tensors, conf):
         return {"scale": tensors["_scale"], "quant_group_size": 64, **self.stored_options(conf)}
@@ -24,7 +24,7 @@ class ConvRotW4A4Format(RowwiseIntFormat):
         super().stored_options(conf)
         linear_dtype = option(conf, "linear_dtype", "int4")
         if linear_dtype not in ("int4", "int8"):
-            raise ValueError(f"'linear_dtype' must be 'int4' or 'int8', got {_shown(linear_dtype)}")
+            raise ValueError(f"'linear_dtype' must be 'int4' or 'int8', got {shown(linear_dtype)}")
         return {"convrot_groupsize": rotation_group(conf), "linear_dtype": linear_dtype}
 
     def layout_kwargs(self, convrot_groupsize=CONVROT_GROUP_DEFAULT, linear_dtype="int4", **opts):

@@ -8,7 +8,7 @@ import torch
 
 from .. import gptq
 from . import CONVROT_GROUP_DEFAULT, CONVROT_GROUPS
-from .base import Format, ModelOptQuantizers, _clip_rows, _row_alpha, _shown, option
+from .base import Format, ModelOptQuantizers, clip_rows, row_alpha, shown, option
 
 ORDER = 2  # this file's place in formats.NAMES (the command line's and the node's lists)
 
@@ -42,7 +42,7 @@ def rotation_group(conf: dict) -> int:
     group = option(conf, "convrot_groupsize", CONVROT_GROUP_DEFAULT)
     if not (isinstance(group, int) and not isinstance(group, bool) and group >= 4 and group & (group - 1) == 0
             and group.bit_length() % 2 == 1):
-        raise ValueError(f"'convrot_groupsize' must be a power of 4 (kitchen's rotation), got {_shown(group)}")
+        raise ValueError(f"'convrot_groupsize' must be a power of 4 (kitchen's rotation), got {shown(group)}")
     return group
 
 
@@ -81,11 +81,11 @@ class RowwiseIntFormat(Format):
         if alpha is None:
             return w, {}
         if not self._rotates(opts):
-            return _clip_rows(w, alpha), {}
+            return clip_rows(w, alpha), {}
         # Clip in the rotated basis (where kitchen takes its row absmax), then rotate back so
         # kitchen's own rotation lands on the clipped rows.
         group = opts.get("convrot_groupsize", CONVROT_GROUP_DEFAULT)
-        return _hadamard_rotate(_clip_rows(_hadamard_rotate(w, group), alpha), group), {}
+        return _hadamard_rotate(clip_rows(_hadamard_rotate(w, group), alpha), group), {}
 
     def search_space(self, w, **opts):
         return _hadamard_rotate(w, opts.get("convrot_groupsize", CONVROT_GROUP_DEFAULT)) if self._rotates(opts) else w
@@ -106,7 +106,7 @@ class RowwiseIntFormat(Format):
         # amax: the rows' absmax [N, 1] when x holds only some of their columns (search subsample)
         absmax = x.abs().amax(dim=-1, keepdim=True) if amax is None else amax
         if alpha is not None:  # candidates are <= 1: the clipped row's absmax is the bound itself
-            absmax = absmax * _row_alpha(alpha, x)
+            absmax = absmax * row_alpha(alpha, x)
             x = torch.minimum(torch.maximum(x, -absmax), absmax)
         if self.qmax == 127:  # kitchen quantize_int8_rowwise
             scale = (absmax / 127.0).clamp(min=1e-30)
@@ -122,7 +122,7 @@ class Int8Format(RowwiseIntFormat):
 
     def gptq_rounding(self, w, alpha, convrot=False, **opts):
         if convrot:  # w is rotated; kitchen takes ConvRot rows' scales only from their absmax
-            return _anchored_rows(self, w, alpha)
+            return anchored_rows(self, w, alpha)
         absmax = w.abs().amax(dim=1)
         if alpha is not None:
             absmax = absmax * alpha.to(w.device)
@@ -144,7 +144,7 @@ class Int8Format(RowwiseIntFormat):
         super().stored_options(conf)
         convrot = option(conf, "convrot", False)
         if not isinstance(convrot, bool):
-            raise ValueError(f"'convrot' must be true or false, got {_shown(convrot)}")
+            raise ValueError(f"'convrot' must be true or false, got {shown(convrot)}")
         return {"convrot": True, "convrot_groupsize": rotation_group(conf)} if convrot else {}
 
     def layout_kwargs(self, convrot=False, convrot_groupsize=CONVROT_GROUP_DEFAULT, **opts):
@@ -160,13 +160,13 @@ class Int8Format(RowwiseIntFormat):
         return conf
 
 
-def _anchored_rows(fmt: RowwiseIntFormat, w: torch.Tensor, alpha):
+def anchored_rows(fmt: RowwiseIntFormat, w: torch.Tensor, alpha):
     """GPTQ rounding of a rotated weight whose per-row scale the encoder derives (row absmax /
     qmax): that scale fixed from the unrounded rows, each row's largest element anchored at
     +-qmax so the encoder derives it again (gptq.py)."""
     absmax = w.abs().amax(dim=1, keepdim=True)
     if alpha is not None:
-        absmax = absmax * _row_alpha(alpha, w)
+        absmax = absmax * row_alpha(alpha, w)
     scale = absmax.clamp(min=1e-10) / fmt.qmax
     return gptq.grid_column_quantizer(scale, w.shape[1], gptq.anchors(w, w.shape[1]), float(fmt.qmax),
                                       torch.round, grid="int"), None
