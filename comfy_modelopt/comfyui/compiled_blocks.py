@@ -248,7 +248,7 @@ class CompiledBlocks:
         ``max_tol``).  A miscompilation shows up as a far larger difference."""
         if not self.enabled:
             return False
-        frames = torch._dynamo.utils.counters["frames"]["ok"]
+        before = compile_account()
         logging.info(f"[comfy-modelopt] checking {len(self.regions)} compiled blocks against eager for a new "
                      "input signature (compiling them unless already compiled for its shapes: once per shape and "
                      "process; on an H200 Flux takes ~11 s, ~3.5 s with a warm compile cache, SDXL ~47 s / ~9 s)")
@@ -258,17 +258,19 @@ class CompiledBlocks:
                 out = run()
         except Exception as e:  # an untraceable block, a compiler error: stay eager
             return self.disable(f"compile failed: {type(e).__name__}: {str(e)[:200]}")
-        seconds, compiled = time.perf_counter() - t0, torch._dynamo.utils.counters["frames"]["ok"] - frames
+        seconds, spent = time.perf_counter() - t0, compile_account(before)
+        compiled = spent.pop("frames")
         err = _rel_l2(out, ref)
         noise = _rel_l2(perturbed(), ref) if perturbed is not None else 0.0
         limit = min(self.max_tol, max(self.tol, 3.0 * noise))
         self.checks.append({"rel_l2": err, "eager_rounding_noise": noise, "limit": limit,
-                            "frames_compiled": compiled, "seconds": round(seconds, 3)})
+                            "frames_compiled": compiled, "seconds": round(seconds, 3), "compile": spent})
         if not err <= limit:  # also catches NaN
             return self.disable(f"compiled output differs from eager by {err:.4f} (relative L2; allowed "
                                  f"{limit:.4f} = 3x eager's own rounding noise {noise:.4f}, at least {self.tol})")
         logging.info(f"[comfy-modelopt] compiled blocks: {len(self.regions)} regions, {compiled} frames compiled "
-                     f"in {seconds:.1f} s, relative L2 vs eager {err:.2e} (eager rounding noise {noise:.2e})")
+                     f"in {seconds:.1f} s{_account_text(spent) if compiled else ''}, relative L2 vs eager {err:.2e} "
+                     f"(eager rounding noise {noise:.2e})")
         return True
 
     def compile_for(self, call, diffusion_model, device, dtype=None, options=None, may_stream=None) -> bool:
@@ -321,6 +323,30 @@ class CompiledBlocks:
         self.enabled, self.reason = False, reason
         logging.warning(f"[comfy-modelopt] compiled blocks turned off: {reason}")
         return False
+
+
+# what a compilation's time went to (torch._dynamo's own timers, in seconds; a name this torch does not time
+# is left out) and how its compile caches answered
+_TIMERS = {"_compile.compile_inner": "compiling", "bytecode_tracing": "tracing",
+           "OutputGraph.call_user_compiler": "backend", "build_guards": "guards"}
+_CACHES = {("aot_autograd", "autograd_cache_hit"): "aot_hits", ("aot_autograd", "autograd_cache_miss"): "aot_misses",
+           ("inductor", "fxgraph_cache_hit"): "inductor_hits", ("inductor", "fxgraph_cache_miss"): "inductor_misses"}
+
+
+def compile_account(since: dict | None = None) -> dict:
+    """Frames compiled, the compile caches' hits and misses and the seconds in each compile phase
+    so far in this process (``since``: less that earlier account)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+    now = {"frames": counters["frames"]["ok"], **{v: counters[a][b] for (a, b), v in _CACHES.items()},
+           **{v: round(sum(compilation_time_metrics[k]), 3) for k, v in _TIMERS.items() if k in compilation_time_metrics}}
+    return now if since is None else {k: round(v - since.get(k, 0), 3) for k, v in now.items()}
+
+
+def _account_text(spent: dict) -> str:
+    phases = ", ".join(f"{k} {spent[k]:.1f} s" for k in _TIMERS.values() if k in spent)
+    caches = (f"AOT cache {spent['aot_hits']:g} hits / {spent['aot_misses']:g} misses, Inductor cache "
+              f"{spent['inductor_hits']:g} / {spent['inductor_misses']:g}")
+    return f" ({phases}; {caches})" if phases else f" ({caches})"
 
 
 # what an evaluation may copy from the CPU before its model counts as streamed: far above any input

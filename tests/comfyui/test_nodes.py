@@ -622,6 +622,9 @@ def test_compiled_blocks_validated_against_eager(env):
         assert ok, cb.reason
         check = cb.checks[-1]
         assert 0 < check["eager_rounding_noise"] and check["rel_l2"] <= check["limit"] <= cb.max_tol
+        # what the compilation cost, as torch's timers and compile caches tell it (logged with it)
+        assert check["frames_compiled"] == 0 or check["compile"]["compiling"] > 0
+        assert {"aot_hits", "aot_misses", "inductor_hits", "inductor_misses"} <= set(check["compile"])
         assert {id(m): m.__dict__.get("forward") for m in dm.modules()} == before  # nothing left installed
         assert torch.equal(run(), ref)
         bad = blocks.CompiledBlocks(dm)
