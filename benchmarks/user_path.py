@@ -55,6 +55,10 @@ ap.add_argument("--then-runtime", action="append", default=[], metavar="LABEL",
                 help="after the node's runs, the same quantized model under this graph runtime too (repeatable; "
                      "its CUDA-graph runner replaced, as the CUDA Graphs node does): side-by-side first runs")
 ap.add_argument("--log-info", action="store_true", help="log at INFO (the pack's compilation and capture lines)")
+ap.add_argument("--inference-mode", action="store_true",
+                help="run everything under torch.inference_mode(), as ComfyUI's executor runs every prompt (the "
+                     "shared probe does not: its compile cache then does not serve a server's, which runs in "
+                     "inference mode)")
 ap.add_argument("--fresh-load", action="store_true",
                 help="after Save Quantized Model, a fresh process of this script loads the file with Load Quantized "
                      "Model (its default runtime) next to the stock 16-bit model; its rows are added here")
@@ -420,4 +424,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if A.inference_mode:
+        with torch.inference_mode():
+            main()
+    else:
+        main()
