@@ -57,8 +57,8 @@ ap.add_argument("--then-runtime", action="append", default=[], metavar="LABEL",
 ap.add_argument("--log-info", action="store_true", help="log at INFO (the pack's compilation and capture lines)")
 ap.add_argument("--inference-mode", action="store_true",
                 help="run everything under torch.inference_mode(), as ComfyUI's executor runs every prompt (the "
-                     "shared probe does not: its compile cache then does not serve a server's, which runs in "
-                     "inference mode)")
+                     "shared probe does not; compiled code guards on it - though in both modes this script's "
+                     "compile cache gave a server no hits on an H200, docs/benchmarks.md)")
 ap.add_argument("--fresh-load", action="store_true",
                 help="after Save Quantized Model, a fresh process of this script loads the file with Load Quantized "
                      "Model (its default runtime) next to the stock 16-bit model; its rows are added here")
