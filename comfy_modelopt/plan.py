@@ -153,6 +153,32 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
     if marked:
         raise PlanError(f"{marked[0]}: a quantization tensor - this model is already quantized (or a partly "
                         f"converted file): quantize from the 16-bit model")
+    prefix, family, recognised = _family_of(source, family, refuse_unknown)
+    fmt = get_format(recipe.format)
+    opts = recipe.format_options()
+    layers, passthrough, convs = _layers_of(source, prefix, family, fmt, recipe, opts, stats)
+    if not layers:
+        raise PlanError("no Linear weights found in the diffusion model")
+    if not any(l.quantized for l in layers) and not convs:
+        raise PlanError(f"nothing was quantized: all {len(layers)} Linear layers would stay 16-bit "
+                        f"({kept_by_kind([l.reason for l in layers])}); see the keep patterns "
+                        f"and the format's shape rules")
+    _check_collisions(layers + convs, source)
+    if recipe.conv != "none" and not convs:
+        raise PlanError(f"conv={recipe.conv}: this {family.name} model has no convolution to quantize "
+                        f"(kernels larger than 1x1, outside {', '.join(CONV_KEEP)})")
+    plan = Plan(recipe, family, prefix, layers, passthrough, convs, _odd_weights(layers, passthrough, prefix),
+                fmt, opts, recognised=recognised, engine=engine,
+                unmatched_patterns=_unmatched("--keep", recipe.keep, layers + convs)
+                + _unmatched("--weight-only", recipe.weight_only, layers))
+    if planner is not None:
+        plan.planner = planner(plan)  # None: no planner
+    plan.freeze()
+    return plan
+
+
+def _family_of(source: Mapping[str, tuple], family: Family | None, refuse_unknown: bool) -> tuple:
+    """(the diffusion model's key prefix, its family, the generic structure recognised or "")."""
     prefix = family.prefix if family is not None and family.prefix is not None else diffusion_prefix(source)
     rel_shapes = {k[len(prefix):]: v[1] for k, v in source.items() if k.startswith(prefix)}
     if not rel_shapes:
@@ -171,9 +197,12 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
                                 "structure (numbered attention + MLP blocks beside a timestep embedding): pass "
                                 "--family generic to quantize it with generic rules (embedders, input/output "
                                 "and final layers kept 16-bit), or --family NAME for a known one")
-    fmt = get_format(recipe.format)
-    opts = recipe.format_options()
+    return prefix, family, recognised
 
+
+def _layers_of(source: Mapping[str, tuple], prefix: str, family: Family, fmt, recipe: Recipe, opts: dict,
+               stats) -> tuple:
+    """(Linear layer plans, tensors copied as they are, convolution plans) of ``source``."""
     layers, passthrough, convs = [], {}, []
     for key, (dtype, shape) in source.items():
         rel = key[len(prefix):] if key.startswith(prefix) else None
@@ -195,24 +224,7 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
         else:
             layer.tensors = {key: (dtype, tuple(shape))}
         layers.append(layer)
-    if not layers:
-        raise PlanError("no Linear weights found in the diffusion model")
-    if not any(l.quantized for l in layers) and not convs:
-        raise PlanError(f"nothing was quantized: all {len(layers)} Linear layers would stay 16-bit "
-                        f"({kept_by_kind([l.reason for l in layers])}); see the keep patterns "
-                        f"and the format's shape rules")
-    _check_collisions(layers + convs, source)
-    if recipe.conv != "none" and not convs:
-        raise PlanError(f"conv={recipe.conv}: this {family.name} model has no convolution to quantize "
-                        f"(kernels larger than 1x1, outside {', '.join(CONV_KEEP)})")
-    plan = Plan(recipe, family, prefix, layers, passthrough, convs, _odd_weights(layers, passthrough, prefix),
-                fmt, opts, recognised=recognised, engine=engine,
-                unmatched_patterns=_unmatched("--keep", recipe.keep, layers + convs)
-                + _unmatched("--weight-only", recipe.weight_only, layers))
-    if planner is not None:
-        plan.planner = planner(plan)  # None: no planner
-    plan.freeze()
-    return plan
+    return layers, passthrough, convs
 
 
 def _matches(layer, pat: str) -> bool:
