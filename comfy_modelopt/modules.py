@@ -239,6 +239,23 @@ def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, fami
     dtype_of = {k: v.dtype for k, v in sd.items()}
     device_of = {k: v.device for k, v in sd.items()}
     del sd
+    consumed = _replace_layers(target, out, dtype_of, device_of, native)
+    rest = {k: v for k, v in out.items() if k not in consumed}
+    missing_params = {k for k in rest if k not in dtype_of}
+    if missing_params:  # the pipeline only writes what the module has
+        raise QuantizeError(f"unexpected output tensors {sorted(missing_params)[:3]}")
+    with torch.no_grad():
+        current = target.state_dict(keep_vars=True)
+        for k, v in rest.items():
+            current[k].copy_(v.to(current[k].device, current[k].dtype))
+    setattr(target, _METADATA, dict(metadata))
+    setattr(target, _REPORT, report)
+    return target
+
+
+def _replace_layers(target: torch.nn.Module, out: dict, dtype_of: dict, device_of: dict, native) -> set[str]:
+    """Every layer of ``target`` that ``out`` (the quantized state dict) holds quantized replaced by
+    the module computing what ComfyUI computes for it; returns the keys of ``out`` they took."""
     consumed: set[str] = set()
     for name, sub in list(target.named_modules()):
         if not name or name + COMFY_QUANT not in out:
@@ -255,17 +272,7 @@ def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, fami
             new = QuantLinear.from_stored(tensors, sub.in_features, sub.out_features,
                                           dtype_of.get(prefix + "weight", torch.float32), name, native)
         _set_submodule(target, name, new)
-    rest = {k: v for k, v in out.items() if k not in consumed}
-    missing_params = {k for k in rest if k not in dtype_of}
-    if missing_params:  # the pipeline only writes what the module has
-        raise QuantizeError(f"unexpected output tensors {sorted(missing_params)[:3]}")
-    with torch.no_grad():
-        current = target.state_dict(keep_vars=True)
-        for k, v in rest.items():
-            current[k].copy_(v.to(current[k].device, current[k].dtype))
-    setattr(target, _METADATA, dict(metadata))
-    setattr(target, _REPORT, report)
-    return target
+    return consumed
 
 
 def price_end_to_end(module: torch.nn.Module, recipe: Recipe, stats, evaluate, *, family: str | Family | None = None,
