@@ -151,7 +151,7 @@ def main(argv=None) -> int:
 
     from ..calibrate import CalibrationOptions
     from ..distributed import Shard, calibrate_sharded, shard_prompts
-    from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS
+    from ..prompts import DEFAULT_NEGATIVE
     from .sampling import empty_latent, encode, sample_prompt, sampling_info, without_cuda_graphs
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
@@ -168,17 +168,7 @@ def main(argv=None) -> int:
         raise SystemExit("error: --engine modelopt writes ModelOpt's choices into the quantized model: give "
                          "--model-out (a statistics file cannot hold them)")
     recipe = _request(a, world) if model_out else None
-    if a.prompts:
-        try:
-            with open(a.prompts, encoding="utf-8") as f:
-                lines = [p.strip() for p in f if p.strip()]
-        except OSError as e:
-            raise SystemExit(f"error: cannot read the prompts file {a.prompts} ({e.strerror})") from None
-    else:
-        lines = list(DEFAULT_PROMPTS)
-    prompts = lines[:a.num_prompts]
-    if not prompts:
-        raise SystemExit("error: no calibration prompts")
+    prompts = _prompts(a)
     negative = DEFAULT_NEGATIVE if a.negative is None else a.negative
     guidance = a.guidance if a.guidance > 0 else None
 
@@ -232,6 +222,22 @@ def main(argv=None) -> int:
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def _prompts(a) -> list[str]:
+    """The calibration prompts: the first --num-prompts lines of --prompts, or of the built-in set."""
+    if a.prompts:
+        try:
+            with open(a.prompts, encoding="utf-8") as f:
+                lines = [p.strip() for p in f if p.strip()]
+        except OSError as e:
+            raise SystemExit(f"error: cannot read the prompts file {a.prompts} ({e.strerror})") from None
+    else:
+        from ..prompts import DEFAULT_PROMPTS
+        lines = list(DEFAULT_PROMPTS)
+    if not lines[:a.num_prompts]:
+        raise SystemExit("error: no calibration prompts")
+    return lines[:a.num_prompts]
 
 
 def _request(a, world: int):
