@@ -235,9 +235,10 @@ def _prompts(a) -> list[str]:
     else:
         from ..prompts import DEFAULT_PROMPTS
         lines = list(DEFAULT_PROMPTS)
-    if not lines[:a.num_prompts]:
+    prompts = lines[:a.num_prompts]
+    if not prompts:
         raise SystemExit("error: no calibration prompts")
-    return lines[:a.num_prompts]
+    return prompts
 
 
 def _request(a, world: int):
