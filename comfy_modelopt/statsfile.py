@@ -11,7 +11,7 @@ import torch
 
 from .errors import CalibrationError, one_line
 from .fileformat import META_STATS
-from .safetensors_io import SafetensorsFile, write_file
+from .safetensors_io import SafetensorsFile, is_int, write_file
 from .stats import FORMAT_VERSION, HIST_BINS, ActivationStats, LayerStats
 
 
@@ -143,4 +143,4 @@ def _read_layer(f, name: str, s: LayerStats) -> None:
 
 
 def _count(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    return is_int(x) and x >= 0

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import gptq
+from ..safetensors_io import is_int
 from . import CONVROT_GROUP_DEFAULT, CONVROT_GROUPS
 from .base import Format, ModelOptQuantizers, clip_rows, row_alpha, shown, option
 
@@ -40,7 +41,7 @@ def rotation_group(conf: dict) -> int:
     """A stored layer's ConvRot group as ComfyUI reads it (default 256), checked against what
     kitchen's rotation takes: a power of 4."""
     group = option(conf, "convrot_groupsize", CONVROT_GROUP_DEFAULT)
-    if not (isinstance(group, int) and not isinstance(group, bool) and group >= 4 and group & (group - 1) == 0
+    if not (is_int(group) and group >= 4 and group & (group - 1) == 0
             and group.bit_length() % 2 == 1):
         raise ValueError(f"'convrot_groupsize' must be a power of 4 (kitchen's rotation), got {shown(group)}")
     return group
