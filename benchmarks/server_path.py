@@ -37,6 +37,8 @@ ap.add_argument("--py-spy", default=None, metavar="BIN",
 ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                 help="one more argument for main.py (repeatable), e.g. --server-arg=--reserve-vram "
                      "--server-arg=110: a GPU as small as what is left, where switching models evicts part of one")
+ap.add_argument("--runtime", default=None, help="Load Quantized Model's runtime (default: the node's default, as the UI "
+                "fills it in)")
 ap.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for one phase")
 A = ap.parse_args()
 
@@ -202,11 +204,14 @@ def main():
             STARTUP_LINES = len(f.readlines())
         stock = ("UNETLoader", {"unet_name": sixteen, "weight_dtype": "default"})
         spec = http("/object_info/ModelOptUNetLoader")["ModelOptUNetLoader"]["input"]["required"]["runtime"]
-        RES["loader_runtime"] = spec[1]["default"]  # what a user gets: the node's default, as the UI fills it in
+        RES["loader_runtime"] = A.runtime or spec[1]["default"]  # what a user gets: the node's default, as the UI fills it in
+        offered = spec[1].get("options") or spec[0]  # the V3 schema's COMBO lists them under options
+        if RES["loader_runtime"] not in offered:
+            raise SystemExit(f"--runtime {A.runtime!r}: the node offers {offered}")
         ours = ("ModelOptUNetLoader", {"unet_name": quant, "runtime": RES["loader_runtime"]})
         seeds = list(range(A.prompts))
         r16 = run_phase("16-bit, Load Diffusion Model", stock, seeds, "b16")
-        rq = run_phase(f"{A.format}, Load Quantized Model (default runtime)", ours, seeds, "q")
+        rq = run_phase(f"{A.format}, Load Quantized Model ({'default runtime' if A.runtime is None else A.runtime})", ours, seeds, "q")
         rq["vs_16bit"] = round(r16["steady_s"] / rq["steady_s"], 3)
         s16 = run_phase("switch: 16-bit again", stock, [100, 101], "b16s")
         sq = run_phase("switch: quantized again", ours, [100, 101], "qs")
