@@ -185,19 +185,21 @@ def _why_not_ahead(first_call) -> str | None:
 
 
 def _compile_ahead(patcher, runner, first_call) -> str:
-    """Compile the blocks at the calibration's shapes now, on the GPU (on weights borrowed there,
-    ``borrowed_on``); returns what the note should add.  Without a recorded call the
-    first evaluation of each shape compiles them."""
+    """Compile the blocks at the calibration's shapes now, on the GPU (on placeholder weights
+    there, ``borrowed_on``: the sampler's first evaluation checks them against eager on the real
+    weights, as it checks every new signature); returns what the note should add.  Without a
+    recorded call the first evaluation of each shape compiles them."""
     if not runner.compiled.enabled:
         return f" (compiled blocks off: {runner.compiled.reason})"
     if first_call is None:
         return " (the blocks compile at the first image of each size: no calibration to compile ahead from)"
     t0 = time.perf_counter()
     try:
-        with borrowed_on(patcher, patcher.load_device):
+        with borrowed_on(patcher, patcher.load_device) as placeholders:
             ok = runner.compiled.compile_for(first_call, patcher.model.diffusion_model, patcher.load_device,
                                              runner.compute_dtype(), patcher.model_options.get("transformer_options"),
-                                             may_stream=_not_all_loaded(patcher) if patcher.is_dynamic() else None)
+                                             may_stream=_not_all_loaded(patcher) if patcher.is_dynamic() else None,
+                                             check=not placeholders)
     except Exception as e:  # out of memory, a forward that fails on these inputs: the model still comes back
         # (ComfyUI's interrupt is a BaseException: a cancel still cancels)
         ok = runner.compiled.disable(f"compiling ahead failed: {type(e).__name__}: {str(e)[:200]}")
@@ -214,21 +216,36 @@ def _not_all_loaded(patcher):
     return lambda: patcher.model_size() - patcher.loaded_size() >= STREAMED_BYTES
 
 
+def placeholder_like(t: torch.Tensor, device) -> torch.Tensor:
+    """A zero tensor on ``device`` of ``t``'s type, shape, dtype and strides - a tensor subclass
+    (ComfyUI's ``QuantizedTensor``) rebuilt around zero inner tensors through the subclass
+    protocol compiled code traces (``__tensor_flatten__``/``__tensor_unflatten__``).  What
+    compiling needs of a weight: its metadata, not its values."""
+    if hasattr(type(t), "__tensor_unflatten__"):
+        names, ctx = t.__tensor_flatten__()
+        inner = {n: placeholder_like(getattr(t, n), device) for n in names}
+        return type(t).__tensor_unflatten__(inner, ctx, t.size(), t.stride())
+    return torch.zeros_like(t, device=device)
+
+
 @contextmanager
 def borrowed_on(patcher, device):
-    """The diffusion model's weights on ``device`` for the block, as copies ComfyUI does not know
-    of: the model is moved as ComfyUI's load moves it (``module.to``: each layer's own ``_apply``,
-    which for ComfyUI's quantized layers makes new parameters in the current inference mode -
-    compiled code guards on that), and its own tensors are put back after (the same objects and
-    storage; nothing is copied back) and the copies freed.
+    """The diffusion model's weights on ``device`` for the block, as placeholders ComfyUI does not
+    know of; yields whether they are placeholders (zeros: compiled code can be made on them, not
+    checked).  The model is moved as ComfyUI's load moves it (each layer's own ``_apply``, which
+    for ComfyUI's quantized layers makes new parameters in the current inference mode - compiled
+    code guards on that), a weight not on ``device`` becoming a ``placeholder_like`` instead of a
+    copy (Flux fp8: 11 GiB not read from a page-cached file and copied, 2.3 s on an H200); its own
+    tensors are put back after (the same objects and storage; nothing is copied back) and the
+    placeholders freed.
 
     Why not ComfyUI's own load: a model ComfyUI holds loaded stays loaded with the weights of that
     moment, and a LoRA connected after the node makes the sampler unload it - moving every weight
     back to the CPU (``unpatch_model``: Flux fp8 7.7 s on an H200) - before loading it again with
     the LoRA (3 s); the LoRA's first image took 16.2 s against stock's 9.3 s.  Borrowed, the model
-    is loaded once, by the sampler, with whatever patches it then has.  Where the copies would not
-    fit next to what ComfyUI keeps (or the model is ComfyUI's dynamic kind, streamed at run time),
-    ComfyUI loads it as before."""
+    is loaded once, by the sampler, with whatever patches it then has.  Where the placeholders would
+    not fit next to what ComfyUI keeps (or the model is ComfyUI's dynamic kind, streamed at run
+    time), ComfyUI loads it as before (yields False: the real weights)."""
     model = patcher.model.diffusion_model
     mm = comfy.model_management
     if device.type != "cpu":
@@ -241,18 +258,44 @@ def borrowed_on(patcher, device):
             mm.free_memory(need, device)
         if dynamic or mm.get_free_memory(device) < need:
             mm.load_models_gpu([patcher])
-            yield
+            yield False
             return
-    for m in model.modules():  # the layers' state as ComfyUI's full load leaves it (and will set
-        # again): compiled code guards on it (an empty weight_function list in the layer's own dict)
+    as_fully_loaded(patcher)
+    made = []
+
+    def to_device(t):
+        if t.device == device:
+            return t
+        made.append(1)
+        return placeholder_like(t, device)
+    try:
+        with applied(model, to_device):
+            yield bool(made)
+    finally:
+        cache = dequant_cache_of(patcher.model)
+        if cache is not None:  # filled from the placeholders
+            cache.release()
+
+
+def as_fully_loaded(patcher) -> None:
+    """The layers' state as ComfyUI's full load leaves it (and will set again): compiled code
+    guards on it (an empty ``weight_function`` list in each layer's own dict)."""
+    for m in patcher.model.diffusion_model.modules():
         if hasattr(m, "comfy_cast_weights"):
             m.comfy_force_cast_weights = patcher.force_cast_weights
             comfy.model_patcher.wipe_lowvram_weight(m)
+
+
+@contextmanager
+def applied(model, fn):
+    """``fn`` applied to every parameter and buffer of ``model`` as ``module.to`` applies its
+    conversion (``_apply``) for the block; the model's own tensors put back after - the same
+    objects and storage, nothing copied back."""
     own = [(m, dict(m._parameters), dict(m._buffers), {k: p.data for k, p in m._parameters.items() if p is not None})
            for m in model.modules()]
     try:
         with torch.no_grad():
-            model.to(device)
+            model._apply(fn)
         yield
     finally:
         with torch.no_grad():
@@ -262,9 +305,6 @@ def borrowed_on(patcher, device):
                 for k, d in data.items():  # torch's own layers moved the parameters' data
                     if params[k].data_ptr() != d.data_ptr() or params[k].device != d.device:
                         params[k].data = d
-        cache = dequant_cache_of(patcher.model)
-        if cache is not None:  # filled from the copies
-            cache.release()
 
 
 def gpu_note(fmt_name: str) -> str:
