@@ -204,7 +204,7 @@ def main():
             STARTUP_LINES = len(f.readlines())
         stock = ("UNETLoader", {"unet_name": sixteen, "weight_dtype": "default"})
         spec = http("/object_info/ModelOptUNetLoader")["ModelOptUNetLoader"]["input"]["required"]["runtime"]
-        RES["loader_runtime"] = A.runtime or spec[1]["default"]  # what a user gets: the node's default, as the UI fills it in
+        RES["loader_runtime"] = A.runtime or spec[1]["default"]  # by default what a user gets: as the UI fills it in
         offered = spec[1].get("options") or spec[0]  # the V3 schema's COMBO lists them under options
         if RES["loader_runtime"] not in offered:
             raise SystemExit(f"--runtime {A.runtime!r}: the node offers {offered}")

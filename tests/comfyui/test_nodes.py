@@ -828,6 +828,7 @@ def test_compiled_ahead_on_placeholder_weights_serve_the_real_ones(env, monkeypa
     assert type(p) is type(w) and p.shape == w.shape and p.dtype == w.dtype and p._layout_cls is w._layout_cls
     assert p._qdata.dtype == w._qdata.dtype and p._qdata.shape == w._qdata.shape and not p._qdata.float().any()
     assert p._qdata.data_ptr() != w._qdata.data_ptr()
+
     def storage():  # (ComfyUI's load re-wraps its quantized layers' parameters: the storage is what stays)
         return [(t._qdata if hasattr(t, "_qdata") else t).data_ptr() for m in dm.modules()
                 for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None]
