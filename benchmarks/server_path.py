@@ -14,7 +14,7 @@ Each prompt: a random conditioning (the benchmark's node; no text encoder), an e
 time from /history.  Reports steady time per prompt (best of prompts 2..N), spread, the ratio to the
 16-bit model, the switch runs, the device's free VRAM after each phase, final-latent difference vs the
 16-bit latent of the same seed, and every WARNING/ERROR line the server logged (a runtime that turns
-itself off must not be silent).  Prints a table; writes server_path.json to --out.
+itself off must not be silent).  Prints a table; writes server_path_<model>_<format>.json to --out.
 Usage (COMFYUI_PATH set):
   python benchmarks/user_path.py --model flux --runs 2 --skip-stock-file --keep-files /tmp/files --out DIR
   python benchmarks/server_path.py --model flux --files /tmp/files --prompts 8 --out DIR

@@ -17,6 +17,7 @@ import comfy.model_management
 import comfy.model_patcher
 
 from ..formats import FORMATS
+from . import compile_cache
 from .attention import ATTENTIONS
 from .compiled_blocks import STREAMED_BYTES
 from .cuda_graphs import enable_cuda_graphs
@@ -194,10 +195,12 @@ def _compile_ahead(patcher, runner, first_call) -> str:
     if first_call is None:
         return " (the blocks compile at the first image of each size: no calibration to compile ahead from)"
     t0 = time.perf_counter()
+    dm, dtype = patcher.model.diffusion_model, runner.compute_dtype()
     try:
-        with borrowed_on(patcher, patcher.load_device) as placeholders:
-            ok = runner.compiled.compile_for(first_call, patcher.model.diffusion_model, patcher.load_device,
-                                             runner.compute_dtype(), patcher.model_options.get("transformer_options"),
+        with compile_cache.kept(compile_cache.key_of(dm, first_call, dtype, patcher.load_device), "compiled blocks"), \
+                borrowed_on(patcher, patcher.load_device) as placeholders:
+            ok = runner.compiled.compile_for(first_call, dm, patcher.load_device, dtype,
+                                             patcher.model_options.get("transformer_options"),
                                              may_stream=_not_all_loaded(patcher) if patcher.is_dynamic() else None,
                                              check=not placeholders)
     except Exception as e:  # out of memory, a forward that fails on these inputs: the model still comes back

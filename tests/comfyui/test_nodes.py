@@ -68,6 +68,7 @@ def write_sd15_files(d) -> None:
 def env(tmp_path_factory):
     d = tmp_path_factory.mktemp("nodes")
     write_sd15_files(d)
+    folder_paths.set_user_directory(str(d / "user"))  # what the pack keeps there (compiled code) stays here
     folder_paths.add_model_folder_path("diffusion_models", str(d / "diffusion_models"), is_default=True)
     os.makedirs(d / "diffusion_models", exist_ok=True)
     nodes = load_pack()
@@ -849,6 +850,49 @@ def test_compiled_ahead_on_placeholder_weights_serve_the_real_ones(env, monkeypa
     frames_real, out_real, cb_real = compile_ahead_and_sample(env, model, env["stats"].first_call)
     assert cb_real.checks[-1]["rel_l2"] is not None  # on the CPU the weights are there: checked
     assert float((out - out_real).norm() / out_real.norm()) < 1e-5
+
+
+def test_compiled_code_is_kept_for_the_next_process(env, monkeypatch, tmp_path):
+    """What compiling ahead compiled is kept under ComfyUI's user directory (``compile_cache``) and
+    serves a process whose own compile caches are empty (torch keeps them in a temporary folder, which
+    a reboot or a fresh container empties): its compilation hits the caches, misses nothing, and the
+    run after it compiles nothing.  Without the kept bundle the same empty caches miss."""
+    cc = pack_module("compile_cache")
+    cpu_free_memory(monkeypatch)
+    model, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
+    call = env["stats"].first_call
+    monkeypatch.setattr(folder_paths, "user_directory", str(tmp_path / "user"))
+
+    def compiled_with_empty_torch_caches(name):  # as a new process after a reboot would
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / name))  # torch's caches: a fresh folder
+        cc._SEEN.clear()
+        frames, out, cb = compile_ahead_and_sample(env, model, call)
+        assert frames == 0
+        return cb.checks[0]["compile"], out
+    first, out = compiled_with_empty_torch_caches("first")
+    assert first["aot_misses"] > 0, first
+    bundles = [e for e in os.listdir(cc.folder()) if e.endswith(".bin")]
+    assert len(bundles) == 1 and cc.folder().startswith(folder_paths.get_user_directory())
+    again, out_again = compiled_with_empty_torch_caches("again")
+    assert again["aot_hits"] > 0 and again["aot_misses"] == 0 and again["inductor_misses"] == 0, again
+    assert torch.equal(out, out_again)
+    assert os.listdir(cc.folder()) == bundles  # nothing missed: nothing more kept
+    os.remove(os.path.join(cc.folder(), bundles[0]))
+    monkeypatch.setenv("COMFY_MODELOPT_COMPILE_CACHE", "0")  # off: nothing loaded, nothing kept
+    without, _ = compiled_with_empty_torch_caches("without")
+    assert without["aot_misses"] > 0 and not os.listdir(cc.folder()), without
+
+
+def test_kept_compiled_code_is_bounded(tmp_path):
+    """The newest ``PER_KEY`` bundles of a model stay, and the newest ``KEEP`` in all."""
+    cc = pack_module("compile_cache")
+    names = [f"k{i % 3}-{i:03d}.bin" for i in range(3 * cc.PER_KEY + cc.KEEP)]
+    for age, name in enumerate(names):  # names[0] the newest
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (1e9 - age, 1e9 - age))
+    cc._prune(str(tmp_path), "k0")
+    newest_k0 = [n for n in names if n.startswith("k0-")][:cc.PER_KEY]
+    assert set(os.listdir(tmp_path)) == {n for n in names[:cc.KEEP] if not n.startswith("k0-") or n in newest_k0}
 
 
 @pytest.mark.parametrize("inference", [True, False], ids=["server", "script"])
