@@ -48,6 +48,7 @@ ap.add_argument("--weight-only", default="", metavar="PATTERNS",
 ap.add_argument("--lora", type=int, default=0, help="rank of a random LoRA applied (strength 1) to every block Linear, on both the 16-bit and the quantized model")
 ap.add_argument("--calib-prompts", type=int, default=2)
 ap.add_argument("--calib-steps", type=int, default=8)
+ap.add_argument("--calib-res", type=int, default=0, help="image side while calibrating (default --res): another size than the runs' makes their first image compile")
 ap.add_argument("--skip-stock-file", action="store_true")
 ap.add_argument("--yardstick", action="store_true", help="also sample the same weights in the other 16-bit dtype (chaos yardstick)")
 ap.add_argument("--cpu-tiny", action="store_true", help="CPU smoke test with tiny configs")
@@ -210,17 +211,17 @@ def conds(kind, dtype):
     return [[ctx, dict(extra)]], [[torch.zeros_like(ctx), dict(extra)]], 7.0
 
 
-def latent(kind):
+def latent(kind, res=None):
     if WAN:  # the video VAE's strides: 4x in time, 8x in space
         frames, h, w = (9, 48, 80) if A.cpu_tiny else (33 if kind == "wan14b" else 81, 480, 832)
         return torch.zeros(1, 16, (frames - 1) // 4 + 1, h // 8, w // 8)
-    res = 64 if A.cpu_tiny else A.res
+    res = res or (64 if A.cpu_tiny else A.res)
     ch = 16 if kind == "flux" else 4
     return torch.zeros(1, ch, res // 8, res // 8)
 
 
-def sample(model, pos, neg, cfg, seed=42, steps=None):
-    lat = latent(A.model)
+def sample(model, pos, neg, cfg, seed=42, steps=None, res=None):
+    lat = latent(A.model, res)
     lat = comfy.sample.fix_empty_latent_channels(model, lat)
     noise = comfy.sample.prepare_noise(lat, seed)
     return comfy.sample.sample(model, noise, steps or A.steps, cfg, "euler", "simple", pos, neg, lat,
@@ -349,7 +350,7 @@ def main():
     t0 = time.perf_counter()
     def forward_loop(_m):
         for i in range(A.calib_prompts):
-            sample(base, pos, neg, cfg, seed=100 + i, steps=A.calib_steps)
+            sample(base, pos, neg, cfg, seed=100 + i, steps=A.calib_steps, res=A.calib_res or None)
     mm.load_models_gpu([base])
     stats = calibrate(base.model.diffusion_model, forward_loop, CalibrationOptions())
     t_cal = time.perf_counter() - t0

@@ -1,7 +1,7 @@
-"""What compiling the blocks ahead produced, kept for the next process: torch's own portable form
-of its compile caches (``torch.compiler.save_cache_artifacts``) saved after a compilation that
-missed them, and loaded into them before the next compilation of the same model at the same
-shapes, in any process.
+"""What compiling the blocks produced - ahead (``runtime``) or at a new input signature's first
+capture (``cuda_graphs``) - kept for the next process: torch's own portable form of its compile
+caches (``torch.compiler.save_cache_artifacts``) saved after a compilation that missed them, and
+loaded into them before the next compilation of the same model at the same shapes, in any process.
 
 Why: torch keeps those caches in a temporary folder (``/tmp/torchinductor_<user>`` on Linux),
 which a reboot or a fresh container empties; a server's first quantized prompt then compiles
@@ -41,12 +41,11 @@ def enabled() -> bool:
     return os.environ.get("COMFY_MODELOPT_COMPILE_CACHE", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-def key_of(model: torch.nn.Module, call, dtype, device) -> str | None:
+def key_of(model: torch.nn.Module, signature, dtype, device) -> str | None:
     """What names a bundle: the model's layers (class, tensor types, dtypes, shapes), the call's
-    shapes and options (``RecordedCall.signature``), the compute dtype, the GPU and the torch and
-    Triton builds.  None for a call JSON cannot describe.  A key that meets other code than its
-    bundle holds costs nothing but a compilation, after which the bundle is saved again."""
-    signature = call.signature()
+    ``signature`` (its shapes and options, as JSON or a string), the compute dtype, the GPU and the
+    torch and Triton builds.  None for no signature.  A key that meets other code than its
+    bundles hold costs nothing but a compilation, after which one more bundle is kept."""
     if signature is None:
         return None
     try:
@@ -81,11 +80,24 @@ def kept(key: str | None, where: str = "the model"):
     d = folder()
     mine = sorted(glob.glob(os.path.join(glob.escape(d), key + "-*.bin")))
     known = any([p in _SEEN or _load(p, where) for p in mine])
-    before = compile_account()
-    yield
-    spent = compile_account(before)
-    if spent["aot_misses"] + spent["inductor_misses"] > 0 or (not known and spent["frames"] > 0):
-        _save(d, key, where)
+    with _own_record():  # a bundle holds what this compilation used, not all the process compiled
+        before = compile_account()
+        yield
+        spent = compile_account(before)
+        if spent["aot_misses"] + spent["inductor_misses"] > 0 or (not known and spent["frames"] > 0):
+            _save(d, key, where)
+
+
+def _own_record():
+    """torch records every cache artifact a process compiles or hits, and saves them all: SDXL's
+    bundle for a second image size held the first's too (76 MiB instead of 37).  Its record is
+    swapped for a fresh one around a compilation (torch's own ``with_fresh_cache``; without
+    it - another torch - bundles hold everything so far)."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+        return CacheArtifactManager.with_fresh_cache()
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
 
 
 _SEEN: set = set()  # bundles loaded or saved by this process: torch's caches hold them already

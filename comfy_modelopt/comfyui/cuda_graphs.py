@@ -6,8 +6,9 @@ eagerly with the reason logged.  With ``compile_blocks`` the graphs are captured
 TorchInductor-compiled blocks (``compiled_blocks``), checked against eager at a signature's first
 capture, before anything is replayed - and compiled there unless ``runtime`` compiled them ahead
 for the calibration's shapes (Quantize Model); else the first run pays the compilation once per
-input shape (H200: Flux ~11 s with a cold Inductor cache, ~3.4 s warm; SDXL ~47 s / ~9 s) and
-every later evaluation replays the compiled graph.  (Compiling in a
+input shape (H200: Flux ~11 s with a cold Inductor cache, ~3.4 s warm; SDXL ~47 s / ~9 s; what it
+compiles is kept for the next process, ``compile_cache``) and every later evaluation replays the
+compiled graph.  (Compiling in a
 background thread while the first runs replayed the uncompiled graph was tried: in the node path
 the compile thread, starved of the interpreter by the sampler's, had not landed after 9 runs,
 slowed runs 2-3 by up to 90%, and died with the process - "SubprocPool closed".)
@@ -43,6 +44,7 @@ from ..cuda_streams import allocator_backend, keep_forever, on_side_stream, trim
 from ..device_constants import ConstantsOnDevice, HostCopies
 from ..graph_memory import (ROUND_LARGE, AllocationTrace, large_events, peak_in_use, pool_need, release_blas_workspaces,
                             without_unfreed)
+from .compile_cache import key_of, kept
 from .compiled_blocks import (CompiledBlocks, carried_patches, install_raw_pointer_launches, nonempty,
                               raw_pointer_launches, rounding_noise)
 from .graph_inputs import clone_tree, tensors_of, walk_signature
@@ -246,9 +248,11 @@ class CudaGraphs:
                     return False
                 # the compiled forward is the one captured (unless it fails its check): its run is
                 # the recorded warm-up that sizes the pool, the eager reference is not
-                return self.compiled.validate(
-                    lambda: sized_warm_up(run, True), first(),
-                    lambda: apply_model(rounding_noise(static_x, self.compute_dtype()), static_t, **static_c))
+                key = key_of(self.patcher.model.diffusion_model, repr(sig), self.compute_dtype(), device)
+                with kept(key, "compiled blocks"):
+                    return self.compiled.validate(
+                        lambda: sized_warm_up(run, True), first(),
+                        lambda: apply_model(rounding_noise(static_x, self.compute_dtype()), static_t, **static_c))
             use_compiled = on_side_stream(warm_up, device)
             self.warmed.add(sig)
             if self.compiled is not None:

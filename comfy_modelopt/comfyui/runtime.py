@@ -197,7 +197,7 @@ def _compile_ahead(patcher, runner, first_call) -> str:
     t0 = time.perf_counter()
     dm, dtype = patcher.model.diffusion_model, runner.compute_dtype()
     try:
-        with compile_cache.kept(compile_cache.key_of(dm, first_call, dtype, patcher.load_device), "compiled blocks"), \
+        with compile_cache.kept(compile_cache.key_of(dm, first_call.signature(), dtype, patcher.load_device), "compiled blocks"), \
                 borrowed_on(patcher, patcher.load_device) as placeholders:
             ok = runner.compiled.compile_for(first_call, dm, patcher.load_device, dtype,
                                              patcher.model_options.get("transformer_options"),

@@ -856,30 +856,38 @@ def test_compiled_code_is_kept_for_the_next_process(env, monkeypatch, tmp_path):
     """What compiling ahead compiled is kept under ComfyUI's user directory (``compile_cache``) and
     serves a process whose own compile caches are empty (torch keeps them in a temporary folder, which
     a reboot or a fresh container empties): its compilation hits the caches, misses nothing, and the
-    run after it compiles nothing.  Without the kept bundle the same empty caches miss."""
+    run after it compiles nothing.  A bundle holds what its compilation used, whatever else the
+    process compiled and saved before (torch's own record keeps one group per kind of what it saved
+    last).  Without the kept code the same empty caches miss."""
     cc = pack_module("compile_cache")
     cpu_free_memory(monkeypatch)
     model, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
     call = env["stats"].first_call
     monkeypatch.setattr(folder_paths, "user_directory", str(tmp_path / "user"))
 
-    def compiled_with_empty_torch_caches(name):  # as a new process after a reboot would
-        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / name))  # torch's caches: a fresh folder
+    def compiled(torch_caches, keep=True):  # each as a new process would
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / torch_caches))
+        monkeypatch.setenv("COMFY_MODELOPT_COMPILE_CACHE", "1" if keep else "0")
         cc._SEEN.clear()
         frames, out, cb = compile_ahead_and_sample(env, model, call)
         assert frames == 0
         return cb.checks[0]["compile"], out
-    first, out = compiled_with_empty_torch_caches("first")
-    assert first["aot_misses"] > 0, first
-    bundles = [e for e in os.listdir(cc.folder()) if e.endswith(".bin")]
-    assert len(bundles) == 1 and cc.folder().startswith(folder_paths.get_user_directory())
-    again, out_again = compiled_with_empty_torch_caches("again")
+    cold, out = compiled("a", keep=False)
+    assert cold["aot_misses"] > 0 and not os.path.exists(cc.folder()), cold
+    torch.compiler.save_cache_artifacts()  # what torch recorded saved by another tool, then another compilation's
+    torch.compile(lambda x: torch.nn.functional.gelu(x) * 3)(torch.randn(4, 4))
+    torch.compiler.save_cache_artifacts()
+    warm, _ = compiled("a")  # served by torch's own (temporary) caches: kept all the same
+    assert warm["aot_hits"] > 0 and warm["aot_misses"] == 0, warm
+    bundles = os.listdir(cc.folder())
+    assert len(bundles) == 1 and bundles[0].endswith(".bin"), bundles
+    assert cc.folder().startswith(folder_paths.get_user_directory())
+    again, out_again = compiled("b")  # torch's caches empty: the kept code serves the compilation
     assert again["aot_hits"] > 0 and again["aot_misses"] == 0 and again["inductor_misses"] == 0, again
     assert torch.equal(out, out_again)
     assert os.listdir(cc.folder()) == bundles  # nothing missed: nothing more kept
     os.remove(os.path.join(cc.folder(), bundles[0]))
-    monkeypatch.setenv("COMFY_MODELOPT_COMPILE_CACHE", "0")  # off: nothing loaded, nothing kept
-    without, _ = compiled_with_empty_torch_caches("without")
+    without, _ = compiled("c", keep=False)  # off: nothing loaded, nothing kept
     assert without["aot_misses"] > 0 and not os.listdir(cc.folder()), without
 
 
