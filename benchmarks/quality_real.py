@@ -87,6 +87,7 @@ VARIANTS = [
     ("float8_e4m3fn", "ours: mse weight + mse input", dict(gptq=False), True),
     ("float8_e4m3fn", "ours + gptq", dict(gptq=True, gptq_act_order=False), True),
     ("float8_e4m3fn", "ours + gptq act-order", dict(gptq=True, gptq_act_order=True), True),
+    ("float8_e4m3fn", "max input + gptq act-order", dict(input_scale="max"), True),
     ("float8_e4m3fn", "ours + smoothquant", dict(smoothing="smoothquant", gptq=False), True),
     ("float8_e4m3fn", "percentile 99.9 input", dict(input_scale="percentile", percentile=99.9, gptq=False), True),
     ("int8_tensorwise", "naive (absmax)", dict(weight_scale="absmax", convrot=False), False),
