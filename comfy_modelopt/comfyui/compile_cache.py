@@ -74,23 +74,31 @@ def kept(key: str | None, where: str = "the model"):
     by Quantize Model and loaded from its file trace to graphs the caches tell apart, so each way
     keeps its own (at most ``PER_KEY``, the newest).  Nothing here stops the compilation: a
     problem is logged and it compiles as without."""
+    used = Kept()
     if key is None or not enabled():
-        yield
+        yield used
         return
     d = folder()
     mine = sorted(glob.glob(os.path.join(glob.escape(d), key + "-*.bin")))
-    known = any([p in _SEEN or _load(p, where) for p in mine])
+    used.loaded = sum([_load(p, where) for p in mine if p not in _SEEN])
+    known = used.loaded > 0 or any(p in _SEEN for p in mine)
     with _own_record():  # a bundle holds what this compilation used, not all the process compiled
         before = compile_account()
-        yield
+        yield used
         spent = compile_account(before)
         if spent["aot_misses"] + spent["inductor_misses"] > 0 or (not known and spent["frames"] > 0):
-            _save(d, key, where)
+            used.saved = _save(d, key, where)
+
+
+class Kept:
+    """What ``kept`` did: bundles ``loaded`` into torch's caches, the one ``saved`` (its path)."""
+    loaded: int = 0
+    saved: str | None = None
 
 
 def _own_record():
     """torch records every cache artifact a process compiles or hits, and saves them all: SDXL's
-    bundle for a second image size held the first's too (76 MiB instead of 37).  Its record is
+    bundle for a second image size held the first's too (76 MiB, 39 of them the first's).  Its record is
     swapped for a fresh one around a compilation (torch's own ``with_fresh_cache``; without
     it - another torch - bundles hold everything so far)."""
     try:
@@ -121,12 +129,12 @@ def _load(path: str, where: str) -> bool:
         return False
 
 
-def _save(d: str, key: str, where: str) -> None:
+def _save(d: str, key: str, where: str) -> str | None:
     tmp = os.path.join(d, f"{key}.{os.getpid()}.partial")
     try:
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
-            return
+            return None
         data, info = saved
         path = os.path.join(d, f"{key}-{hashlib.sha256(data).hexdigest()[:12]}.bin")
         os.makedirs(d, exist_ok=True)
@@ -139,11 +147,13 @@ def _save(d: str, key: str, where: str) -> None:
         _prune(d, key)
         logging.info(f"[comfy-modelopt] {where}: compiled code kept in {path} ({len(data) / 2**20:.1f} MiB, "
                      f"{_count(info)} artifacts) - a later process compiles these blocks from it")
+        return path
     except Exception as e:
         logging.warning(f"[comfy-modelopt] {where}: could not keep the compiled code in {d} "
                         f"({type(e).__name__}: {str(e)[:200]})")
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        return None
 
 
 def _prune(d: str, key: str) -> None:

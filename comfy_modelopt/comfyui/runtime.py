@@ -197,8 +197,8 @@ def _compile_ahead(patcher, runner, first_call) -> str:
     t0 = time.perf_counter()
     dm, dtype = patcher.model.diffusion_model, runner.compute_dtype()
     try:
-        with compile_cache.kept(compile_cache.key_of(dm, first_call.signature(), dtype, patcher.load_device), "compiled blocks"), \
-                borrowed_on(patcher, patcher.load_device) as placeholders:
+        with compile_cache.kept(compile_cache.key_of(dm, first_call.signature(), dtype, patcher.load_device),
+                                "compiled blocks") as cache, borrowed_on(patcher, patcher.load_device) as placeholders:
             ok = runner.compiled.compile_for(first_call, dm, patcher.load_device, dtype,
                                              patcher.model_options.get("transformer_options"),
                                              may_stream=_not_all_loaded(patcher) if patcher.is_dynamic() else None,
@@ -208,8 +208,9 @@ def _compile_ahead(patcher, runner, first_call) -> str:
         ok = runner.compiled.disable(f"compiling ahead failed: {type(e).__name__}: {str(e)[:200]}")
     if not ok:
         return f" (compiled blocks off: {runner.compiled.reason})"
-    return (f" (blocks compiled for the calibration's shapes in {time.perf_counter() - t0:.1f} s; another "
-            "image size compiles at its first image)")
+    return (f" (blocks compiled for the calibration's shapes in {time.perf_counter() - t0:.1f} s"
+            + (", from the compiled code an earlier process kept" if cache.loaded else "")
+            + "; another image size compiles at its first image)")
 
 
 def _not_all_loaded(patcher):
