@@ -34,7 +34,10 @@ MAX_BYTES = 1 << 30       # a larger file is not read
 
 
 def folder() -> str:
-    return os.path.join(folder_paths.get_system_user_directory("comfy_modelopt"), "compile_cache")
+    system_user = getattr(folder_paths, "get_system_user_directory", None)  # ComfyUI 0.29's; "__" + name
+    root = system_user("comfy_modelopt") if system_user else os.path.join(folder_paths.get_user_directory(),
+                                                                          "__comfy_modelopt")
+    return os.path.join(root, "compile_cache")
 
 
 def enabled() -> bool:
@@ -46,24 +49,28 @@ def key_of(model: torch.nn.Module, signature, dtype, device) -> str | None:
     ``signature`` (its shapes and options, as JSON or a string), the compute dtype, the GPU and the
     torch and Triton builds.  None for no signature.  A key that meets other code than its
     bundles hold costs nothing but a compilation, after which one more bundle is kept."""
-    if signature is None:
+    if signature is None or not enabled():
         return None
     try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    device = torch.device(device)
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    h = hashlib.sha256(json.dumps([torch.__version__, triton_version, gpu, str(dtype), signature],
-                                  sort_keys=True, default=str).encode())
-    for name, m in model.named_modules():
-        h.update(f"{name}:{type(m).__qualname__}".encode())
-        for pname, t in list(m._parameters.items()) + list(m._buffers.items()):
-            if t is not None:
-                inner = getattr(t, "_qdata", t)
-                h.update(f"{pname}:{type(t).__name__}:{t.dtype}:{tuple(t.shape)}:{inner.dtype}".encode())
-    return h.hexdigest()[:32]
+        try:
+            import triton
+            triton_version = triton.__version__
+        except ImportError:
+            triton_version = None
+        device = torch.device(device)
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        h = hashlib.sha256(json.dumps([torch.__version__, triton_version, gpu, str(dtype), signature],
+                                      sort_keys=True, default=str).encode())
+        for name, m in model.named_modules():
+            h.update(f"{name}:{type(m).__qualname__}".encode())
+            for pname, t in list(m._parameters.items()) + list(m._buffers.items()):
+                if t is not None:
+                    inner = getattr(t, "_qdata", t)
+                    h.update(f"{pname}:{type(t).__name__}:{t.dtype}:{tuple(t.shape)}:{inner.dtype}".encode())
+        return h.hexdigest()[:32]
+    except Exception as e:  # nothing here may stop a compilation
+        logging.warning(f"[comfy-modelopt] no compiled code kept for this model ({type(e).__name__}: {str(e)[:200]})")
+        return None
 
 
 @contextlib.contextmanager
@@ -75,11 +82,15 @@ def kept(key: str | None, where: str = "the model"):
     keeps its own (at most ``PER_KEY``, the newest).  Nothing here stops the compilation: a
     problem is logged and it compiles as without."""
     used = Kept()
-    if key is None or not enabled():
+    try:
+        d = folder() if key is not None and enabled() else None
+        mine = sorted(glob.glob(os.path.join(glob.escape(d), key + "-*.bin"))) if d else []
+    except Exception as e:  # no user directory, ...: compiled as without
+        logging.warning(f"[comfy-modelopt] {where}: no compiled code kept ({type(e).__name__}: {str(e)[:200]})")
+        d = None
+    if d is None:
         yield used
         return
-    d = folder()
-    mine = sorted(glob.glob(os.path.join(glob.escape(d), key + "-*.bin")))
     used.loaded = sum([_load(p, where) for p in mine if p not in _SEEN])
     known = used.loaded > 0 or any(p in _SEEN for p in mine)
     with _own_record():  # a bundle holds what this compilation used, not all the process compiled

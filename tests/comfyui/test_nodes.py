@@ -891,6 +891,22 @@ def test_compiled_code_is_kept_for_the_next_process(env, monkeypatch, tmp_path):
     assert without["aot_misses"] > 0 and not os.listdir(cc.folder()), without
 
 
+def test_kept_compiled_code_never_stops_a_compilation(tmp_path, monkeypatch):
+    """A user directory that cannot be written (here a file stands where its folder would be) or a
+    ComfyUI without system users: the compilation runs as without kept code, the problem logged."""
+    cc = pack_module("compile_cache")
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(folder_paths, "user_directory", str(tmp_path / "file" / "user"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch"))
+    cc._SEEN.clear()
+    with cc.kept("k" * 32, "a test") as used:
+        assert torch.compile(lambda x: x * 2 + 1)(torch.ones(3)).tolist() == [3.0, 3.0, 3.0]
+    assert used.loaded == 0 and used.saved is None
+    monkeypatch.setattr(folder_paths, "user_directory", str(tmp_path / "user"))
+    monkeypatch.delattr(folder_paths, "get_system_user_directory")
+    assert cc.folder() == os.path.join(str(tmp_path / "user"), "__comfy_modelopt", "compile_cache")
+
+
 def test_kept_compiled_code_is_bounded(tmp_path):
     """The newest ``PER_KEY`` bundles of a model stay, and the newest ``KEEP`` in all."""
     cc = pack_module("compile_cache")
