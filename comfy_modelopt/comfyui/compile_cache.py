@@ -92,7 +92,7 @@ def kept(key: str | None, where: str = "the model"):
         yield used
         return
     used.loaded = sum([_load(p, where) for p in mine if p not in _SEEN])
-    known = used.loaded > 0 or any(p in _SEEN for p in mine)
+    known = any(_SEEN[p] for p in mine)  # a bundle that did not load is none: one more is kept
     with _own_record():  # a bundle holds what this compilation used, not all the process compiled
         before = compile_account()
         yield used
@@ -119,11 +119,11 @@ def _own_record():
         return contextlib.nullcontext()
 
 
-_SEEN: set = set()  # bundles loaded or saved by this process: torch's caches hold them already
+_SEEN: dict = {}  # bundle -> whether torch's caches hold it (loaded or saved here); each is tried once
 
 
 def _load(path: str, where: str) -> bool:
-    _SEEN.add(path)
+    _SEEN[path] = False
     try:
         if os.path.getsize(path) > MAX_BYTES:
             raise ValueError(f"larger than {MAX_BYTES >> 20} MiB")
@@ -133,6 +133,7 @@ def _load(path: str, where: str) -> bool:
             raise ValueError("torch could not read it (another torch build's?)")
         os.utime(path)  # recently used: pruned last
         logging.info(f"[comfy-modelopt] {where}: compiled code loaded from {path} ({_count(info)} artifacts)")
+        _SEEN[path] = True
         return True
     except Exception as e:  # a bundle that does not load is compiled anew and saved again
         logging.warning(f"[comfy-modelopt] {where}: the kept compiled code {path} is not used "
@@ -154,7 +155,7 @@ def _save(d: str, key: str, where: str) -> str | None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _SEEN.add(path)
+        _SEEN[path] = True
         _prune(d, key)
         logging.info(f"[comfy-modelopt] {where}: compiled code kept in {path} ({len(data) / 2**20:.1f} MiB, "
                      f"{_count(info)} artifacts) - a later process compiles these blocks from it")

@@ -892,8 +892,9 @@ def test_compiled_code_is_kept_for_the_next_process(env, monkeypatch, tmp_path):
 
 
 def test_kept_compiled_code_never_stops_a_compilation(tmp_path, monkeypatch):
-    """A user directory that cannot be written (here a file stands where its folder would be) or a
-    ComfyUI without system users: the compilation runs as without kept code, the problem logged."""
+    """A user directory that cannot be written (here a file stands where its folder would be), a
+    damaged bundle or a ComfyUI without system users: the compilation runs as without kept code,
+    the problem logged - and a damaged bundle does not stand in for a good one."""
     cc = pack_module("compile_cache")
     (tmp_path / "file").write_text("")
     monkeypatch.setattr(folder_paths, "user_directory", str(tmp_path / "file" / "user"))
@@ -903,6 +904,12 @@ def test_kept_compiled_code_never_stops_a_compilation(tmp_path, monkeypatch):
         assert torch.compile(lambda x: x * 2 + 1)(torch.ones(3)).tolist() == [3.0, 3.0, 3.0]
     assert used.loaded == 0 and used.saved is None
     monkeypatch.setattr(folder_paths, "user_directory", str(tmp_path / "user"))
+    os.makedirs(cc.folder())
+    with open(os.path.join(cc.folder(), "k" * 32 + "-damaged.bin"), "wb") as f:
+        f.write(b"not torch's")
+    with cc.kept("k" * 32, "a test") as used:  # served by torch's own caches; the damaged bundle is none
+        assert torch.compile(lambda x: x * 2 + 1)(torch.ones(3)).tolist() == [3.0, 3.0, 3.0]
+    assert used.loaded == 0 and used.saved is not None and os.path.isfile(used.saved)
     monkeypatch.delattr(folder_paths, "get_system_user_directory")
     assert cc.folder() == os.path.join(str(tmp_path / "user"), "__comfy_modelopt", "compile_cache")
 
