@@ -36,6 +36,9 @@ ap.add_argument("--runtime", action="append", default=[],
                 help="the Quantize node's runtime (default: the nodes' default, auto); repeatable: the node runs "
                      "once per runtime on the same calibration, each quantized model's runs side by side")
 ap.add_argument("--smoothing", default="none")
+ap.add_argument("--input-scale", action="append", default=[], metavar="METHOD",
+                help="the Quantize node's input_scale (default: the recipe's); repeat to quantize and sample once per method "
+                     "in one process, the 16-bit runs shared")
 ap.add_argument("--lowrank", type=int, default=0)
 ap.add_argument("--budget", type=float, default=0.0)
 ap.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=None, help="default: the recipe's")
@@ -300,9 +303,9 @@ def fresh_load(path):
     return child["rows"]
 
 
-def quantize_node(base, stats, runtime, chosen):
+def quantize_node(base, stats, runtime, chosen, input_scale):
     """The Quantize Model node as ComfyUI calls it; (its output, seconds)."""
-    node = lambda: N.ModelOptQuantizeUNet.execute(model=base, format=A.format, weight_scale="mse", input_scale="mse",
+    node = lambda: N.ModelOptQuantizeUNet.execute(model=base, format=A.format, weight_scale="mse", input_scale=input_scale,
                                                   smoothing=A.smoothing, static_nvfp4_input=False,
                                                   keep="", runtime=runtime, lowrank=A.lowrank, calibration=stats,
                                                   **({"weight_only": A.weight_only} if A.weight_only else {}),
@@ -362,16 +365,19 @@ def main():
     chosen = {k: given.get(k, getattr(Recipe(), k)) for k in flags}
     RES["recipe_flags"] = chosen
     RES["calibrate_s"] = round(t_cal, 1)
+    scales = A.input_scale or [Recipe().input_scale]
+    RES["input_scale"] = scales[0] if len(scales) == 1 else scales
     qmodel = out = runner = None
-    for runtime in runtimes:
-        if qmodel is not None:  # the previous runtime's model leaves before the next is made
+    for runtime, input_scale in ((r, s) for r in runtimes for s in scales):
+        if qmodel is not None:  # the previous model leaves before the next is made
             qmodel = out = runner = None; gc.collect(); mm.soft_empty_cache()
-        out, t_q = quantize_node(base, stats, runtime, chosen)
+        out, t_q = quantize_node(base, stats, runtime, chosen, input_scale)
         qmodel, report = out.args[0], out.args[1]
-        log(f"quantize node ({runtime}) {t_q:.1f} s"); log(report.splitlines()[0:4])
+        log(f"quantize node ({runtime}, input_scale {input_scale}) {t_q:.1f} s"); log(report.splitlines()[0:4])
         RES.setdefault("quantize_s", []).append(round(t_q, 1))
         RES["report_head"] = report[:2000]
-        latq, rowq = timed_runs(f"{A.format} project node, {runtime}" + (f" + LoRA r{A.lora}" if lora else ""),
+        latq, rowq = timed_runs(f"{A.format} project node, {runtime}" + (f", input_scale {input_scale}" if A.input_scale else "")
+                                + (f" + LoRA r{A.lora}" if lora else ""),
                                 with_lora(qmodel, lora) if lora else qmodel, pos, neg, cfg, profile=A.profile_first)
         rowq["vs_16bit_stock"] = round(row16["steady_s"] / rowq["steady_s"], 3)
         rowq["rel_vs_16bit"] = round(rel(latq, lat16), 5)
