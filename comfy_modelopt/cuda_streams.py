@@ -10,20 +10,18 @@ import torch
 _STREAMS: dict = {}
 
 
-def work_stream(device=None, role: str = "capture"):
-    """One stream per device and role, kept for the life of the process: ``capture`` (graph
-    captures and the warm-ups before them), ``compile`` (background compilation).  cuBLAS and
-    cuBLASLt each keep a workspace (32 MiB on Hopper) per stream a matmul ever ran on, never
-    freed: a fresh stream per warm-up or capture left 64 MiB behind each time (measured on the
-    H200), and a capture stream's first workspace, made inside a capture, pinned a segment of a
-    graph pool that was meant to go."""
+def work_stream(device=None):
+    """One stream per device for graph captures and the warm-ups before them, kept for the life
+    of the process.  cuBLAS and cuBLASLt each keep a workspace (32 MiB on Hopper) per stream a
+    matmul ever ran on, never freed: a fresh stream per warm-up or capture left 64 MiB behind
+    each time (measured on the H200), and a capture stream's first workspace, made inside a
+    capture, pinned a segment of a graph pool that was meant to go."""
     index = torch.cuda.current_device() if device is None else torch.device(device).index
     if index is None:
         index = torch.cuda.current_device()
-    key = (index, role)
-    if key not in _STREAMS:
-        _STREAMS[key] = torch.cuda.Stream(index)
-    return _STREAMS[key]
+    if index not in _STREAMS:
+        _STREAMS[index] = torch.cuda.Stream(index)
+    return _STREAMS[index]
 
 
 def on_side_stream(fn, device=None):

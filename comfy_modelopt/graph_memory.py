@@ -149,9 +149,8 @@ def release_blas_workspaces() -> None:
     as torch's own CUDA-graph trees do (``torch._inductor.cudagraph_trees.clear_cublas_manager``):
     a capture then allocates its workspace inside its graph's pool, where it stays for as long as
     the graph does - so freeing the workspaces later can never pull memory from under a graph -
-    and the workspaces left behind by the background compilation's thread, the warm-ups and
-    eager runs go back to the allocator at the next capture (the compilation's was 0.08x of
-    Flux's 16-bit activation peak, measured on the H200).  No-op where torch lacks it.
+    and the workspaces left behind by a compilation, the warm-ups and eager runs go back to the
+    allocator at the next capture.  No-op where torch lacks it.
 
     No-op under cudaMallocAsync (ComfyUI's default allocator on CUDA 13 torch): there a workspace
     made during a capture is a graph allocation, and freeing it outside the graph before the graph
