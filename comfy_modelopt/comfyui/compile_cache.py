@@ -102,7 +102,8 @@ def kept(key: str | None, where: str = "the model"):
 
 
 class Kept:
-    """What ``kept`` did: bundles ``loaded`` into torch's caches, the one ``saved`` (its path)."""
+    """What ``kept`` did: bundles ``loaded`` into torch's caches, the one ``saved`` (its path) - none
+    when the compilation missed nothing, so ``loaded`` without ``saved``: the kept code served it."""
     loaded: int = 0
     saved: str | None = None
 

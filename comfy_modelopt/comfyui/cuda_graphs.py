@@ -248,11 +248,11 @@ class CudaGraphs:
                     return False
                 # the compiled forward is the one captured (unless it fails its check): its run is
                 # the recorded warm-up that sizes the pool, the eager reference is not
-                key = key_of(self.patcher.model.diffusion_model, repr(sig), self.compute_dtype(), device)
-                with kept(key, "compiled blocks"):
+                dtype = self.compute_dtype()
+                with kept(key_of(self.patcher.model.diffusion_model, repr(sig), dtype, device), "compiled blocks"):
                     return self.compiled.validate(
                         lambda: sized_warm_up(run, True), first(),
-                        lambda: apply_model(rounding_noise(static_x, self.compute_dtype()), static_t, **static_c))
+                        lambda: apply_model(rounding_noise(static_x, dtype), static_t, **static_c))
             use_compiled = on_side_stream(warm_up, device)
             self.warmed.add(sig)
             if self.compiled is not None:

@@ -209,7 +209,7 @@ def _compile_ahead(patcher, runner, first_call) -> str:
     if not ok:
         return f" (compiled blocks off: {runner.compiled.reason})"
     return (f" (blocks compiled for the calibration's shapes in {time.perf_counter() - t0:.1f} s"
-            + (", from the compiled code an earlier process kept" if cache.loaded else "")
+            + (", from the compiled code an earlier process kept" if cache.loaded and cache.saved is None else "")
             + "; another image size compiles at its first image)")
 
 
