@@ -73,7 +73,7 @@ ap.add_argument("--profile-first", action="store_true",
                      "profile_first_*.txt in --out (where a LoRA's re-quantizing load or a compilation goes)")
 ap.add_argument("--load-file", default=None, help=argparse.SUPPRESS)  # the fresh process's side of --fresh-load
 ap.add_argument("--profile-node", action="store_true",
-                help="run the Quantize node under cProfile; the top functions go to profile_first_node_*.txt in --out")
+                help="run the Quantize node under cProfile; the top functions go to profile_first_node_*.txt in --out (all of them to .prof)")
 A = ap.parse_args()
 if A.cpu_tiny and A.model == "sdxl":
     # ComfyUI recognises SDXL by its exact UNet config (320 channels, depths 2/2/10): a shrunken one
@@ -247,6 +247,7 @@ def profiled(label, fn):
     slug = "".join(ch if ch.isalnum() else "_" for ch in label)[:80]
     with open(os.path.join(A.out, f"profile_first_{slug}.txt"), "w") as f:
         f.write(text.getvalue())
+    prof.dump_stats(os.path.join(A.out, f"profile_first_{slug}.prof"))  # all of it, for pstats
     return out
 
 
