@@ -27,10 +27,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
                            "lean + cuda graphs"], "sampling_wan.json"),
     ("compile_overhead.py", ["--iters", "2"], "compile_overhead.json"),
     ("flux_smoothing.py", [], "flux_smoothing.json"),
-    ("user_path.py", ["--model", "flux", "--cpu-tiny", "--runs", "2", "--steps", "2"], "verify_flux_float8_e4m3fn.json"),
+    ("user_path.py", ["--model", "flux", "--cpu-tiny", "--runs", "2", "--steps", "2", "--yardstick"],
+     "verify_flux_float8_e4m3fn.json"),
 ])
 def test_reduced(tmp_path, script, args, out):
-    assert _run(tmp_path, script, args, out)["env"]["torch"]
+    result = _run(tmp_path, script, args, out)
+    assert result["env"]["torch"]
+    if script == "user_path.py":  # on a CPU the bare --yardstick is the other dtype (no SDPA kernel to swap)
+        assert result["yardstick_mode"] == "dtype" and "yardstick" in result
+        assert any(r["variant"].endswith("(yardstick)") for r in result["rows"]), result["rows"]
 
 
 @pytest.mark.parametrize("args", [["--families", "sd3", "--formats", "nvfp4,float8_e4m3fn"],
