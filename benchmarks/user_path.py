@@ -53,7 +53,8 @@ ap.add_argument("--weight-only", default="", metavar="PATTERNS",
 ap.add_argument("--lora", type=int, default=0, help="rank of a random LoRA applied (strength 1) to every block Linear, on both the 16-bit and the quantized model")
 ap.add_argument("--calib-prompts", type=int, default=2)
 ap.add_argument("--calib-steps", type=int, default=8)
-ap.add_argument("--calib-res", type=int, default=0, help="image side while calibrating (default --res): another size than the runs' makes their first image compile")
+ap.add_argument("--calib-res", type=int, default=0, help="image side while calibrating (Flux, SDXL; default --res - Wan calibrates at its runs' frames and size): "
+                     "another size than the runs' makes their first image compile")
 ap.add_argument("--skip-stock-file", action="store_true")
 ap.add_argument("--yardstick", nargs="?", const="auto", default=None, choices=("auto", "dtype", "backend"),
                 help="also sample the 16-bit model once more in another way that should not matter, the final latent's "
