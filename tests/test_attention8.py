@@ -12,12 +12,14 @@ from comfy_modelopt.comfyui import attention as att
 
 
 def reference_kernel(q8, k8, v8, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None):
-    """flash_attn_func's contract on e4m3 inputs [B, N, H, D] with descales [B, H]: attention of
-    the dequantized inputs, output 16-bit [B, N, H, D]."""
-    deq = [t.float() * s[:, None, :, None] for t, s in ((q8, q_descale), (k8, k_descale), (v8, v_descale))]
+    """flash_attn_func's contract on inputs [B, N, H, D] - e4m3 with descales [B, H], or 16-bit
+    without: attention of the dequantized inputs, output 16-bit [B, N, H, D] (the inputs' dtype
+    where they are 16-bit)."""
+    deq = [t.float() if s is None else t.float() * s[:, None, :, None]
+           for t, s in ((q8, q_descale), (k8, k_descale), (v8, v_descale))]
     q, k, v = (t.transpose(1, 2) for t in deq)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=softmax_scale)
-    return out.transpose(1, 2).to(torch.bfloat16)
+    return out.transpose(1, 2).to(q8.dtype if q8.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16)
 
 
 def fp8_attention_on_cpu(monkeypatch, attention, kernel=reference_kernel):
@@ -102,6 +104,44 @@ def test_the_override_takes_comfyui_layouts_and_leaves_the_rest_to_comfyui(monke
     assert len(calls) == 4
 
 
+def test_shorter_self_attention_takes_flashattention3s_16bit_forward(monkeypatch):
+    """Below ``FP8_MIN_TOKENS``, 128-wide heads' self-attention of ``FA3_16BIT_MIN_TOKENS``+ tokens
+    runs FlashAttention-3's 16-bit forward on Q/K/V as they are (no descales; the re-statement
+    here); shorter calls, other head widths, cross-attention, masks, fp32 inputs and an fp32
+    ``attn_precision`` stay ComfyUI's."""
+    ran = []
+
+    def kernel(q, k, v, softmax_scale=None, causal=False, **descales):
+        ran.append((q.dtype, descales))
+        return reference_kernel(q, k, v, softmax_scale=softmax_scale)
+    monkeypatch.setattr(att, "fa3_kernel", lambda: (kernel, ""))
+    monkeypatch.setattr(att, "KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(att, "FP8_MIN_TOKENS", 512)
+    monkeypatch.setattr(att, "FA3_16BIT_MIN_TOKENS", 128)
+
+    def comfy_func(*args, **kwargs):
+        return "comfy"
+    q, k, v = _qkv(b=2, n=256, h=2, d=128)
+    flat = [t.reshape(2, 256, 256) for t in (q, k, v)]
+    out = att.fp8_attention_override(comfy_func, *flat, 2)
+    assert out.shape == (2, 256, 256) and out.dtype == torch.bfloat16
+    assert _rel(out, _exact(q, k, v).reshape(2, 256, 256)) < 0.01
+    heads = [t.transpose(1, 2) for t in (q, k, v)]  # skip_reshape: [B, H, N, D]
+    out = att.fp8_attention_override(comfy_func, *heads, 2, skip_reshape=True, skip_output_reshape=True)
+    assert out.shape == (2, 2, 256, 128) and _rel(out.transpose(1, 2), _exact(q, k, v)) < 0.01
+    assert ran == [(torch.bfloat16, {})] * 2  # 16-bit inputs, no descales
+    q64, k64, v64 = _qkv(b=2, n=256, h=4, d=64)
+    others = [([t[:, :64].reshape(2, 64, 256) for t in (q, k, v)], 2, {}),     # below FA3_16BIT_MIN_TOKENS
+              ([t.reshape(2, 256, 256) for t in (q64, k64, v64)], 4, {}),    # 64-wide heads
+              ([flat[0], *(t[:, :200].reshape(2, 200, 256) for t in (k, v))], 2, {}),  # keys of another length
+              (flat, 2, dict(mask=torch.zeros(256, 256))),
+              ([t.float() for t in flat], 2, {}),
+              (flat, 2, dict(attn_precision=torch.float32))]
+    for args, n_heads, kw in others:
+        assert att.fp8_attention_override(comfy_func, *args, n_heads, **kw) == "comfy"
+    assert len(ran) == 2
+
+
 def test_without_the_package_the_runtime_says_why():
     kernel, why = att.fa3_kernel()
     if kernel is not None:
@@ -131,3 +171,19 @@ def test_centred_absmax_from_the_channel_statistics_is_the_centred_tensors():
     for t in (k, v, k.float()):
         c, amax, mean = att.centred(t)
         assert torch.equal(c, t - mean) and torch.equal(amax, c.abs().amax(dim=(1, 3))), (amax, c.abs().amax(dim=(1, 3)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="FlashAttention-3 needs a Hopper GPU (the GPU machine runs this)")
+def test_flashattention3_16bit_forward_is_as_exact_as_torchs():
+    """FlashAttention-3's 16-bit forward (``fa3_16bit``) at Flux 1024x1024's length: the 16-bit
+    output's rounding, as torch's SDPA (both ~0.2% from the fp32 reference)."""
+    kernel, why = att.fa3_kernel()
+    if kernel is None:
+        pytest.skip(why)
+    q, k, v = (t.cuda() for t in _qkv(n=4608, h=4, d=128))
+    exact = _exact(q, k, v)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    out = att.fa3_16bit(q, k, v)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert _rel(out, exact) < 2 * _rel(sdpa, exact) + 1e-3, (_rel(out, exact), _rel(sdpa, exact))

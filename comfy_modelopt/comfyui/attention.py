@@ -27,6 +27,12 @@ to 1.51x bf16 and Flux 2048x2048 from 1.33x to 1.59x (runtime.py: part of ``auto
 the final latent within eager's own rounding noise.  Random-weight models attend almost
 uniformly, which hides attention error from their final latent: the per-call error above, with
 peaked softmax rows and outlier channels, is the measure of the kernel.
+
+Below that length the same override hands 128-wide heads' self-attention of ``FA3_16BIT_MIN_TOKENS``
+or more to FlashAttention-3's 16-bit forward, on Q/K/V as they are: per call on an H200
+(2026-12-03, replayed from CUDA graphs) 0.371 ms against torch's SDPA 0.462 ms at Flux
+1024x1024 (1.25x), 1.13x at Flux 2048x2048, 1.22-1.25x at Wan's lengths - with the same error
+against an fp32 reference as torch's kernel (0.21-0.23%): another 16-bit kernel, not a rounding.
 """
 from __future__ import annotations
 
@@ -42,6 +48,10 @@ from .compiled_blocks import block_independent
 FP8_MIN_TOKENS = 12288
 KERNEL_DEVICES = ("cuda",)  # where the fp8 path runs (tests add "cpu", with a reference kernel)
 HEAD_DIMS = (64, 96, 128, 192, 256)  # what fa3-fwd 0.0.3 is built for
+# FlashAttention-3's 16-bit forward where it measured faster than torch's SDPA (benchmarks/attention8.py,
+# H200): 128-wide heads from Flux 1024x1024's 4,608 tokens up; other widths and lengths not measured
+FA3_16BIT_HEAD_DIMS = (128,)
+FA3_16BIT_MIN_TOKENS = 4608
 
 
 def int8_attention_available(device) -> bool:
@@ -142,19 +152,32 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return (out + v_mean).to(q.dtype)
 
 
+def fa3_16bit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+              kernel=None) -> torch.Tensor:
+    """Attention of 16-bit ``q`` [B, N, H, D] over ``k``, ``v`` by FlashAttention-3's 16-bit forward."""
+    out = (kernel or fa3_kernel()[0])(q, k, v, softmax_scale=scale, causal=False)
+    return out[0] if isinstance(out, tuple) else out
+
+
 @block_independent
 def fp8_attention_override(func, *args, **kwargs):
     """``optimized_attention_override``: ``fp8_attention`` for unmasked self-attention of at least
-    ``FP8_MIN_TOKENS`` tokens with ``HEAD_DIMS`` heads on CUDA; anything else goes to ComfyUI's
-    choice."""
+    ``FP8_MIN_TOKENS`` tokens with ``HEAD_DIMS`` heads on CUDA, ``fa3_16bit`` for shorter 16-bit
+    self-attention of ``FA3_16BIT_MIN_TOKENS``+ tokens with ``FA3_16BIT_HEAD_DIMS`` heads; anything
+    else goes to ComfyUI's choice."""
     q, k, v, heads, mask = attention_args(args, kwargs)
     if mask is not None or q.device.type not in KERNEL_DEVICES or kwargs.get("enable_gqa") or \
             not q.dtype.is_floating_point:
         return func(*args, **kwargs)
     q, k, v = heads_layout(q, k, v, heads, kwargs)
-    if q.shape[-1] not in HEAD_DIMS or min(q.shape[1], k.shape[1]) < FP8_MIN_TOKENS or k.shape != q.shape:
+    if q.shape[-1] not in HEAD_DIMS or k.shape != q.shape:
         return func(*args, **kwargs)
-    return comfy_layout(fp8_attention(q, k, v, scale=kwargs.get("scale")), kwargs)
+    if q.shape[1] >= FP8_MIN_TOKENS:
+        return comfy_layout(fp8_attention(q, k, v, scale=kwargs.get("scale")), kwargs)
+    if q.shape[-1] in FA3_16BIT_HEAD_DIMS and q.shape[1] >= FA3_16BIT_MIN_TOKENS and \
+            q.dtype in (torch.float16, torch.bfloat16) and kwargs.get("attn_precision") in (None, q.dtype):
+        return comfy_layout(fa3_16bit(q, k, v, scale=kwargs.get("scale")), kwargs)
+    return func(*args, **kwargs)
 
 
 def enable_fp8_attention(patcher, force: bool = False):
@@ -197,4 +220,6 @@ def enable_int8_attention(patcher, force: bool = False):
 
 # name -> (what the runtime note calls it, installer, where it acts)
 ATTENTIONS = {"int8": ("INT8 attention", enable_int8_attention, ""),
-              "fp8": ("FP8 attention", enable_fp8_attention, f" on self-attention of {FP8_MIN_TOKENS:,}+ tokens")}
+              "fp8": ("FP8 attention", enable_fp8_attention,
+                      f" on self-attention of {FP8_MIN_TOKENS:,}+ tokens (FlashAttention-3's 16-bit forward from "
+                      f"{FA3_16BIT_MIN_TOKENS:,} tokens)")}
