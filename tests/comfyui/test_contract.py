@@ -459,26 +459,36 @@ def test_native_compute_read_without_comfyui_agrees_with_comfyuis_gates(name):
     assert fmt.native_on(dev) == fmt.native_on(dev, comfy.model_management), (name, dev)
 
 
+@pytest.mark.parametrize("path", ["fp8", "16-bit"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_fp8_attention_override_takes_every_familys_attention_calls(source, family, monkeypatch):
+def test_the_fp8_attention_override_takes_every_familys_attention_calls(source, family, path, monkeypatch):
     """Each family calls ComfyUI's attention its own way (heads by position or keyword, [B, N, H*D]
-    or [B, H, N, D] in and out): the fp8 override reads all of them.  On the CPU, with a torch
-    re-statement of FlashAttention-3 on the dequantized e4m3 inputs (tests/test_attention8.py), the
-    override's own work - layouts, centring, per-head scales - is checked against the model's
-    16-bit output; the kernel runs on the GPU machine."""
+    or [B, H, N, D] in and out): the override reads all of them, on its FP8 path and on its 16-bit
+    FlashAttention-3 path (the shorter calls).  On the CPU, with a torch re-statement of
+    FlashAttention-3 (tests/test_attention8.py), the override's own work - layouts, and on the FP8
+    path centring and per-head scales - is checked against the model's 16-bit output; the kernel
+    runs on the GPU machine."""
     from comfy_modelopt.comfyui import attention as att
     from test_attention8 import fp8_attention_on_cpu, reference_kernel
     src, _, _, base = source(family)
     ran = []
 
     def kernel(*args, **kwargs):
-        ran.append(args[0].shape)
+        ran.append((args[0].shape, args[0].dtype))
         return reference_kernel(*args, **kwargs)
     fp8_attention_on_cpu(monkeypatch, att, kernel)
+    if path == "16-bit":  # every self-attention call shorter than the FP8 length, of any head width
+        monkeypatch.setattr(att, "FP8_MIN_TOKENS", 1 << 30)
+        monkeypatch.setattr(att, "FA3_16BIT_MIN_TOKENS", 1)
+        monkeypatch.setattr(att, "FA3_16BIT_HEAD_DIMS", range(1, 513))
     seen = []
 
     def spy(func, *args, **kwargs):
         seen.append(tuple(a.shape for a in args[:3]) + (args[0].dtype,))
+        if path == "16-bit":  # ComfyUI computes in float32 on a CPU: the call as a GPU makes it, in bf16
+            dtype = args[0].dtype
+            args = (*(a.to(torch.bfloat16) for a in args[:3]), *args[3:])
+            return att.fp8_attention_override(func, *args, **kwargs).to(dtype)
         return att.fp8_attention_override(func, *args, **kwargs)
     patcher = att._with_override(comfy.sd.load_diffusion_model(src, model_options={"dtype": torch.bfloat16}), spy)
     comfy.model_management.load_models_gpu([patcher])
@@ -488,9 +498,11 @@ def test_the_fp8_attention_override_takes_every_familys_attention_calls(source, 
         out = patcher.model.apply_model(x, torch.tensor([0.7]), transformer_options=patcher.model_options[
             "transformer_options"], **kw).float()
     assert seen, "the model never called ComfyUI's attention"
-    assert ran, f"no attention call took the fp8 path: {seen[:3]}"
+    assert ran, f"no attention call took the {path} path: {seen[:3]}"
+    assert all((dtype == torch.float8_e4m3fn) == (path == "fp8") for _, dtype in ran), ran
     rel = float((out - base).norm() / base.norm())
-    assert 0 < rel < 0.1, rel
+    # the 16-bit path: bf16 Q/K/V alone (2e-5 to 9e-4 of the output here; keys and values swapped 0.005-0.25)
+    assert 0 < rel < (0.1 if path == "fp8" else 0.002), rel
 
 
 def test_compiled_blocks_trace_through_the_fp8_attention(source, monkeypatch):
