@@ -18,7 +18,7 @@ runtime's graphs run them: no Python, no launch gaps), and compares with an fp32
   output 16-bit - everything it does per call; ``compiled``: the same through TorchInductor (as
   compiled blocks run it); ``kernel``: FlashAttention-3's FP8 forward alone, on Q/K/V in e4m3;
 - ``fa3 bf16``: FlashAttention-3's forward on the 16-bit Q/K/V as they are (no 8-bit rounding;
-  the runtime's ``attention.fa3_16bit``) - what another 16-bit kernel gives against torch's choice.
+  the runtime's ``attention.fa3_forward``) - what another 16-bit kernel gives against torch's choice.
 
 Prints a markdown table and writes ``attention8.json``.  Needs a CUDA GPU; the fp8 rows need
 ``pip install nvidia-cudnn-frontend`` (left out with the reason where it is missing).
@@ -144,7 +144,7 @@ def main(argv=None):
         int8_ok = bool(ck.int8_attention_is_available(device))
     except (AttributeError, RuntimeError):
         int8_ok = False
-    from comfy_modelopt.comfyui.attention import e4m3_heads, fa3_16bit, fa3_kernel, fp8_attention
+    from comfy_modelopt.comfyui.attention import e4m3_heads, fa3_forward, fa3_kernel, fp8_attention
     fp8_attention_compiled = torch.compile(fp8_attention, dynamic=False)  # as compiled blocks fuse it
     fa3, fa3_reason = fa3_kernel() if torch.cuda.get_device_capability()[0] == 9 else (None, "FA3's FP8 forward is SM 9.0 only")
     quantize_compiled = torch.compile(quantize, dynamic=False)
@@ -197,7 +197,7 @@ def main(argv=None):
             row["fa3_compiled_ms"] = round(graph_ms(lambda: fp8_attention_compiled(qt, kt, vt)), 3)
             row["fa3_rel_err"] = rel(fa3_whole())
             row["fa3_speedup"] = round(row["bf16_ms"] / row["fa3_ms"], 2)
-            fa3_bf16 = lambda: fa3_16bit(qt, kt, vt, kernel=fa3).reshape(b, s, h * d)  # noqa: E731 - the runtime's
+            fa3_bf16 = lambda: fa3_forward(qt, kt, vt, kernel=fa3).reshape(b, s, h * d)  # noqa: E731 - the runtime's
             try:
                 row["fa3_bf16_ms"] = round(graph_ms(fa3_bf16), 3)
                 row["fa3_bf16_rel_err"] = rel(fa3_bf16())

@@ -176,7 +176,7 @@ def test_centred_absmax_from_the_channel_statistics_is_the_centred_tensors():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="FlashAttention-3 needs a Hopper GPU (the GPU machine runs this)")
 def test_flashattention3_16bit_forward_is_as_exact_as_torchs():
-    """FlashAttention-3's 16-bit forward (``fa3_16bit``) at Flux 1024x1024's length: the 16-bit
+    """FlashAttention-3's 16-bit forward (``fa3_forward`` on 16-bit inputs) at Flux 1024x1024's length: the 16-bit
     output's rounding, as torch's SDPA (both ~0.2% from the fp32 reference)."""
     kernel, why = att.fa3_kernel()
     if kernel is None:
@@ -184,6 +184,6 @@ def test_flashattention3_16bit_forward_is_as_exact_as_torchs():
     q, k, v = (t.cuda() for t in _qkv(n=4608, h=4, d=128))
     exact = _exact(q, k, v)
     sdpa = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
-    out = att.fa3_16bit(q, k, v)
+    out = att.fa3_forward(q, k, v)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     assert _rel(out, exact) < 2 * _rel(sdpa, exact) + 1e-3, (_rel(out, exact), _rel(sdpa, exact))

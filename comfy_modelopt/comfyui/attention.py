@@ -144,25 +144,25 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """Attention of ``q`` [B, Nq, H, D] over ``k``, ``v`` [B, Nk, H, D] (16-bit) on e4m3 inputs,
     keys and values centred per channel first (module docstring); [B, Nq, H, D] in ``q``'s dtype.
     ``kernel``: FlashAttention-3's ``flash_attn_func`` (its signature, for a reference)."""
-    kernel = kernel or fa3_kernel()[0]
     (kc, k_amax, _), (vc, v_amax, v_mean) = centred(k), centred(v)
     (q8, qs), (k8, ks), (v8, vs) = e4m3_heads(q), e4m3_heads(kc, k_amax), e4m3_heads(vc, v_amax)
-    out = kernel(q8, k8, v8, softmax_scale=scale, causal=False, q_descale=qs, k_descale=ks, v_descale=vs)
-    out = out[0] if isinstance(out, tuple) else out
+    out = fa3_forward(q8, k8, v8, scale, kernel, q_descale=qs, k_descale=ks, v_descale=vs)
     return (out + v_mean).to(q.dtype)
 
 
-def fa3_16bit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-              kernel=None) -> torch.Tensor:
-    """Attention of 16-bit ``q`` [B, N, H, D] over ``k``, ``v`` by FlashAttention-3's 16-bit forward."""
-    out = (kernel or fa3_kernel()[0])(q, k, v, softmax_scale=scale, causal=False)
+def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, kernel=None,
+                **descales) -> torch.Tensor:
+    """FlashAttention-3's forward (``kernel``, default ``fa3_kernel``'s) of ``q`` [B, N, H, D] over
+    ``k``, ``v``: 16-bit inputs as they are, or e4m3 ones with their ``q_descale``/``k_descale``/
+    ``v_descale`` [B, H]; the output [B, N, H, D] 16-bit (without the log-sum-exp some builds add)."""
+    out = (kernel or fa3_kernel()[0])(q, k, v, softmax_scale=scale, causal=False, **descales)
     return out[0] if isinstance(out, tuple) else out
 
 
 @block_independent
 def fp8_attention_override(func, *args, **kwargs):
     """``optimized_attention_override``: ``fp8_attention`` for unmasked self-attention of at least
-    ``FP8_MIN_TOKENS`` tokens with ``HEAD_DIMS`` heads on CUDA, ``fa3_16bit`` for shorter 16-bit
+    ``FP8_MIN_TOKENS`` tokens with ``HEAD_DIMS`` heads on CUDA, ``fa3_forward`` for shorter 16-bit
     self-attention of ``FA3_16BIT_MIN_TOKENS``+ tokens with ``FA3_16BIT_HEAD_DIMS`` heads; anything
     else goes to ComfyUI's choice."""
     q, k, v, heads, mask = attention_args(args, kwargs)
@@ -176,7 +176,7 @@ def fp8_attention_override(func, *args, **kwargs):
         return comfy_layout(fp8_attention(q, k, v, scale=kwargs.get("scale")), kwargs)
     if q.shape[-1] in FA3_16BIT_HEAD_DIMS and q.shape[1] >= FA3_16BIT_MIN_TOKENS and \
             q.dtype in (torch.float16, torch.bfloat16) and kwargs.get("attn_precision") in (None, q.dtype):
-        return comfy_layout(fa3_16bit(q, k, v, scale=kwargs.get("scale")), kwargs)
+        return comfy_layout(fa3_forward(q, k, v, kwargs.get("scale")), kwargs)
     return func(*args, **kwargs)
 
 
