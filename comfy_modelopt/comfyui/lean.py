@@ -93,8 +93,7 @@ def fp8_mm(x, qdata, scale_a, scale_b, bias, fast_accum: bool):
     """fp8 with a static input scale on plain tensors: kitchen's activation quantizer, then
     ``fp8_gemm``."""
     x2 = x.reshape(-1, x.shape[-1])
-    out = fp8_gemm(ck.quantize_per_tensor_fp8(x2, scale_a, qdata.dtype), qdata, scale_a, scale_b, bias,
-                   fast_accum, x.dtype)
+    out = fp8_gemm(_quantize_fp8(x2, scale_a, qdata.dtype), qdata, scale_a, scale_b, bias, fast_accum, x.dtype)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -104,7 +103,61 @@ def fp8_gemm(xq, qdata, scale_a, scale_b, bias, fast_accum: bool, out_dtype):
     if fast_accum:
         return torch._scaled_mm(xq, qdata.t(), scale_a=scale_a, scale_b=scale_b,
                                 bias=bias, out_dtype=out_dtype, use_fast_accum=True)
-    return scaled_mm_v2(xq.contiguous(), qdata.t(), scale_a, scale_b, bias, out_dtype)
+    return _scaled_mm(xq.contiguous(), qdata.t(), scale_a, scale_b, bias, out_dtype)
+
+
+# The eager path calls kitchen's kernels without its per-call dispatch (a Python custom op that
+# asks kitchen's registry for a backend and checks its constraints every time - most of an SDXL
+# layer's host time, and SDXL's eager forward is host-bound): the backend kitchen picks for a
+# device and dtypes is asked once, and the GEMM is torch's own operator behind
+# ``torch.nn.functional.scaled_mm`` (what kitchen's ``scaled_mm_v2`` calls), checked bit-equal
+# with kitchen's call once per device and dtype.  The same kernels: bit-exact with stock.
+_QUANTIZERS: dict = {}
+_DIRECT_MM: dict = {}
+
+
+def _quantize_fp8(x, scale, qdtype):
+    key = (x.device.type, x.dtype, scale.dtype, qdtype)
+    fn = _QUANTIZERS.get(key)
+    if fn is None:
+        try:
+            from comfy_kitchen.registry import registry
+            impl = registry.get_implementation("quantize_per_tensor_fp8",
+                                               kwargs={"x": x, "scale": scale, "output_type": qdtype})
+            fn = lambda x, scale, qdtype, impl=impl: impl(x, scale, qdtype)  # noqa: E731
+        except Exception:  # pragma: no cover - another kitchen: its public entry point
+            fn = ck.quantize_per_tensor_fp8
+        _QUANTIZERS[key] = fn
+    return fn(x, scale, qdtype)
+
+
+def _scaled_mm(xq, wt, scale_a, scale_b, bias, out_dtype):
+    key = (xq.device.type, out_dtype, bias is not None and bias.dtype)
+    direct = _DIRECT_MM.get(key)
+    if direct is None:  # the first call: checked against kitchen's
+        ref = scaled_mm_v2(xq, wt, scale_a, scale_b, bias, out_dtype)
+        try:
+            out = _scaled_mm_v2(xq, wt, scale_a, scale_b, bias, out_dtype)
+            direct = _DIRECT_MM[key] = out.dtype == ref.dtype and torch.equal(out, ref)
+        except Exception:
+            direct = _DIRECT_MM[key] = False
+        return ref
+    if direct:
+        return _scaled_mm_v2(xq, wt, scale_a, scale_b, bias, out_dtype)
+    return scaled_mm_v2(xq, wt, scale_a, scale_b, bias, out_dtype)
+
+
+def _scaled_mm_v2(xq, wt, scale_a, scale_b, bias, out_dtype):
+    """``torch.nn.functional.scaled_mm`` with per-tensor scales, as one call of its operator."""
+    return torch._scaled_mm_v2(xq, wt, [scale_a], _TENSORWISE, _NO_SWIZZLE, [scale_b], _TENSORWISE, _NO_SWIZZLE,
+                               bias, out_dtype, (), False)
+
+
+try:
+    _TENSORWISE = [torch.nn.functional.ScalingType.TensorWise.value]
+    _NO_SWIZZLE = [torch.nn.functional.SwizzleType.NO_SWIZZLE.value]
+except AttributeError:  # pragma: no cover - a torch without scaled_mm: kitchen's call decides
+    _TENSORWISE = _NO_SWIZZLE = None
 
 
 def _fp8_forward(module, x, fast_accum: bool):
@@ -121,10 +174,25 @@ def int8_params(w) -> tuple:
 def _int8_forward(module, x):
     w = module.weight
     scale, convrot, group = int8_params(w)
-    if dtype_code is None:  # public entry point (its backend dispatch costs a little per call)
-        return ck.int8_linear(x.contiguous(), w._qdata, scale, _bias(module, x), x.dtype, convrot, group)
-    return torch.ops.comfy_kitchen.int8_linear(x.contiguous(), w._qdata, scale, _bias(module, x),
-                                               dtype_code(x.dtype), convrot, group)
+    x = x.contiguous()
+    bias = _bias(module, x)
+    key = (x.device.type, x.dtype, tuple(w._qdata.shape), convrot, group, bias is not None)
+    fn = _INT8.get(key)
+    if fn is None:  # kitchen's backend for this layer, asked once (see _QUANTIZERS)
+        try:
+            from comfy_kitchen.registry import registry
+            kwargs = {"x": x, "weight": w._qdata, "weight_scale": scale, "bias": bias, "out_dtype": x.dtype,
+                      "convrot": convrot, "convrot_groupsize": group}
+            impl = registry.get_implementation("int8_linear", kwargs=kwargs)
+            fn = lambda x, q, s, b, c, g, impl=impl: impl(x=x, weight=q, weight_scale=s, bias=b,  # noqa: E731
+                                                          out_dtype=x.dtype, convrot=c, convrot_groupsize=g)
+        except Exception:  # pragma: no cover - another kitchen: its public entry point
+            fn = lambda x, q, s, b, c, g: ck.int8_linear(x, q, s, b, x.dtype, c, g)  # noqa: E731
+        _INT8[key] = fn
+    return fn(x, w._qdata, scale, bias, convrot, group)
+
+
+_INT8: dict = {}
 
 
 def _dequant_forward(module, x, cache=None):
