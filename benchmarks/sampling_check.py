@@ -41,7 +41,7 @@ import comfy.sample  # noqa: E402
 
 import common  # noqa: E402
 from comfy_modelopt.comfyui.compiled_blocks import rounding_noise  # noqa: E402
-from comfy_modelopt.comfyui.cuda_graphs import CudaGraphs  # noqa: E402
+from comfy_modelopt.comfyui.cuda_graphs import graph_runner  # noqa: E402
 from comfy_modelopt.comfyui.lean import make_lean  # noqa: E402
 from comfy_modelopt.comfyui.runtime import RUNTIMES, apply_runtime  # noqa: E402
 from comfy_modelopt.graph_memory import AllocationTrace  # noqa: E402
@@ -96,8 +96,7 @@ TRACE_PEAK = False  # --trace-peak
 
 def _run_variant(label, q, runs, sample, ref, fp8_ref=None):
     """``runs`` whole sampling runs of patcher ``q``; one row."""
-    wrapper = q.model_options.get("model_function_wrapper")
-    runner = wrapper if isinstance(wrapper, CudaGraphs) else None
+    runner = graph_runner(q)
     secs, out, peaks, captured = [], None, [], []
     for i in range(runs):
         if common.CUDA:

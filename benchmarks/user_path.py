@@ -427,7 +427,8 @@ def main():
         rowq["vs_16bit_stock"] = round(row16["steady_s"] / rowq["steady_s"], 3)
         rowq["rel_vs_16bit"] = round(rel(latq, lat16), 5)
         rowq["quantize_s"] = round(t_q, 1)
-        runner = qmodel.model_options.get("model_function_wrapper")
+        from comfy_modelopt.comfyui.cuda_graphs import graph_runner
+        runner = graph_runner(qmodel)
         if runner is not None and hasattr(runner, "capture_seconds"):
             rowq["graphs"] = {"captures": runner.captures, "capture_s": runner.capture_seconds,
                               "compile_check_s": runner.compile_seconds, "pool_sizing": runner.pool_sizing,

@@ -40,7 +40,7 @@ class RecordedCall:
 
     @classmethod
     def of(cls, args, kwargs) -> "RecordedCall":
-        return cls(_tree(args, _to_host), _tree(kwargs, _to_host))
+        return cls(tree_map(args, _to_host), tree_map(kwargs, _to_host))
 
     def replay(self, fn, device, first_tensor=None):
         """``fn(*args, **kwargs)``, the CUDA tensors moved to ``device`` (the CPU ones stay there);
@@ -57,7 +57,7 @@ class RecordedCall:
             t, where = stored
             return t.to(device if where != "cpu" else "cpu", copy=True)
         with torch.no_grad():
-            args, kwargs = _tree(self.args, back, _Stored), _tree(self.kwargs, back, _Stored)
+            args, kwargs = tree_map(self.args, back, _Stored), tree_map(self.kwargs, back, _Stored)
             if first_tensor is not None:
                 args = (first_tensor(args[0]), *args[1:])
             return fn(*args, **kwargs)
@@ -180,15 +180,15 @@ def _to_host(t: torch.Tensor):
     return _Stored((t.detach().to("cpu", copy=True), t.device.type))
 
 
-def _tree(v, fn, kind=torch.Tensor):
+def tree_map(v, fn, kind=torch.Tensor):
     """``v`` with every ``kind`` leaf mapped by ``fn``; dicts, lists and tuples copied, anything
-    else kept as it is."""
+    else kept as it is (also how the CUDA-graph runtime copies a model call, ``graph_inputs``)."""
     if isinstance(v, kind):
         return fn(v)
     if isinstance(v, dict):
-        return {k: _tree(x, fn, kind) for k, x in v.items()}
+        return {k: tree_map(x, fn, kind) for k, x in v.items()}
     if isinstance(v, (list, tuple)) and not isinstance(v, _Stored):
-        return type(v)(_tree(x, fn, kind) for x in v) if type(v) in (list, tuple) else v
+        return type(v)(tree_map(x, fn, kind) for x in v) if type(v) in (list, tuple) else v
     return v
 
 

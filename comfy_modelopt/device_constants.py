@@ -100,11 +100,21 @@ class ConstantsOnDevice(TorchFunctionMode):
         return out
 
 
+# factories of random numbers and in-place random fills (torch's names, overload-free)
+_RANDOM = frozenset({"rand", "randn", "randint", "randperm", "random_", "uniform_", "normal_", "bernoulli",
+                     "bernoulli_", "multinomial", "exponential_", "geometric_", "cauchy_", "log_normal_",
+                     "rand_like", "randn_like", "randint_like", "normal", "poisson"})
+
+
 class HostCopies(TorchDispatchMode):
-    """Records the ops that take a CPU tensor (not a 0-dim one: those are read as numbers) and
-    return a tensor on another device - the host-to-device copies a CUDA-graph capture refuses.
-    Run over a warm-up forward, it tells beforehand that a capture would fail (a capture that
-    fails under cudaMallocAsync can take the process down when its allocations are freed).
+    """Records, over one forward, what a CUDA graph could not hold: the ops that take a CPU
+    tensor (not a 0-dim one: those are read as numbers) and return a tensor on another device -
+    the host-to-device copies a capture refuses (``ops``); the ops that bring a GPU tensor's
+    values to the host - ``.item()``, ``.cpu()``, a data-dependent shape - which a capture refuses
+    too and which mean the forward decides something from those values (``reads``); and random
+    numbers drawn on the CPU (``random``), a decision a replay would freeze.  Run over a warm-up
+    forward, it tells beforehand that a capture would fail (a capture that fails under
+    cudaMallocAsync can take the process down when its allocations are freed) or would be wrong.
     0-dim copies are not flagged: the first warm-up is also where lazy initialisations run once,
     and only this rule was checked against real GPU captures (a copy inside the forward itself
     still fails its capture, logged)."""
@@ -112,12 +122,21 @@ class HostCopies(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops: list = []
-        self.bytes = 0  # what those ops copied
+        self.reads: list = []
+        self.random: list = []
+        self.bytes = 0  # what the host copies copied
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if isinstance(out, torch.Tensor) and out.device.type != "cpu" and \
-                any(isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dim() for a in args):
+                any(a.device.type == "cpu" and a.dim() for a in tensors):
             self.ops.append(str(func))
             self.bytes += out.nbytes
+        elif any(a.device.type not in ("cpu", "meta") for a in tensors) and (
+                func is torch.ops.aten._local_scalar_dense.default or func is torch.ops.aten.nonzero.default
+                or (isinstance(out, torch.Tensor) and out.device.type == "cpu")):
+            self.reads.append(str(func))
+        if func._opname in _RANDOM and isinstance(out, torch.Tensor) and out.device.type == "cpu":
+            self.random.append(str(func))
         return out

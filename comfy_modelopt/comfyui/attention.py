@@ -1,38 +1,19 @@
 """8-bit attention as ComfyUI's ``optimized_attention_override``: kitchen's INT8 attention
 (SageAttention-style, Hadamard-rotated Q/K) - installed only where it was not measured slower end
-to end - and FlashAttention-3's FP8 forward (the ``fa3-fwd`` package, Hopper) for long sequences.
-
-Measured on an H200 (``benchmarks/sampling_check.py``, 2026-11-30, whole 20-step runs at
-1024x1024, fp8 W8A8 under CUDA graphs): Flux 2.60 s with it against 2.36 s without (its kernel
-0.70 s per run against cuDNN's flash attention 0.49 s), SDXL 0.93 against 0.82 s.  On Hopper
-cuDNN's 16-bit flash attention is the faster choice, so the runtime leaves attention alone
-there (``SLOWER_ON``); elsewhere (Ada, Blackwell: not measured yet) it is installed as asked.
-Per call (``benchmarks/attention8.py``, H200, 2026-12-01) kitchen's kernel is 0.57-0.79x bf16's
-at every size measured, and cuDNN's FP8 SDPA - the other 8-bit candidate - is slower too at the
-whole-run sizes once Q/K/V are quantized (Flux 1024x1024 0.92x, 3% error against bf16's 0.2%),
-faster only at long sequences (1.35-1.41x at 17-33k tokens); not offered as a runtime.
+to end (``SLOWER_ON``: on Hopper cuDNN's 16-bit flash attention is faster) - and FlashAttention-3's
+FP8 forward (the ``fa3-fwd`` package, Hopper) for long sequences.
 
 FP8 attention (``fp8_attention``): FlashAttention-3's FP8 forward, its output 16-bit, on Q/K/V
 cast to e4m3 with one scale per batch and head (the kernel's descale factors), after subtracting
 each key channel's mean over the tokens (SageAttention's K smoothing: every query's logits move by
 one constant, the softmax not at all) and each value channel's mean (added back to the output:
 softmax rows sum to one) - so outlier channels do not set every head's scale.  Only for
-self-attention of at least ``FP8_MIN_TOKENS`` tokens: at Flux's 4,608 quantizing Q/K/V costs
-more than the kernel saves (benchmarks/attention8.py), at video lengths attention is most of
-the forward.  Per call on an H200 (2026-12-02, Q/K/V quantized eagerly): 1.37x bf16 at Wan's
-32,760 tokens, 1.04x at Flux 2048x2048's 16,896, its error 2.9% against bf16's 0.2%; compiled
-(TorchInductor fuses the centring and scaling) at Wan's shape with the cfg batch of 2: 14.8 ms
-against bf16's 22.9 ms, the kernel alone 14.2 ms.  In whole runs it is what lifts Wan from 1.06x
-to 1.51x bf16 and Flux 2048x2048 from 1.33x to 1.59x (runtime.py: part of ``auto`` where it runs),
-the final latent within eager's own rounding noise.  Random-weight models attend almost
-uniformly, which hides attention error from their final latent: the per-call error above, with
-peaked softmax rows and outlier channels, is the measure of the kernel.
-
-Below that length the same override hands 128-wide heads' self-attention of ``FA3_16BIT_MIN_TOKENS``
-or more to FlashAttention-3's 16-bit forward, on Q/K/V as they are: per call on an H200
-(2026-12-03, replayed from CUDA graphs) 0.371 ms against torch's SDPA 0.462 ms at Flux
-1024x1024 (1.25x), 1.13x at Flux 2048x2048, 1.22-1.25x at Wan's lengths - with the same error
-against an fp32 reference as torch's kernel (0.21-0.23%): another 16-bit kernel, not a rounding.
+self-attention of at least ``FP8_MIN_TOKENS`` tokens: below, quantizing Q/K/V costs more than the
+kernel saves; at video lengths attention is most of the forward.  Below that length the same
+override hands 128-wide heads' self-attention of ``FA3_16BIT_MIN_TOKENS`` or more to
+FlashAttention-3's 16-bit forward on Q/K/V as they are: another 16-bit kernel, as exact as
+torch's, not a rounding.  Per-call and whole-run figures: docs/benchmarks.md (section 0,
+"FlashAttention-3's 16-bit forward below the FP8 length"; "8-bit attention on Hopper").
 """
 from __future__ import annotations
 
@@ -41,6 +22,7 @@ import torch
 
 from ..formats import F8_E4M3_MAX
 from .compiled_blocks import block_independent
+from .graph_inputs import own
 
 # below this many query and key tokens the fp8 path leaves attention to ComfyUI (per call, H200,
 # Q/K/V quantized: cuDNN's FP8 SDPA 0.92x bf16 at 4,608 and 5,120 tokens; FlashAttention-3's
@@ -88,6 +70,7 @@ def comfy_layout(out: torch.Tensor, kwargs) -> torch.Tensor:
     return out.reshape(b, n, h * d)
 
 
+@own
 @block_independent
 def int8_attention_override(func, *args, **kwargs):
     """``optimized_attention_override``: kitchen's INT8 attention (SageAttention-style, Hadamard-
@@ -159,6 +142,7 @@ def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
     return out[0] if isinstance(out, tuple) else out
 
 
+@own
 @block_independent
 def fp8_attention_override(func, *args, **kwargs):
     """``optimized_attention_override``: ``fp8_attention`` for unmasked self-attention of at least

@@ -127,11 +127,16 @@ class CompiledBlocks:
     def __init__(self, diffusion_model, tol: float = 0.02, max_tol: float = 0.25, trace_layers: bool = True):
         self.tol, self.max_tol = tol, max_tol
         self.trace_layers = trace_layers  # plain kernel calls as operators (traced_layers), not breaks
+        # compile the regions for inputs they have no code for (False: such a region runs eagerly -
+        # a new image size costs no compilation; compile_for compiles all the same)
+        self.compile_new_shapes = True
         self.enabled, self.reason = True, None
         self.checks: list = []  # one dict per validated input signature
         self.regions = [m for m in _block_regions(diffusion_model) if not _is_weight_layer(m)]
         self.opaque = [m for m in diffusion_model.modules() if _is_weight_layer(m)]
         self._wrappers: dict = {}
+        self._lookups: dict = {}  # (id(region), its per-block keys) -> what its code looks up in the patches
+        self.patched_calls = 0  # region calls run eagerly because a patch applies inside
         # installed for one thread at a time (``installed``): a region called from any other
         # thread (another workflow's sampler in the same process) runs eagerly
         self._owner = None
@@ -158,15 +163,25 @@ class CompiledBlocks:
         self.compiled = [self._region_forward(m, torch.compile(m.forward, dynamic=False)) for m in self.regions]
 
     def _region_forward(self, m, compiled):
-        """What a region runs while installed: its compiled forward, called without the keys of
-        transformer_options in ``_KEYS_LEFT_OUT``.  ComfyUI hands every block its own ``block`` /
-        ``block_index`` for patch lookups (and the sampler's ``sample_sigmas``); compiled code
-        guards on such values, so Dynamo kept one compiled variant per block (70 for SDXL's
-        transformer block) and scanned them on every call.  Without patches (graphs are never
-        captured with patches) the keys change nothing, so they are left out; with patches the
-        eager forward runs, and with a callable in the options (an attention override might read
-        the index) they are kept.  Opaque to an enclosing compiled region (a SpatialTransformer
-        calling its blocks)."""
+        """What a region runs while installed: its compiled forward, called without the patches
+        (``transformer_options``' "patches" and "patches_replace") and without the keys in
+        ``_KEYS_LEFT_OUT`` - or its eager forward where a patch applies inside it.
+
+        Patches: which of them a region's own code looks up is learnt from the region itself, at
+        its first call with patches (run eagerly, the patch dicts watched: ``_Lookups``) - a UNet
+        transformer block looks up its attention patches and its own (block, index) replaces, a
+        Flux block its attention patches, a ResBlock none.  A region none of whose lookups hits
+        runs compiled, blind to the patches (a FreeU output-block patch or a Flux "dit" replace
+        acts between regions, in the model's own code); one where a lookup hits runs eagerly
+        with them (a PAG or IP-Adapter attention replace on that block).
+
+        Per-block keys: ComfyUI hands every block its own ``block`` / ``block_index`` for patch
+        lookups (and the sampler's ``sample_sigmas``); compiled code guards on such values, so
+        Dynamo kept one compiled variant per block (70 for SDXL's transformer block) and scanned
+        them on every call.  Without an applying patch the keys change nothing, so they are left
+        out; with a callable in the options (an attention override might read the index) they
+        are kept.  Opaque to an enclosing compiled region (a SpatialTransformer calling its
+        blocks)."""
         # passed by keyword (blocks) or by position (a UNet's SpatialTransformer: layer(x, context, options))
         position = _options_position(m)
         eager = m.forward
@@ -180,29 +195,53 @@ class CompiledBlocks:
                 return compiled(*args, **kwargs)
             by_position = "transformer_options" not in kwargs and len(args) > position
             topts = args[position] if by_position else kwargs.get("transformer_options")
-            if isinstance(topts, dict) and any(k in topts for k in _KEYS_LEFT_OUT):
-                if carried_patches(topts):
-                    return eager(*args, **kwargs)
-                if any(callable(v) and not getattr(v, "block_independent", False) for v in topts.values()):
-                    # e.g. another pack's optimized_attention_override, which may read the block's
-                    # index: compiled as it is (one variant per block, but the same behaviour)
-                    return compiled(*args, **kwargs)
-                topts = {k: v for k, v in topts.items() if k not in _KEYS_LEFT_OUT}
+            if not isinstance(topts, dict):
+                return compiled(*args, **kwargs)
+
+            def with_options(options):
                 if by_position:
-                    args = (*args[:position], topts, *args[position + 1:])
-                else:
-                    kwargs["transformer_options"] = topts
-            return compiled(*args, **kwargs)
+                    return (*args[:position], options, *args[position + 1:]), kwargs
+                return args, {**kwargs, "transformer_options": options}
+            if carried_patches(topts):
+                # learnt per region, per block keys and per kinds of patches present: code that
+                # never saw a kind (no "patches_replace" at all) recorded no lookup in it
+                where = (id(m), *(repr(dict.get(topts, k)) for k in _KEYS_LEFT_OUT[:3]),
+                         *(tuple(sorted(map(str, dict.keys(v)))) if isinstance(v := dict.get(topts, k), dict) else None
+                           for k in _PATCH_KEYS))
+                lookups = blocks._lookups.get(where)
+                if lookups is None:  # learnt at the region's first call with patches (here), run eagerly
+                    seen = set()
+                    out = _call(eager, with_options(_watched(topts, seen)))
+                    blocks._lookups[where] = _leaves(seen)
+                    return out
+                if _hits(lookups, topts):
+                    blocks.patched_calls += 1
+                    return eager(*args, **kwargs)
+            drop = [k for k in (*_PATCH_KEYS, *_KEYS_LEFT_OUT) if k in topts]
+            if not drop:
+                return compiled(*args, **kwargs)
+            if any(callable(v) and not getattr(v, "block_independent", False) for v in topts.values()):
+                # e.g. another pack's optimized_attention_override, which may read the block's
+                # index: compiled with the keys (one variant per block, but the same behaviour)
+                drop = [k for k in drop if k in _PATCH_KEYS]
+            return _call(compiled, with_options({k: v for k, v in topts.items() if k not in drop}))
         return torch.compiler.disable(forward)
 
-    def installed(self):
+    def installed(self, compile_new_shapes: bool | None = None):
         """A context in which the regions run compiled - for the calling thread only (another
-        thread calling a region meanwhile runs it eagerly); one thread at a time."""
+        thread calling a region meanwhile runs it eagerly); one thread at a time.
+        ``compile_new_shapes`` (default: the blocks' own ``compile_new_shapes``): False - a region
+        with no code compiled for its inputs runs eagerly instead of compiling (torch's
+        "eager_on_recompile" stance, process-wide while installed)."""
         blocks = self
+        stance = not (self.compile_new_shapes if compile_new_shapes is None else compile_new_shapes)
 
         class _Swap:
             def __enter__(self):
                 blocks._lock.acquire()
+                self.stance = torch.compiler.set_stance("eager_on_recompile") if stance else None
+                if self.stance is not None:
+                    self.stance.__enter__()
                 blocks._owner = threading.get_ident()
                 self.mods = blocks.regions + blocks.opaque
                 self.saved = [m.__dict__.get("forward") for m in self.mods]
@@ -223,6 +262,8 @@ class CompiledBlocks:
                     else:
                         m.forward = f
                 blocks._owner = None
+                if self.stance is not None:
+                    self.stance.__exit__(None, None, None)
                 blocks._lock.release()
                 return False
         return _Swap()
@@ -236,7 +277,7 @@ class CompiledBlocks:
             self._wrappers[id(m)] = cached
         return cached[1]
 
-    def validate(self, run, ref, perturbed=None) -> bool:
+    def validate(self, run, ref, perturbed=None, compile_new_shapes: bool | None = None) -> bool:
         """Run the compiled blocks once (compiling them) and compare with the eager ``ref`` (None:
         compile only, on weights whose values mean nothing; no signature counts as checked by it).
 
@@ -250,13 +291,15 @@ class CompiledBlocks:
         if not self.enabled:
             return False
         before = compile_account()
+        compiles = self.compile_new_shapes if compile_new_shapes is None else compile_new_shapes
         logging.info(f"[comfy-modelopt] {'compiling' if ref is None else 'checking'} {len(self.regions)} compiled "
                      f"blocks {'on placeholder weights' if ref is None else 'against eager'} for a new input "
-                     "signature (compiling them unless already compiled for its shapes: once per shape and "
-                     "process; on an H200 Flux takes ~11 s, ~3.5 s with a warm compile cache, SDXL ~47 s / ~9 s)")
+                     "signature (" + ("compiling them unless already compiled for its shapes: once per shape and "
+                                      "process, tens of seconds with a cold compile cache)" if compiles else
+                                      "nothing is compiled: a region with no code for these shapes runs eagerly)"))
         t0 = time.perf_counter()
         try:
-            with self.installed():
+            with self.installed(compiles):
                 out = run()
         except Exception as e:  # an untraceable block, a compiler error: stay eager
             return self.disable(f"compile failed: {type(e).__name__}: {str(e)[:200]}")
@@ -314,7 +357,7 @@ class CompiledBlocks:
             return run(lambda x: rounding_noise(x, dtype))
         ref = run()  # the first evaluation: a dynamic model's weights are paged in here
         if not check:  # compiled after that eager call all the same, as a checked compile is
-            return self.validate(run, None)
+            return self.validate(run, None, compile_new_shapes=True)
         if may_stream is not None and may_stream():
             def checked(*args, **kwargs):  # as the CUDA-graph warm-up checks its forward
                 with HostCopies() as copies, ConstantsOnDevice():
@@ -329,7 +372,7 @@ class CompiledBlocks:
                                     "in the GPU's free memory, so ComfyUI streams them): no CUDA graph can capture that "
                                     "- it runs as ComfyUI runs it")
             perturbed = lambda: noisy  # noqa: E731
-        return self.validate(run, ref, perturbed)
+        return self.validate(run, ref, perturbed, compile_new_shapes=True)
 
     def disable(self, reason: str) -> bool:
         self.enabled, self.reason = False, reason
@@ -429,14 +472,95 @@ def raw_pointer_launches():
         _RAW_POINTERS.on = previous
 
 
+_PATCH_KEYS = ("patches", "patches_replace")
+_ALL = object()  # a lookup that read every key (an iteration)
+
+
+class _Lookups(dict):
+    """A patch dict (or a nested one) that records which keys the code it is handed looks up:
+    (its path, the key) into each of ``seens`` - ``_ALL`` for an iteration; nested dicts (and a
+    dict default) are watched too.  A region called inside a region being learnt records into
+    both (``_watched``)."""
+
+    def __init__(self, d, seens: tuple, path: tuple):
+        super().__init__(dict.items(d))
+        self._seens, self._path = seens, path
+
+    def _saw(self, key):
+        for seen in self._seens:
+            seen.add((self._path, key))
+
+    def _got(self, key, value):
+        return _Lookups(value, self._seens, (*self._path, key)) if isinstance(value, dict) else value
+
+    def __contains__(self, key):
+        self._saw(key)
+        return super().__contains__(key)
+
+    def __getitem__(self, key):
+        self._saw(key)
+        return self._got(key, super().__getitem__(key))
+
+    def get(self, key, default=None):
+        self._saw(key)
+        return self._got(key, super().get(key, default))
+
+    def __iter__(self):
+        self._saw(_ALL)
+        return super().__iter__()
+
+    def keys(self):
+        self._saw(_ALL)
+        return super().keys()
+
+    def items(self):
+        self._saw(_ALL)
+        return ((k, self._got(k, v)) for k, v in dict.items(self))
+
+    def values(self):
+        self._saw(_ALL)
+        return (self._got(k, v) for k, v in dict.items(self))
+
+
+def _watched(topts: dict, seen: set) -> dict:
+    """``topts`` with its patch dicts watched (``_Lookups``) into ``seen`` - and into whatever
+    watched them already (an enclosing region being learnt)."""
+    return {k: _Lookups(v, getattr(v, "_seens", ()) + (seen,), (k,))
+            if k in _PATCH_KEYS and isinstance(v, dict) else v for k, v in dict.items(topts)}
+
+
+def _leaves(seen: set) -> frozenset:
+    """The lookups that decide: a key whose dict was looked into is decided by those lookups."""
+    inner = {path for path, _ in seen}
+    return frozenset((path, key) for path, key in seen if key is _ALL or (*path, key) not in inner)
+
+
+def _hits(lookups, topts: dict) -> bool:
+    """Whether any of a region's ``lookups`` finds a patch in ``topts`` (read without recording)."""
+    for path, key in lookups:
+        d = topts
+        for p in path:
+            d = dict.get(d, p) if isinstance(d, dict) else None
+        if not isinstance(d, dict):
+            continue
+        if nonempty(d) if key is _ALL else (dict.__contains__(d, key) and nonempty(dict.__getitem__(d, key))):
+            return True
+    return False
+
+
+def _call(fn, args_kwargs):
+    args, kwargs = args_kwargs
+    return fn(*args, **kwargs)
+
+
 def carried_patches(topts: dict) -> str | None:
-    """Which patch kind transformer_options carry (they run inside the blocks), else None."""
-    return next((key for key in ("patches", "patches_replace") if nonempty(topts.get(key))), None)
+    """Which patch kind transformer_options carry, else None (read without recording)."""
+    return next((key for key in _PATCH_KEYS if nonempty(dict.get(topts, key))), None)
 
 
 def nonempty(v) -> bool:
     if isinstance(v, dict):
-        return any(nonempty(x) for x in v.values())
+        return any(nonempty(x) for x in dict.values(v))
     if isinstance(v, (list, tuple)):
         return any(nonempty(x) for x in v) if v and isinstance(v[0], (dict, list, tuple)) else bool(v)
     return bool(v)

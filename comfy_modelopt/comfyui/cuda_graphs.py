@@ -1,33 +1,24 @@
 """CUDA-graph replay of whole model evaluations.
 
-``CudaGraphs`` (installed as a model-function wrapper on a clone, so it works for 16-bit models
-too) captures each distinct input signature once and replays it; anything it cannot capture runs
-eagerly with the reason logged.  With ``compile_blocks`` the graphs are captured over
-TorchInductor-compiled blocks (``compiled_blocks``), checked against eager at a signature's first
-capture, before anything is replayed - and compiled there unless ``runtime`` compiled them ahead
-for the calibration's shapes (Quantize Model); else the first run pays the compilation once per
-input shape (H200: Flux ~11 s with a cold Inductor cache, ~3.4 s warm; SDXL ~47 s / ~9 s; what it
-compiles is kept for the next process, ``compile_cache``) and every later evaluation replays the
-compiled graph.  (Compiling in a
-background thread while the first runs replayed the uncompiled graph was tried: in the node path
-the compile thread, starved of the interpreter by the sampler's, had not landed after 9 runs,
-slowed runs 2-3 by up to 90%, and died with the process - "SubprocPool closed".)
+``CudaGraphs`` (ComfyUI's APPLY_MODEL wrapper on a clone, so it works for 16-bit models too)
+captures each distinct input signature once and replays it; what it cannot capture runs eagerly
+with the reason logged.  With ``compile_blocks`` the graphs are captured over TorchInductor-
+compiled blocks (``compiled_blocks``), checked against eager at a signature's first capture,
+before anything is replayed - compiled there, or (``auto``) only ahead, for the calibration's
+shapes, so that another size runs its blocks uncompiled instead of compiling at its first image.
+(Compiling in a background thread while the first runs replayed was tried and removed: the
+sampler's thread starved it - docs/benchmarks.md section 0a.)
 
 The graphs stay while the model stays loaded: a second sampling run with the same shapes
 captures nothing.  Their memory is accounted the way ComfyUI counts memory in use (``GraphPool``:
-under the caching allocator the pool's idle blocks are held by placeholders (``graph_pool``), so ComfyUI's
-free-memory estimate - reserved minus active - does not count memory only the graphs can use;
-under cudaMallocAsync, ComfyUI's default on CUDA 13 torch, the graphs hold driver memory the
-device reports as used), and it goes back when ComfyUI
-unloads the model, partly or wholly, to make room: the graphs are owned by the model's patcher
-and die with its residency.  A change of weights or weight patches (a LoRA) recaptures.
-
-Under the caching allocator the pool is sized to the forward (``graph_memory``): the eager
-warm-up before a signature's first capture is recorded, the allocator's placement replayed on
-it, and the graph captured into a few segments fitted to it (the capture, recorded too, checks
-the fit; captured once more into its own fit where it asked for more) - left alone the pool grew
-to 2x what the forward uses at once (Flux.1-dev: 0.82 GiB of segments for 0.39 GiB in use;
-fitted 0.44 GiB).
+under the caching allocator the pool's idle blocks are held by placeholders, so ComfyUI's
+free-memory estimate does not count memory only the graphs can use; under cudaMallocAsync the
+graphs hold driver memory the device reports as used), and it goes back when ComfyUI unloads
+the model, partly or wholly: the graphs die with the model's residency.  A change of weights or
+weight patches (a LoRA) recaptures.  Under the caching allocator the pool is sized to the
+forward (``graph_memory``): the eager warm-up before a signature's first capture is recorded and
+the graph captured into segments fitted to it - left alone the pool grew to twice what the
+forward uses at once.
 """
 from __future__ import annotations
 
@@ -38,37 +29,41 @@ import time
 
 import torch
 
-from comfy.patcher_extension import CallbacksMP, WrappersMP
+from comfy.patcher_extension import CallbacksMP, WrapperExecutor, WrappersMP
 
 from ..cuda_streams import allocator_backend, keep_forever, on_side_stream, trim_graph_memory, work_stream
 from ..device_constants import ConstantsOnDevice, HostCopies
 from ..graph_memory import (ROUND_LARGE, AllocationTrace, large_events, peak_in_use, pool_need, release_blas_workspaces,
                             without_unfreed)
 from .compile_cache import key_of, kept
-from .compiled_blocks import (CompiledBlocks, carried_patches, install_raw_pointer_launches, nonempty,
-                              raw_pointer_launches, rounding_noise)
-from .graph_inputs import clone_tree, tensors_of, walk_signature
+from .compiled_blocks import CompiledBlocks, install_raw_pointer_launches, raw_pointer_launches, rounding_noise
+from .graph_inputs import ModelCall, foreign, kept_state, state_changes, tensors_of
 from .graph_pool import GraphPool, pool_accounting
 from .lean import dequant_cache_of, release_on_detach
 
 
-# wrapper kinds that run around the model evaluation, never inside the captured region
-_WRAPPERS_OUTSIDE_MODEL = frozenset({WrappersMP.OUTER_SAMPLE, WrappersMP.PREPARE_SAMPLING, WrappersMP.SAMPLER_SAMPLE,
-                                     WrappersMP.PREDICT_NOISE, WrappersMP.CALC_COND_BATCH})
-# every ModelPatcher callback kind ComfyUI defines: lifecycle events, none runs inside a forward
-_PATCHER_LIFECYCLE_CALLBACKS = frozenset(v for k, v in vars(CallbacksMP).items() if k.startswith("ON_"))
-
-
 _RESIZE_MIN_SAVING = 32 << 20  # a first capture whose pool grew this much (and 5%) past its fitted segment is redone
+# a replay of a graph holding other packs' callables may differ from eager on the same inputs by this much (the
+# same kernels; Inductor's split reductions are not bit-deterministic) before the signature runs eagerly
+_CHECK_TOL = 1e-3
 
 
 class CudaGraphs:
-    """Model-function wrapper: capture ``apply_model`` per input signature, then replay.
+    """ComfyUI's APPLY_MODEL wrapper: capture each input signature's evaluation once, then replay.
 
-    A signature is the shapes/dtypes of every tensor argument plus the non-tensor values; the
-    weights' storage addresses are checked before each replay (a model unloaded and reloaded
-    elsewhere is captured again).  Runs eagerly, logging why, when the model is partially
-    loaded, when transformer options carry patches, or when capture fails."""
+    A signature is the shapes/dtypes of every tensor argument, the other values, and the callables
+    in transformer_options by identity (``graph_inputs.ModelCall``): ControlNet residuals, patches,
+    block replaces and diffusion-model wrappers are inputs of the graph, not reasons to leave it.
+    The APPLY_MODEL wrappers registered after this one run eagerly around every evaluation (they
+    may decide per call whether to evaluate at all); the weights' storage addresses are checked
+    before each replay (a model unloaded and reloaded elsewhere is captured again).
+
+    What a graph cannot hold runs eagerly, the reason logged once: a partially loaded model, a
+    forward that reads GPU values on the host or draws random numbers there (a patch that decides
+    per step in Python), one whose patches keep tensors between calls (Self-Attention Guidance's
+    attention maps), one whose replay differs from eager at its first replay (checked once per
+    signature that holds other packs' callables), a failed capture.  Eagerly means over the
+    compiled blocks where they hold code for those shapes."""
 
     replays_skip_hooks = True  # module hooks (calibration statistics) run only while capturing
 
@@ -83,16 +78,16 @@ class CudaGraphs:
         if self.compiled is not None and self.compiled.enabled and self.malloc_async and not install_raw_pointer_launches():
             self.compiled.disable("this torch's Inductor kernels cannot be captured under cudaMallocAsync; "
                                    "start ComfyUI with --disable-cuda-malloc to use compiled blocks")
-        self.graphs: dict = {}
+        self.graphs: dict = {}  # signature -> entry, least recently used first
         self.pool = None
         # keep the graphs between sampling runs where their memory can be accounted (else they go
         # back after every run, and each run captures again)
         self.persistent = pool_accounting() is not None if persistent is None else persistent
         self.warned: set = set()
-        self.eager_calls = self.replays = self.captures = self.releases = 0
+        self.eager_calls = self.replays = self.captures = self.releases = self.evictions = 0
         self.capture_seconds: list = []  # wall time of each capture (with its warm-up / compilation)
         self.warmed: set = set()  # signatures whose lazy inits/compilation already ran
-        self.failed: dict = {}  # signature -> why its capture failed (runs eagerly, not retried)
+        self.failed: dict = {}  # signature -> why it runs eagerly (not retried)
         self.validated: set = set()  # signatures whose compiled blocks matched eager
         self.graph_memory_trimmed = None  # cudaMallocAsync: whether the last release trimmed
         # (signature, compiled) -> what its forward asks of the pool (graph_memory.PoolNeed),
@@ -126,17 +121,18 @@ class CudaGraphs:
             self.release()
 
     # --------------------------------------------------------------- helpers
-    def _eager(self, apply_model, args, reason: str):
+    def _eager(self, apply_model, call: ModelCall, reason: str, compiled: bool = False):
+        """``apply_model`` on ``call``, logging ``reason`` once; ``compiled``: over the compiled
+        blocks where they were checked on this GPU and hold code for these shapes (nothing is
+        compiled here)."""
         if reason not in self.warned:
             self.warned.add(reason)
             logging.info(f"[comfy-modelopt] CUDA graphs: running eagerly ({reason})")
         self.eager_calls += 1
-        return apply_model(args["input"], args["timestep"], **args["c"])
-
-    def _signature(self, args):
-        flat: list = []
-        walk_signature({"input": args["input"], "timestep": args["timestep"], "c": args["c"]}, flat)
-        return tuple(flat)
+        if compiled and self.compiled is not None and self.compiled.enabled and self.validated:
+            with self.compiled.installed(compile_new_shapes=False):
+                return call.run(apply_model)
+        return call.run(apply_model)
 
     def compute_dtype(self):
         model = self.patcher.model
@@ -151,86 +147,115 @@ class CudaGraphs:
         return (getattr(model, "current_weight_patches_uuid", None),
                 tuple(p.data_ptr() for p in model.diffusion_model.parameters()))
 
-    def _blocker(self, args) -> str | None:
-        # what the model carries first, the device last: a CPU test then sees every other reason
-        topts = args["c"].get("transformer_options", {})
-        patched = carried_patches(topts)
-        if patched:
-            return f"transformer_options carries {patched}"
-        # ComfyUI's sampler copies the patcher's wrappers and callbacks into transformer_options
-        # (sampler_helpers.prepare_model_patcher) - our own release callbacks too.  Only wrappers
-        # that run inside the model evaluation would be frozen into a graph; patcher callbacks
-        # are lifecycle events (load, detach, cleanup, ...) that never run during it.
-        for kind, per_key in (topts.get("wrappers") or {}).items():
-            if kind not in _WRAPPERS_OUTSIDE_MODEL and nonempty(per_key):
-                return f"transformer_options carries {kind} wrappers"
-        for kind, per_key in (topts.get("callbacks") or {}).items():
-            if kind not in _PATCHER_LIFECYCLE_CALLBACKS and nonempty(per_key):
-                return f"transformer_options carries {kind} callbacks"
+    def _blocker(self, call: ModelCall) -> str | None:
+        """Why no evaluation of this model can replay now (the device last: a CPU test then sees
+        every other reason)."""
         model = self.patcher.model
         if getattr(model, "model_lowvram", False) or getattr(model, "lowvram_patch_counter", 0):
             self.release()  # captured over weights that have moved: give their memory back
             return "model partially loaded (offloading)"
-        if args["input"].device.type != "cuda":
+        if call.args[0].device.type != "cuda":
             return "not on a CUDA device"
         return None
 
     # --------------------------------------------------------------- wrapper
-    def __call__(self, apply_model, args):
-        reason = self._blocker(args)
-        if reason:
-            return self._eager(apply_model, args, reason)
-        c = dict(args["c"])
-        topts = c.pop("transformer_options", {})
+    def __call__(self, executor, *args, **kwargs):
+        """The wrapper: the APPLY_MODEL wrappers after this one run around the evaluation (this
+        one innermost, whatever the order they were added in)."""
+        apply_model, inner = executor.original, executor.wrappers[executor.idx + 1:]
+        if not inner:
+            return self.evaluate(apply_model, ModelCall(args, kwargs))
+        model = executor.class_obj
+        evaluate = lambda *a, **k: self._uncompiled(model, apply_model, ModelCall(a, k))  # noqa: E731
+        return WrapperExecutor.new_class_executor(evaluate, model, inner).execute(*args, **kwargs)
+
+    def _uncompiled(self, model, apply_model, call: ModelCall):
+        """``evaluate``, with the diffusion model a wrapper swapped for a ``torch.compile`` of it
+        (ComfyUI's TorchCompileModel node) put back for the call: this runtime compiles the model's
+        blocks itself, and a whole-model compile inside a graph's warm-up would compile the
+        quantized layers' kernel calls again."""
+        dm = getattr(model, "diffusion_model", None)
+        original = getattr(dm, "_orig_mod", None)
+        if original is None:
+            return self.evaluate(apply_model, call)
+        reason = ("TorchCompileModel's compile is left out: this runtime compiles the model's blocks itself "
+                  "(compiled blocks + CUDA graphs)")
+        if reason not in self.warned:
+            self.warned.add(reason)
+            logging.info(f"[comfy-modelopt] {reason}")
+        model.diffusion_model = original
         try:
-            sig = self._signature({"input": args["input"], "timestep": args["timestep"], "c": c})
-        except TypeError as e:
-            return self._eager(apply_model, args, f"unsupported argument type {e}")
+            return self.evaluate(apply_model, call)
+        finally:
+            model.diffusion_model = dm
+
+    def evaluate(self, apply_model, call: ModelCall):
+        reason = self._blocker(call)
+        if reason:
+            return self._eager(apply_model, call, reason)
+        try:
+            sig = call.signature()
+        except TypeError as e:  # pragma: no cover - every value has a signature entry
+            return self._eager(apply_model, call, f"unsupported argument type {e}")
+        if sig in self.failed:  # a forward that cannot be captured: no retry per call
+            return self._eager(apply_model, call, self.failed[sig], compiled=True)
         weights = self._weights_key()
-        entry = self.graphs.get(sig)
+        entry = self.graphs.pop(sig, None)
         if entry is not None and entry["weights"] != weights:
             self.graphs.clear()
             entry = None
         if entry is None:
-            if sig in self.failed:  # a model whose forward cannot be captured: no retry per call
-                return self._eager(apply_model, args, self.failed[sig])
-            if len(self.graphs) >= self.max_graphs:
-                return self._eager(apply_model, args, f"more than {self.max_graphs} input signatures")
+            if len(self.graphs) >= self.max_graphs:  # the least recently used graph goes
+                del self.graphs[next(iter(self.graphs))]
+                self.evictions += 1
             try:
-                entry = self._capture(apply_model, args, c, topts, weights, sig)
+                entry = self._capture(apply_model, call, weights, sig)
+            except _NotCapturable as e:
+                self.failed[sig] = str(e)
+                return self._eager(apply_model, call, self.failed[sig], compiled=True)
             except Exception as e:  # capture can fail on host syncs or unsupported ops
                 if self.malloc_async:
                     keep_forever(e)  # cudaMallocAsync: what the capture allocated is never freed
-                self.graphs.pop(sig, None)
                 self.failed[sig] = f"capture failed: {type(e).__name__}: {str(e)[:300]}"
-                return self._eager(apply_model, args, self.failed[sig])
+                return self._eager(apply_model, call, self.failed[sig], compiled=True)
             self.graphs[sig] = entry
             return entry["out"].clone()
-        for dst, src in zip(entry["static"], tensors_of(args["input"], args["timestep"], c)):
+        self.graphs[sig] = entry  # most recently used
+        check = entry.pop("check", None)
+        rng = torch.cuda.get_rng_state(call.args[0].device) if check else None
+        for dst, src in zip(entry["static"], call.tensors()):
             dst.copy_(src, non_blocking=True)
         entry["graph"].replay()
         self.replays += 1
-        return entry["out"].clone()
+        out = entry["out"].clone()
+        if check:  # the first replay of a graph holding other packs' callables, against eager
+            torch.cuda.set_rng_state(rng, call.args[0].device)  # the same random numbers as the replay drew
+            ref = self._eager(apply_model, call, "checking a replay against eager", compiled=entry["compiled"])
+            err = _rel_l2(out, ref)
+            if not err <= _CHECK_TOL:
+                del self.graphs[sig]
+                self.failed[sig] = (f"its replay differs from eager by {err:.3g} (relative L2): {check} decide "
+                                    "per call in Python")
+                logging.info(f"[comfy-modelopt] CUDA graphs: running eagerly ({self.failed[sig]})")
+                return ref
+        return out
 
-    def _capture(self, apply_model, args, c, topts, weights, sig):
+    def _capture(self, apply_model, call: ModelCall, weights, sig):
         t0 = time.perf_counter()
         # Conditioning can arrive on the CPU (SDXL's ADM vector and Flux's guidance are built
         # there); apply_model would copy it to the GPU on every call, and a host-to-device copy
         # cannot be captured.  apply_model moves every conditioning tensor to the input's device
         # anyway, so the static copies live there; replays copy new values into them.
-        device = args["input"].device
-        static_x = args["input"].clone()
-        static_t = clone_tree(args["timestep"], device)
-        static_c = clone_tree(c, device)
-        static_c["transformer_options"] = topts
+        device = call.args[0].device
+        static = call.static(device)
+        others = foreign(static.objects())
         use_compiled = self.compiled is not None and self.compiled.enabled and sig in self.validated
-        run = lambda: self._model_call(apply_model, static_x, static_t, static_c)  # noqa: E731
-        first = lambda: self._model_call(apply_model, static_x, static_t, static_c, check_host_copies=True)  # noqa: E731
+        run = lambda: self._model_call(apply_model, static)  # noqa: E731
+        first = lambda: self._model_call(apply_model, static, check=others)  # noqa: E731
         cache = dequant_cache_of(self.patcher.model)
         # a graph that will get a pool of its own, not sized yet: its warm-up is recorded, and the
         # pool seeded from that record, so the capture needs no second take into a fitted pool
-        # (H200: the first capture 0.94 -> 0.75 s SDXL, 0.85 -> 0.65 s Flux).  The capture is
-        # recorded too and checks the seeding
+        # (the first capture ~20% shorter).  The capture is recorded too and checks the seeding
         fresh = not self.graphs or self.pool is None
         warm = {}  # (sig, compiled) -> the PoolNeed of that warm-up
 
@@ -252,7 +277,7 @@ class CudaGraphs:
                 with kept(key_of(self.patcher.model.diffusion_model, repr(sig), dtype, device), "compiled blocks"):
                     return self.compiled.validate(
                         lambda: sized_warm_up(run, True), first(),
-                        lambda: apply_model(rounding_noise(static_x, dtype), static_t, **static_c))
+                        lambda: static.replace_input(rounding_noise(static.args[0], dtype)).run(apply_model))
             use_compiled = on_side_stream(warm_up, device)
             self.warmed.add(sig)
             if self.compiled is not None:
@@ -310,9 +335,11 @@ class CudaGraphs:
         torch.cuda.current_stream().synchronize()
         self.pool.occupy()
         self.capture_seconds.append(round(time.perf_counter() - t0, 3))
-        static_c.pop("transformer_options")
-        return {"graph": graph, "static": tensors_of(static_x, static_t, static_c), "out": out, "weights": weights,
-                "compiled": use_compiled}
+        entry = {"graph": graph, "call": static, "static": static.tensors(), "out": out, "weights": weights,
+                 "compiled": use_compiled}
+        if others:  # checked against eager at its first replay (CudaGraphs.evaluate)
+            entry["check"] = _named(others)
+        return entry
 
     @staticmethod
     def _recorded(fn, device):
@@ -369,46 +396,79 @@ class CudaGraphs:
             gc.collect()
             torch.cuda.synchronize()
 
-    def _model_call(self, apply_model, x, t, c, check_host_copies: bool = False):
+    def _model_call(self, apply_model, call: ModelCall, check: list | None = None):
         """The model evaluation a capture and its warm-ups run: constants the forward builds on the
         CPU and moves to the GPU are built on the GPU (``device_constants``: Wan 2.1's timestep
         embedding - without it every Wan capture failed; compiled regions leave that mode, see
-        ``compiled_blocks``).  ``check_host_copies`` (a signature's first warm-up): a host copy
-        left over fails the signature here, before any capture is tried."""
+        ``compiled_blocks``).  ``check`` (a signature's first warm-up: the foreign callables the
+        call holds): what a graph cannot hold fails the signature here, before any capture is
+        tried - a copy from the CPU, a GPU value read on the host or random numbers drawn there
+        (a decision made per call in Python), a callable that keeps a tensor it made."""
         mode = ConstantsOnDevice()
-        with HostCopies() if check_host_copies else contextlib.nullcontext() as copies, mode:
-            out = apply_model(x, t, **c)
+        state = kept_state(check) if check else []
+        with HostCopies() if check is not None else contextlib.nullcontext() as host, mode:
+            out = call.run(apply_model)
         self.constants_rebuilt = mode.rebuilt
-        if copies is not None and copies.ops:
-            raise RuntimeError(f"the forward copies tensors from the CPU to the GPU ({', '.join(sorted(set(copies.ops)))}),"
-                               " which a CUDA graph cannot capture")
+        if host is not None:
+            if host.ops:
+                raise _NotCapturable(f"the forward copies tensors from the CPU to the GPU ({_listed(host.ops)}), "
+                                     "which a CUDA graph cannot capture")
+            if check and (host.reads or host.random):  # the model's own code: a capture tells
+                what = " and ".join(w for w, ops in (("reads GPU values on the host", host.reads),
+                                                     ("draws random numbers on the host", host.random)) if ops)
+                raise _NotCapturable(f"the forward {what} ({_listed(host.reads + host.random)}): "
+                                     f"{_named(check)} decide per call in Python")
+            kept = state_changes(state)
+            if kept:
+                raise _NotCapturable(f"{', '.join(kept)} keeps tensors it made between calls, which a replay would "
+                                     "not update")
         return out
 
 
-_CALLBACK_KEY = "comfy_modelopt_cuda_graphs"  # the patcher callbacks a runner installs
+class _NotCapturable(Exception):
+    """Why a signature's forward cannot be held by a graph (found before any capture)."""
+
+
+def _listed(ops) -> str:
+    return ", ".join(sorted(set(ops))[:4])
+
+
+def _named(objects) -> str:
+    names = sorted({getattr(o, "__qualname__", type(o).__qualname__) for o in objects})
+    return ("the callables " if len(names) > 1 else "") + ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+
+
+def _rel_l2(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+KEY = "comfy_modelopt_cuda_graphs"  # the APPLY_MODEL wrapper and patcher callbacks a runner installs
 
 
 def enable_cuda_graphs(patcher, compile_blocks: bool = False):
     """A clone of ``patcher`` whose model evaluations are captured and replayed (over
-    Inductor-compiled blocks with ``compile_blocks``, validated against eager).  A MODEL that
-    already replays through this runtime (Quantize Model's default) gets a fresh runner with
-    these options in place of its own; any other model function wrapper is refused."""
+    Inductor-compiled blocks with ``compile_blocks``, validated against eager), through ComfyUI's
+    wrapper registry: other packs' wrappers - and a model function wrapper - keep working around
+    it.  A MODEL that already replays through this runtime (Quantize Model's default) gets a fresh
+    runner with these options in place of its own."""
     clone = patcher.clone()
-    existing = clone.model_options.get("model_function_wrapper")
-    if isinstance(existing, CudaGraphs):
-        del clone.model_options["model_function_wrapper"]
-        for call_type in (CallbacksMP.ON_CLEANUP, CallbacksMP.ON_DETACH):
-            clone.remove_callbacks_with_key(call_type, _CALLBACK_KEY)
-    elif existing is not None:
-        raise ValueError("this MODEL already has a model function wrapper; CUDA graphs would bypass it")
+    clone.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
+    for call_type in (CallbacksMP.ON_CLEANUP, CallbacksMP.ON_DETACH):
+        clone.remove_callbacks_with_key(call_type, KEY)
     runner = CudaGraphs(clone, compile_blocks=compile_blocks)
-    clone.set_model_unet_function_wrapper(runner)
-    clone.add_callback_with_key(CallbacksMP.ON_CLEANUP, _CALLBACK_KEY, runner.end_run)
+    clone.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, runner)
+    clone.add_callback_with_key(CallbacksMP.ON_CLEANUP, KEY, runner.end_run)
     # a clone's detach without unpatching keeps the graphs: the weights' addresses and patches are
     # checked before every replay anyway
-    clone.add_callback_with_key(CallbacksMP.ON_DETACH, _CALLBACK_KEY, release_on_detach(runner.release))
+    clone.add_callback_with_key(CallbacksMP.ON_DETACH, KEY, release_on_detach(runner.release))
     _release_on_partial_unload(clone, runner)
     return clone, runner
+
+
+def graph_runner(patcher):
+    """The ``CudaGraphs`` runner of a MODEL (this pack's graph runtime), or None."""
+    return next(iter(patcher.get_wrappers(WrappersMP.APPLY_MODEL, KEY)), None)
 
 
 def _release_on_partial_unload(patcher, runner) -> None:

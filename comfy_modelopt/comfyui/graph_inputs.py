@@ -1,23 +1,89 @@
-"""What a CUDA-graph capture keeps of a model call: static copies of its tensors (on the model's
-device), the tensors in a fixed order (replays copy new values into them), and the call's
-signature (shapes, dtypes, devices and the non-tensor values) that picks a captured graph.
+"""One model evaluation's arguments as a CUDA graph keeps them (``ModelCall``): static copies of
+its tensors on the model's device, the tensors in a fixed order (replays copy new values into
+them), the call's signature that picks a captured graph, and fresh containers for every run.
+
+The arguments are ``BaseModel.apply_model``'s: the latent, the timestep, the conditioning -
+ControlNet residuals included (``control``: lists the UNet pops as it adds them, so each run gets
+lists of its own) - and ``transformer_options`` with the patches, replaces and wrappers other
+nodes put there.  Those are part of the signature by identity, so a graph replays only the
+callables it was captured with; what ComfyUI makes anew for every sampling run and no forward
+reads (the conds' uuids) and what never runs inside the evaluation (lifecycle callbacks, wrappers
+around it) are left out of it.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import types
+
 import torch
 
+from comfy.patcher_extension import WrappersMP
 
-def clone_tree(v, device):
-    """Static copies of every tensor in ``v``, on ``device``."""
-    if isinstance(v, torch.Tensor):
-        return v.to(device, copy=True)
-    if isinstance(v, dict):
-        return {k: clone_tree(x, device) for k, x in v.items()}
-    if isinstance(v, list):
-        return [clone_tree(x, device) for x in v]
-    if isinstance(v, tuple):
-        return tuple(clone_tree(x, device) for x in v)
-    return v
+from ..calibrate import tree_map
+
+# transformer_options entries no model evaluation runs or reads, left out of the signature: new
+# uuids for every sampling run would make every run capture again
+_UNKEYED = frozenset({"uuids", "callbacks"})
+# wrapper kinds that run outside BaseModel._apply_model (APPLY_MODEL ones run around the graph:
+# ``CudaGraphs`` calls them eagerly)
+_WRAPPERS_OUTSIDE = frozenset({WrappersMP.OUTER_SAMPLE, WrappersMP.PREPARE_SAMPLING, WrappersMP.SAMPLER_SAMPLE,
+                               WrappersMP.PREDICT_NOISE, WrappersMP.CALC_COND_BATCH, WrappersMP.APPLY_MODEL})
+POSITIONAL = ("x", "t", "c_concat", "c_crossattn", "control", "transformer_options")
+
+
+class ModelCall:
+    """``apply_model(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)``'s
+    arguments."""
+
+    __slots__ = ("args", "kwargs")
+
+    def __init__(self, args: tuple, kwargs: dict):
+        self.args, self.kwargs = tuple(args) + (None,) * (len(POSITIONAL) - len(args)), kwargs
+        if self.args[5] is None:
+            self.args = (*self.args[:5], {})
+
+    @property
+    def options(self) -> dict:
+        return self.args[5]
+
+    def _keyed(self) -> tuple:
+        topts = self.options
+        keyed = {k: v for k, v in topts.items() if k not in _UNKEYED}
+        if isinstance(keyed.get("wrappers"), dict):
+            keyed["wrappers"] = {k: v for k, v in keyed["wrappers"].items() if k not in _WRAPPERS_OUTSIDE}
+        return (self.args[:5], keyed, self.kwargs)
+
+    def signature(self) -> tuple:
+        """Shapes, dtypes and devices of the tensors, the other values, and the callables and
+        objects by identity (``held`` keeps them alive with the graph)."""
+        flat: list = []
+        walk_signature(self._keyed(), flat)
+        return tuple(flat)
+
+    def tensors(self) -> list:
+        out: list = []
+        walk_tensors(self._keyed(), out)
+        return out
+
+    def objects(self) -> list:
+        """The callables and other objects the signature holds by identity."""
+        out: list = []
+        walk_objects(self._keyed(), out)
+        return out
+
+    def static(self, device) -> "ModelCall":
+        """A copy with every tensor copied to ``device``."""
+        copy = lambda t: t.to(device, copy=True)  # noqa: E731
+        return ModelCall(tree_map(self.args, copy), tree_map(self.kwargs, copy))
+
+    def replace_input(self, x) -> "ModelCall":
+        return ModelCall((x, *self.args[1:]), self.kwargs)
+
+    def run(self, fn):
+        """``fn(*args, **kwargs)`` with containers of its own (the tensors and objects shared)."""
+        same = lambda t: t  # noqa: E731
+        return fn(*tree_map(self.args, same), **tree_map(self.kwargs, same))
 
 
 def tensors_of(*trees) -> list:
@@ -30,8 +96,7 @@ def tensors_of(*trees) -> list:
 # The walks are module functions, not closures: a closure that calls itself is a reference cycle
 # (function -> cell -> function) holding whatever it collected.  The tensors of every model
 # evaluation (ComfyUI's conditioning, a fresh 4 MiB Flux context per step) then lived until the
-# garbage collector ran: 80 MiB more at the peak of a Flux run (measured on the H200, allocator
-# history of a steady run).
+# garbage collector ran: 80 MiB more at the peak of a Flux run (measured, allocator history).
 def walk_tensors(v, out: list) -> None:
     if isinstance(v, torch.Tensor):
         out.append(v)
@@ -41,6 +106,17 @@ def walk_tensors(v, out: list) -> None:
     elif isinstance(v, (list, tuple)):
         for x in v:
             walk_tensors(x, out)
+
+
+def walk_objects(v, out: list) -> None:
+    if isinstance(v, dict):
+        for k in sorted(v, key=str):
+            walk_objects(v[k], out)
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            walk_objects(x, out)
+    elif not isinstance(v, (torch.Tensor, int, float, str, bool, type(None))):
+        out.append(v)
 
 
 def walk_signature(v, flat: list) -> None:
@@ -56,5 +132,65 @@ def walk_signature(v, flat: list) -> None:
             walk_signature(x, flat)
     elif isinstance(v, (int, float, str, bool, type(None))):
         flat.append(("V", v))
-    else:
-        raise TypeError(type(v).__name__)
+    else:  # a patch, a wrapper, an object a patch left in the options
+        flat.append(("O", type(v).__qualname__, id(v)))
+
+
+def own(fn):
+    """Marks a callable of this pack that it puts in transformer_options (an attention override):
+    not foreign to the graphs (no ``CudaGraphs`` check of its behaviour between calls)."""
+    fn.comfy_modelopt_own = True
+    return fn
+
+
+def foreign(objects: list) -> list:
+    return [o for o in objects if not getattr(o, "comfy_modelopt_own", False)]
+
+
+def kept_state(objects: list) -> list:
+    """What the callables among ``objects`` can keep between calls: (the callable, the name of a
+    closure cell or attribute, the id of its value) - a snapshot to compare after a call
+    (``state_changes``)."""
+    out = []
+    for o in objects:
+        for name, value in _state_slots(o):
+            out.append((o, name, id(value), value))
+    return out
+
+
+def state_changes(before: list) -> list:
+    """The callables (qualified names) whose closure cells or attributes now hold another tensor
+    than in the snapshot ``before``: a patch that records what it computed (Self-Attention
+    Guidance keeps the middle block's attention maps for its next call) - a replayed graph would
+    leave it holding what the capture made."""
+    changed = []
+    for o, name, ident, _old in before:
+        now = dict(_state_slots(o)).get(name)
+        if id(now) != ident and _holds_tensor(now):
+            changed.append(f"{getattr(o, '__qualname__', type(o).__qualname__)} ({name})")
+    return sorted(set(changed))
+
+
+def _state_slots(o):
+    fn = o.func if isinstance(o, functools.partial) else o
+    if inspect.ismethod(fn):
+        yield from ((f"self.{k}", v) for k, v in vars(fn.__self__).items())
+        fn = fn.__func__
+    if isinstance(fn, types.FunctionType):
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+            try:
+                yield name, cell.cell_contents
+            except ValueError:  # an empty cell
+                yield name, None
+    elif hasattr(fn, "__dict__") and not isinstance(fn, type):
+        yield from vars(fn).items()
+
+
+def _holds_tensor(v, depth: int = 2) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if depth and isinstance(v, (list, tuple)):
+        return any(_holds_tensor(x, depth - 1) for x in v)
+    if depth and isinstance(v, dict):
+        return any(_holds_tensor(x, depth - 1) for x in v.values())
+    return False

@@ -406,9 +406,10 @@ class ModelOptCudaGraphs(io.ComfyNode):
             display_name="CUDA Graphs (ModelOpt)",
             category=CATEGORY,
             description="Captures each model evaluation once per input shape and replays it: removes "
-                        "the per-layer Python overhead of any MODEL, 16-bit or quantized. Falls back to "
-                        "normal execution (logged) when the model is offloaded or patched.",
-            inputs=[io.Model.Input("model"),
+                        "the per-layer Python overhead of any MODEL, 16-bit or quantized - ControlNets, "
+                        "patches and wrappers included. Falls back to normal execution (logged) when the "
+                        "model is offloaded or a patch decides per step in Python.",
+            inputs=[io.Model.Input("model", tooltip="any MODEL: 16-bit, quantized, patched"),
                     io.Boolean.Input("compile_blocks", default=False, optional=True,
                                      tooltip="capture over TorchInductor-compiled blocks (fused norms, "
                                              "modulation, activations; needs Triton). Compiles on the "
@@ -419,11 +420,7 @@ class ModelOptCudaGraphs(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, compile_blocks=False) -> io.NodeOutput:
-        try:
-            clone, _ = enable_cuda_graphs(model, compile_blocks=compile_blocks)
-        except ValueError as e:
-            raise NodeError(str(e)) from None
-        return io.NodeOutput(clone)
+        return io.NodeOutput(enable_cuda_graphs(model, compile_blocks=compile_blocks)[0])
 
 
 class ModelOptExtension(ComfyExtension):

@@ -48,58 +48,16 @@ RUNTIMES = {r.label: r for r in (
             attention="fp8"),
     Runtime("stock", lean=False),
 )}
-# FP8 attention (FlashAttention-3, ``pip install fa3-fwd``, Hopper) acts only on self-attention of at
-# least attention.FP8_MIN_TOKENS tokens - video, and images of 2 MP and more; everything shorter
-# keeps ComfyUI's attention, bit for bit.  It changes attention's numerics (2.9% per call against
-# bf16's 0.2%, H200, benchmarks/attention8.py), and in whole runs moved the final latent less than
-# rounding every model input once more does (Wan 1.3B: 0.0143 against 0.0148 from the same file
-# in stock ComfyUI, results/2026-12-02d-h200-wan-fp8-attention/).  It is in ``auto`` where it runs,
-# since through the nodes it is the faster whole run at every length it acts on (user_path.py, H200,
-# fp8, 2026-12-02, results/2026-12-02f-h200-auto-fp8-attention/): Wan 2.1 1.3B, 81 frames of
-# 832x480, 20 steps: 1.49-1.51x bf16 with it, 1.06-1.07x without; Wan 14B's width at 33 frames, 10 steps:
-# 1.53x against 1.30x; Flux at 2048x2048 (16,896 tokens), 10 steps: 1.59x against 1.33x.  Where it
-# cannot run (another GPU, fa3-fwd missing, a MODEL with its own attention override) ``auto`` says
-# why and runs without it.
-# The default, measured through the nodes (benchmarks/user_path.py, H200, fp8, 20 steps, one
-# process each, docs/benchmarks.md 0a): graphs over compiled blocks where the blocks can be
-# compiled before the first image - Quantize Model with a calibration compiles them for the
-# calibration's shapes (Flux +14 s in the node with a cold compile cache, SDXL +52 s / +9 s
-# warm); no image compiles then: Flux first image 2.7-3.1 s, then 2.00 s = 1.56x bf16 (lean + graphs
-# 2.38 s = 1.31x, its first image 5.6 s in a process of its own), SDXL 3.05 s then 0.66 s (0.83 s);
-# again 2026-12-02 with the FP8 attention in it (acting on nothing at 1024x1024): Flux 2.50 s then
-# 1.95 s = 1.60x, SDXL 2.11 s then 0.64 s = 1.67x (fp16 stock 1.07 s in that process).
-# Elsewhere (Load Quantized Model, no calibration, no Triton, no CUDA GPU) lean + graphs:
-# compiling at the first image made it slower than that whole runtime's first image (Flux +3.4 s
-# with a warm compile cache, +11 s cold; SDXL +9 / +47 s).  Graphs are bit-exact with stock, the
-# compiled blocks within eager's own rounding noise (checked at every new signature).
+# auto: graphs over compiled blocks where the blocks compile before the first image (Quantize Model
+# with a calibration, Load Quantized Model on a calibrated file), else lean + graphs; FP8 attention
+# where it runs (Hopper with fa3-fwd, self-attention of attention.FP8_MIN_TOKENS+ tokens).  Chosen
+# by whole runs through the nodes: docs/benchmarks.md section 0.  Another image size, patches,
+# ControlNets and wrappers run through the same graphs, compiling nothing (cuda_graphs).
 DEFAULT_RUNTIME = AUTO
 
-RUNTIME_TOOLTIP = ("auto (default): lean + compiled blocks + cuda graphs where the blocks can be compiled "
-                   "before the first image (Quantize Model with a calibration, on a CUDA GPU with Triton: it "
-                   "compiles them for the calibration's image size - Flux +14 s, SDXL +52 s with a cold compile "
-                   "cache, +3.5 s / +9 s warm), else lean + cuda graphs; + fp8 attention where it runs (Hopper "
-                   "with fa3-fwd; only self-attention of 12,288+ tokens: video, 2 MP+ images - and FlashAttention-3's "
-                   "16-bit forward for 128-wide heads from 4,608 tokens: Flux at 1024x1024 1.66x bf16 instead of 1.60x, "
-                   "the same final latent); the report says "
-                   "which and why. "
-                   "lean: the same kernels as stock ComfyUI without its per-layer Python dispatch "
-                   "(bit-exact for fp8/int8); + cuda graphs: replay whole model evaluations, kept between "
-                   "runs while the model stays loaded (bit-exact; falls back to eager when offloading or "
-                   "patched); + compiled blocks: the graphs run TorchInductor-fused norms/modulation/"
-                   "activations between the GEMMs - fastest steady runs (H200, fp8, 20 steps, through the nodes: "
-                   "Flux 1.57x bf16 vs 1.32x, SDXL 0.64 s vs 0.83 s per image); they compile in Quantize Model for its "
-                   "calibration's image size, else during the first image of each size (Flux +11 s, +3.4 s with "
-                   "a warm compile cache; SDXL +47 s / +9 s), are checked against eager and turned off with a "
-                   "logged reason if they differ; needs Triton; + int8 attention: kitchen's SageAttention-style "
-                   "INT8 attention "
-                   "(changes attention numerics; left off on Hopper, where it measured slower than cuDNN's "
-                   "flash attention); + fp8 attention: FlashAttention-3's FP8 forward for self-attention of "
-                   "12,288+ tokens on Hopper, pip install fa3-fwd, and its 16-bit forward for shorter self-attention "
-                   "of 128-wide heads (4,608+ tokens) - changes attention numerics (final latent "
-                   "within eager's own rounding noise); through the nodes on an H200, auto with it against "
-                   "without: Wan 2.1 1.3B 81 frames 832x480 1.51x bf16 (1.06x), 14B width 1.53x (1.30x), Flux "
-                   "2048x2048 1.59x (1.33x); 'lean + compiled blocks + cuda graphs' is auto without it; "
-                   "stock: ComfyUI's own layers.")
+RUNTIME_TOOLTIP = ("auto (default): the fastest measured - CUDA graphs over compiled blocks where they compile "
+                   "here, else lean + cuda graphs; FP8 attention on Hopper with fa3-fwd. lean: stock kernels "
+                   "without per-layer Python. stock: ComfyUI's own layers. Figures: docs/benchmarks.md.")
 
 DEQUANT_CACHE_TOOLTIP = ("GiB of VRAM for 16-bit copies of the weights this GPU cannot compute natively "
                          "(nvfp4/mxfp8 before Blackwell): those layers then skip dequantizing on every call "
@@ -148,6 +106,8 @@ def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.
             left_out = _why_not_ahead(first_call)
             compile_blocks = left_out is None
         patcher, runner = enable_cuda_graphs(patcher, compile_blocks=compile_blocks)
+        if rt.ahead_only and runner.compiled is not None:  # what an image compiles costs more than it saves
+            runner.compiled.compile_new_shapes = False
         if compute_device().type == "cuda":
             note += " + CUDA graph replay" + (" over compiled blocks" if compile_blocks else "")
             if runner.compiled is not None:
@@ -213,7 +173,8 @@ def _compile_ahead(patcher, runner, first_call) -> str:
         return f" (compiled blocks off: {runner.compiled.reason})"
     return (f" (blocks compiled for the calibration's shapes in {time.perf_counter() - t0:.1f} s"
             + (", from the compiled code an earlier process kept" if cache.loaded and cache.saved is None else "")
-            + "; another image size compiles at its first image)")
+            + ("; another image size runs them uncompiled, compiling nothing" if not runner.compiled.compile_new_shapes
+               else "; another image size compiles at its first image") + ")")
 
 
 def _not_all_loaded(patcher):

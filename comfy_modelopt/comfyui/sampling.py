@@ -11,6 +11,7 @@ import comfy.sample
 import comfy.samplers
 import comfy.utils
 import node_helpers
+from comfy.patcher_extension import WrappersMP
 
 from ..calibrate import CalibrationOptions, calibrate
 from ..modelopt_engine import modelopt_calibrate
@@ -42,13 +43,14 @@ def without_cuda_graphs(model):
     """``model``, or a clone without this pack's CUDA-graph runtime: the statistics hooks run in
     Python, and a graph replay would skip them (only the captured call of each input shape
     would be counted)."""
+    from .cuda_graphs import KEY, graph_runner
     # by marker, not class: the pack may be imported under more than one module name
-    if not getattr(model.model_options.get("model_function_wrapper"), "replays_skip_hooks", False):
+    if not getattr(graph_runner(model), "replays_skip_hooks", False):
         return model
     logging.info("[comfy-modelopt] calibration samples this MODEL without its CUDA graphs "
                  "(a replay would skip the statistics hooks)")
     clone = model.clone()
-    clone.model_options.pop("model_function_wrapper")
+    clone.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
     return clone
 
 

@@ -47,6 +47,12 @@ def load_pack():
     return sys.modules[name + ".comfy_modelopt.comfyui.nodes"]
 
 
+def runner_of(model):
+    """The pack's CUDA-graph runner on ``model`` (its APPLY_MODEL wrapper), or None."""
+    from comfy.patcher_extension import WrappersMP
+    return next(iter(model.get_wrappers(WrappersMP.APPLY_MODEL, "comfy_modelopt_cuda_graphs")), None)
+
+
 def pack_module(name: str):
     """A module of the pack as ComfyUI loaded it (its own copy of comfy_modelopt.comfyui.*)."""
     load_pack()
@@ -134,7 +140,7 @@ def test_calibration_never_samples_through_cuda_graphs(env):
     calibrated without them: a replay would skip the Python statistics hooks.  (Here on the CPU
     the graph runner would only run eagerly - its call count shows whether it was used.)"""
     graphed = env["nodes"].ModelOptCudaGraphs.execute(model=env["model"]).args[0]
-    runner = graphed.model_options["model_function_wrapper"]
+    runner = runner_of(graphed)
     with torch.inference_mode():
         stats, _ = env["nodes"].ModelOptCalibrationHelper.execute(
             model=graphed, clip=env["clip"], prompts="a red fox in snow", negative_prompt="", num_prompts=1,
@@ -142,7 +148,7 @@ def test_calibration_never_samples_through_cuda_graphs(env):
             guidance=0.0, samples_mib_per_layer=0.5, save_name="").args
     assert runner.eager_calls == runner.replays == runner.captures == 0
     assert stats.forward_calls == 2 and not stats.never_ran()
-    assert graphed.model_options["model_function_wrapper"] is runner  # the input MODEL keeps its graphs
+    assert runner_of(graphed) is runner  # the input MODEL keeps its graphs
 
 
 def _calibrate_with(env, **kw):
@@ -427,25 +433,32 @@ def test_nodes_replay_cuda_graphs_by_default(env):
         assert runtime.default == DEFAULT_RUNTIME
     graphs, text = quantize(env)
     assert "runtime (auto): lean" in text and "CUDA graph replay: no CUDA GPU here" in text.split("\n\n")[0]
-    assert graphs.model_options["model_function_wrapper"].compiled is None  # nothing to compile ahead on
+    assert runner_of(graphs).compiled is None  # nothing to compile ahead on
     lean, text = quantize(env, runtime="lean")
     assert "CUDA graph" not in text.split("\n\n")[0]
     assert torch.equal(sample(env, graphs, 2, 1), sample(env, lean, 2, 1))
     # the CUDA Graphs node after it (compile_blocks on) replaces that runner with its own
-    from comfy.patcher_extension import CallbacksMP
+    from comfy.patcher_extension import CallbacksMP, WrappersMP
     CudaGraphs = sys.modules[env["nodes"].enable_cuda_graphs.__module__].CudaGraphs  # the pack as ComfyUI loaded it
     again = env["nodes"].ModelOptCudaGraphs.execute(graphs, compile_blocks=True).args[0]
-    runner = again.model_options["model_function_wrapper"]
-    assert isinstance(runner, CudaGraphs) and runner is not graphs.model_options["model_function_wrapper"]
+    runner = runner_of(again)
+    assert isinstance(runner, CudaGraphs) and runner is not runner_of(graphs)
+    assert len(again.get_wrappers(WrappersMP.APPLY_MODEL, "comfy_modelopt_cuda_graphs")) == 1
     assert runner.compiled is not None  # the node's option, not the first runner's
     for call_type in (CallbacksMP.ON_CLEANUP, CallbacksMP.ON_DETACH):
         assert len(again.callbacks[call_type]["comfy_modelopt_cuda_graphs"]) == 1
     assert torch.equal(sample(env, again, 2, 1), sample(env, lean, 2, 1))
-    foreign = lean.clone()
-    foreign.set_model_unet_function_wrapper(lambda apply_model, args: apply_model(args["input"], args["timestep"],
-                                                                                   **args["c"]))
-    with pytest.raises(Exception, match="already has a model function wrapper"):
-        env["nodes"].ModelOptCudaGraphs.execute(foreign)
+    # another pack's model function wrapper (ComfyUI's single slot) keeps working around the graphs
+    calls = []
+
+    def foreign(apply_model, args):
+        calls.append(1)
+        return apply_model(args["input"], args["timestep"], **args["c"])
+    both = lean.clone()
+    both.set_model_unet_function_wrapper(foreign)
+    both = env["nodes"].ModelOptCudaGraphs.execute(both).args[0]
+    assert torch.equal(sample(env, both, 2, 1), sample(env, lean, 2, 1)) and len(calls) == 2
+    assert runner_of(both).eager_calls == 2
 
 
 def test_auto_runtime_takes_the_fp8_attention_where_it_runs(env, monkeypatch):
@@ -484,23 +497,32 @@ def test_cuda_graphs_fall_back_off_gpu(env):
     assert runner.eager_calls == 2 and runner.captures == 0 and runner.warned == {"not on a CUDA device"}
 
 
-def test_cuda_graphs_blocked_only_by_wrappers_inside_the_model(env):
+def test_cuda_graphs_compose_with_other_wrappers(env):
+    """Other packs' wrappers are not reasons to leave the graphs: APPLY_MODEL wrappers added after
+    the runner still run around every evaluation (the runner innermost), diffusion-model wrappers
+    run inside it (captured with it on a GPU), and the only reason to run eagerly here is the
+    device."""
     from comfy.patcher_extension import WrappersMP
     seen = []
 
     def wrapper(executor, *args, **kwargs):
-        seen.append(1)
+        seen.append("wrapper")
         return executor(*args, **kwargs)
-    for kind, blocks in ((WrappersMP.PREDICT_NOISE, False), (WrappersMP.DIFFUSION_MODEL, True),
-                         (WrappersMP.APPLY_MODEL, True)):
+    for kind in (WrappersMP.PREDICT_NOISE, WrappersMP.DIFFUSION_MODEL, WrappersMP.APPLY_MODEL):
         clone, runner = env["nodes"].enable_cuda_graphs(env["model"])
         clone.add_wrapper_with_key(kind, "test", wrapper)
+        runner.evaluate = lambda apply_model, call, inner=runner.evaluate: (seen.append("graphs"),
+                                                                             inner(apply_model, call))[1]
         seen.clear()
-        sample(env, clone, 1, 0)
-        assert seen, kind  # the wrapper ran
-        reason = f"transformer_options carries {kind} wrappers"
+        out = sample(env, clone, 1, 0)
+        assert "graphs" in seen and len(seen) >= 2, kind  # both ran
+        if kind == WrappersMP.APPLY_MODEL:  # registered after the runner, run outside it
+            assert seen[:2] == ["wrapper", "graphs"], seen
+        if kind == WrappersMP.DIFFUSION_MODEL:
+            assert seen[0] == "graphs", seen
         other = set() if env["model"].load_device.type == "cuda" else {"not on a CUDA device"}
-        assert runner.warned == ({reason} if blocks else other), kind
+        assert runner.warned == other, kind
+        assert torch.equal(out, sample(env, env["model"], 1, 0))
 
 
 def test_cuda_graphs_failed_capture_is_not_retried(env):
@@ -512,7 +534,7 @@ def test_cuda_graphs_failed_capture_is_not_retried(env):
     def capture(*_args):
         attempts.append(1)
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
-    runner._blocker = lambda args: None  # as on a GPU
+    runner._blocker = lambda call: None  # as on a GPU
     runner._capture = capture
     sample(env, clone, 3, 0)
     assert len(attempts) == 1 and runner.eager_calls == 3
@@ -525,19 +547,18 @@ def test_cuda_graph_replays_leave_no_tensor_to_the_garbage_collector(env):
     cycle keeps it (the runtime's recursive walks were closures, each one a cycle holding the
     tensors it collected - on Flux 80 MiB more at a run's peak, found on the H200)."""
     import gc
-    from comfy_modelopt.comfyui.graph_inputs import tensors_of
     # models earlier tests left loaded may be let go while this test samples (ComfyUI's model
     # management drops them as it needs): unloaded and collected first, so that the window below
     # sees only what the replays leave (a full suite run saw three of another model's tensors)
     comfy.model_management.unload_all_models()
     gc.collect()
     clone, runner = env["nodes"].enable_cuda_graphs(env["model"])
-    runner._blocker = lambda args: None  # as on a GPU
+    runner._blocker = lambda call: None  # as on a GPU
 
-    def capture(apply_model, args, c, topts, weights, sig):  # a graph that replays nothing
+    def capture(apply_model, call, weights, sig):  # a graph that replays nothing
+        static = call.static(call.args[0].device)
         return {"graph": types.SimpleNamespace(replay=lambda: None), "weights": weights, "compiled": False,
-                "static": [t.clone() for t in tensors_of(args["input"], args["timestep"], c)],
-                "out": apply_model(args["input"], args["timestep"], **args["c"])}
+                "call": static, "static": static.tensors(), "out": call.run(apply_model)}
     runner._capture = capture
     sample(env, clone, 2, 0)  # captured at its first evaluation
     gc.collect()
@@ -559,13 +580,15 @@ def test_cuda_graph_capture_builds_cpu_constants_on_the_device(env):
     """What a capture runs: the model evaluation with CPU-built constants built on the GPU (Wan
     2.1's timestep embedding; on a CPU run the meta device stands in for the GPU); a signature's
     first warm-up fails, before any capture, on a host copy that is left."""
+    from comfy_modelopt.comfyui.graph_inputs import ModelCall
     clone, runner = env["nodes"].enable_cuda_graphs(env["model"])
-    pos = torch.randn(2, device="meta")
-    out = runner._model_call(lambda x, t, **c: torch.arange(8).to(x), pos, None, {}, check_host_copies=True)
+    call = ModelCall((torch.randn(2, device="meta"), None), {})
+    graphs = sys.modules[type(runner).__module__]
+    out = runner._model_call(lambda x, t, *a, **c: torch.arange(8).to(x), call, check=[])
     assert out.device.type == "meta" and runner.constants_rebuilt == 1
-    with pytest.raises(RuntimeError, match="copies tensors from the CPU to the GPU"):
-        runner._model_call(lambda x, t, **c: torch.randn(8).to(x), pos, None, {}, check_host_copies=True)
-    runner._model_call(lambda x, t, **c: torch.randn(8).to(x), pos, None, {})  # only the first warm-up checks
+    with pytest.raises(graphs._NotCapturable, match="copies tensors from the CPU to the GPU"):
+        runner._model_call(lambda x, t, *a, **c: torch.randn(8).to(x), call, check=[])
+    runner._model_call(lambda x, t, *a, **c: torch.randn(8).to(x), call)  # only the first warm-up checks
 
 
 FAKE_POOL = types.SimpleNamespace(vacate=lambda: None, accounting="mempool")  # stands in for a GraphPool off a GPU
@@ -773,6 +796,48 @@ def test_compiled_blocks_compile_ahead_from_the_calibration(env, monkeypatch):
     monkeypatch.setattr(runner.compiled, "compile_for", fails)
     assert runtime._compile_ahead(clone, runner, call).endswith("compiling ahead failed: RuntimeError: no room)")
     assert not runner.compiled.enabled
+
+
+def test_compiled_blocks_keep_patches_where_they_apply(env, monkeypatch):
+    """Patches do not turn compiled blocks off: each region learns, at its first call with
+    patches, which of them its own code looks up.  FreeU's output-block patch acts between
+    regions - every region stays compiled; an attention replace on the middle block runs that
+    block's transformer eagerly with the patch, the other regions compiled.  Either way nothing
+    compiles during the run and the output is the patched model's eager one within the compiled
+    tolerance; a region compiled without the patches never drops one."""
+    import comfy.ldm.modules.attention as attention
+    import torch._dynamo.utils
+    from comfy_extras.nodes_freelunch import FreeU_V2
+    runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
+    cpu_free_memory(monkeypatch)
+    model, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
+    torch._dynamo.reset()
+    clone, runner = graphs.enable_cuda_graphs(model, compile_blocks=True)
+    assert "blocks compiled for the calibration's shapes" in runtime._compile_ahead(clone, runner,
+                                                                                   env["stats"].first_call)
+    cb = runner.compiled
+    cb.compile_new_shapes = False  # as auto runs them: a region without code for its inputs runs eagerly
+
+    def compiled(apply_model, args):
+        with cb.installed():
+            return apply_model(args["input"], args["timestep"], **args["c"])
+
+    def halved(q, k, v, extra):
+        return attention.optimized_attention(q, k, v, extra["n_heads"]) * 0.5
+    freeu = lambda m: FreeU_V2.execute(m, 3.0, 3.0, 0.2, 0.2).args[0]  # noqa: E731
+    replace = lambda m: (lambda c: (c.set_model_attn1_replace(halved, "middle", 0), c)[1])(m.clone())  # noqa: E731
+    for patch, eager_regions in ((freeu, False), (replace, True)):
+        fast = patch(clone)
+        fast.model_options["model_function_wrapper"] = compiled
+        frames, calls = torch._dynamo.utils.counters["frames"]["ok"], cb.patched_calls
+        out = sample(env, fast, 3, 3)
+        assert torch._dynamo.utils.counters["frames"]["ok"] == frames, "the patched run compiled"
+        assert (cb.patched_calls > calls) == eager_regions
+        ref = sample(env, patch(model), 3, 3)
+        plain = sample(env, model, 3, 3)
+        err, effect = float((out - ref).norm() / ref.norm()), float((ref - plain).norm() / plain.norm())
+        assert err < cb.checks[-1]["limit"] and err < effect / 5, (err, effect)  # the patch applied
+    assert cb.enabled
 
 
 def test_compiling_ahead_borrows_the_weights_and_leaves_the_load_to_the_sampler(env, monkeypatch):
@@ -1363,7 +1428,7 @@ def test_auto_runtime_compiles_ahead_only_from_a_calibration(env):
     replays graphs without compiled blocks and says why."""
     import torch._dynamo.utils
     model, text = quantize(env)
-    runner = model.model_options["model_function_wrapper"]
+    runner = runner_of(model)
     assert runner.compiled is not None and runner.compiled.enabled, text
     assert "blocks compiled for the calibration's shapes" in text
     frames = torch._dynamo.utils.counters["frames"]["ok"]
