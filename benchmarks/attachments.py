@@ -1,0 +1,371 @@
+"""What users put between a model and a sampler, built from ComfyUI's own classes: ControlNets in
+each layout ComfyUI loads (random weights, loaded through ComfyUI's own loader), the stock
+model-patch nodes, conditioning that changes the batch, a second pass at another size, a
+diffusion-model wrapper.  Support code for benchmarks/compat.py and tests/comfyui/test_attach.py,
+not part of the package (it imports ComfyUI).
+
+A case takes a ``Setup`` (model, conditioning, latent, sampling options) and returns the Setup a
+user's workflow would hand the sampler; ``run`` samples it (every pass).  Each case applies to the
+families in its ``families``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+import comfy.controlnet
+import comfy.model_management
+import comfy.model_patcher
+import comfy.sample
+import comfy.utils
+from comfy.ldm.modules.attention import optimized_attention
+from comfy.patcher_extension import WrappersMP
+
+UNET, DIT = ("sd15", "sdxl"), ("flux",)
+
+
+@dataclasses.dataclass
+class Setup:
+    family: str
+    model: object               # ComfyUI's ModelPatcher
+    positive: list
+    negative: list
+    latent: torch.Tensor
+    cfg: float
+    steps: int = 4
+    seed: int = 7
+    denoise: float = 1.0
+    second_pass: tuple | None = None  # (scale, denoise): a hires-fix pass at scale x the size
+    pixels: int = 8                   # latent -> image size factor (ControlNet hints)
+
+    def replace(self, **kw) -> "Setup":
+        return dataclasses.replace(self, **kw)
+
+
+def run(s: Setup) -> torch.Tensor:
+    """Sample ``s`` as KSampler does (euler / simple); a second pass samples the first's result
+    upscaled.  Returns the final latent."""
+    out = _sample(s, s.latent, s.denoise)
+    if s.second_pass is not None:
+        scale, denoise = s.second_pass
+        h, w = out.shape[-2:]
+        up = comfy.utils.common_upscale(out, int(w * scale) // 8 * 8, int(h * scale) // 8 * 8, "nearest-exact",
+                                        "disabled")
+        out = _sample(s, up, denoise)
+    return out
+
+
+def _sample(s: Setup, latent, denoise):
+    latent = comfy.sample.fix_empty_latent_channels(s.model, latent)
+    noise = comfy.sample.prepare_noise(latent, s.seed)
+    return comfy.sample.sample(s.model, noise, s.steps, s.cfg, "euler", "simple", s.positive, s.negative, latent,
+                               denoise=denoise, seed=s.seed, disable_pbar=True)
+
+
+def random_weights(module: torch.nn.Module, seed: int, scale: float = 1.0) -> dict:
+    """A state dict for ``module`` (built on the meta device) with deterministic random values:
+    weights ~ N(0, 1/fan_in) * scale, biases 0, norms 1."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for k, v in module.state_dict().items():
+        if not v.is_floating_point():
+            sd[k] = torch.zeros(v.shape, dtype=v.dtype)
+        elif k.endswith("bias"):
+            sd[k] = torch.zeros(v.shape)
+        elif v.ndim >= 2:
+            sd[k] = torch.randn(v.shape, generator=g) * (scale / math.sqrt(v[0].numel()))
+        else:
+            sd[k] = torch.ones(v.shape)
+    return sd
+
+
+# --------------------------------------------------------------------------- control
+def cldm_controlnet(model, seed: int = 11):
+    """A ControlNet in the SD1.x/SDXL (cldm) layout of ``model``'s UNet, random weights, loaded
+    through ComfyUI's own ``load_controlnet_state_dict``."""
+    import comfy.cldm.cldm
+    config = dict(model.model.model_config.unet_config)
+    config.pop("out_channels", None)
+    with torch.device("meta"):
+        net = comfy.cldm.cldm.ControlNet(hint_channels=3, operations=comfy.ops.disable_weight_init, **config)
+    return comfy.controlnet.load_controlnet_state_dict(random_weights(net, seed, scale=0.5))
+
+
+def flux_xlabs_controlnet(model, seed: int = 12):
+    """An XLabs-layout Flux ControlNet for ``model``'s width, through ComfyUI's loader."""
+    import comfy.ldm.flux.controlnet
+    config = dict(model.model.model_config.unet_config, depth=2, depth_single_blocks=0)  # XLabs: 2 double blocks
+    with torch.device("meta"):
+        net = comfy.ldm.flux.controlnet.ControlNetFlux(operations=comfy.ops.disable_weight_init, **config)
+    # the file's names: its RMSNorms' "scale" (ComfyUI's loader renames them)
+    sd = {k[: -len("weight")] + "scale" if k.endswith("_norm.weight") else k: v
+          for k, v in random_weights(net, seed, scale=0.5).items()}
+    return comfy.controlnet.load_controlnet_state_dict(sd)
+
+
+def t2i_adapter(model, seed: int = 13):
+    """A T2I-Adapter (full-size SD1.5/SDXL layouts only: its widths are fixed)."""
+    import comfy.t2i_adapter.adapter
+    xl = model.model.model_config.unet_config.get("adm_in_channels") == 2816
+    with torch.device("meta"):
+        net = comfy.t2i_adapter.adapter.Adapter(cin=256 if xl else 192, channels=[320, 640, 1280, 1280], nums_rb=2,
+                                                ksize=1, sk=True, use_conv=False, xl=xl)
+    return comfy.controlnet.load_controlnet_state_dict(random_weights(net, seed, scale=0.5))
+
+
+def with_control(s: Setup, net, strength=0.8, start=0.0, end=1.0) -> Setup:
+    import nodes
+    h, w = s.latent.shape[-2:]
+    g = torch.Generator().manual_seed(21)
+    hint = torch.rand(1, h * s.pixels, w * s.pixels, 3, generator=g)
+    pos, neg = nodes.ControlNetApplyAdvanced().apply_controlnet(s.positive, s.negative, net, hint, strength, start, end)
+    return s.replace(positive=pos, negative=neg)
+
+
+def controlnet(s: Setup) -> Setup:
+    net = flux_xlabs_controlnet(s.model) if s.family in DIT else cldm_controlnet(s.model)
+    return with_control(s, net)
+
+
+def controlnet_stacked(s: Setup) -> Setup:
+    """Two ControlNets, the second over part of the schedule (start/end percent)."""
+    first = controlnet(s)
+    net = flux_xlabs_controlnet(s.model, 14) if s.family in DIT else cldm_controlnet(s.model, 14)
+    return with_control(first, net, strength=0.5, start=0.2, end=0.7)
+
+
+def t2i(s: Setup) -> Setup:
+    return with_control(s, t2i_adapter(s.model))
+
+
+# --------------------------------------------------------------------------- model patches
+def _node(module: str, name: str):
+    import importlib
+    return getattr(importlib.import_module(module), name)
+
+
+def _out(result):
+    return result.args[0] if hasattr(result, "args") else result[0]
+
+
+def freeu(s: Setup) -> Setup:
+    return s.replace(model=_out(_node("comfy_extras.nodes_freelunch", "FreeU_V2").execute(s.model, 1.3, 1.4, 0.9, 0.2)))
+
+
+def pag(s: Setup) -> Setup:
+    return s.replace(model=_out(_node("comfy_extras.nodes_pag", "PerturbedAttentionGuidance").execute(s.model, 3.0)))
+
+
+def sag(s: Setup) -> Setup:
+    return s.replace(model=_out(_node("comfy_extras.nodes_sag", "SelfAttentionGuidance").execute(s.model, 0.5, 2.0)))
+
+
+def tome(s: Setup) -> Setup:
+    return s.replace(model=_out(_node("comfy_extras.nodes_tomesd", "TomePatchModel").execute(s.model, 0.3)))
+
+
+def hypertile(s: Setup) -> Setup:
+    tile = 256 if s.latent.shape[-1] * 8 >= 512 else 64
+    return s.replace(model=_out(_node("comfy_extras.nodes_hypertile", "HyperTile").execute(s.model, tile, 2, 0, False)))
+
+
+def deep_shrink(s: Setup) -> Setup:
+    """Kohya deep shrink on the node's default block (3), or the deepest input block before it."""
+    block = min(3, len(s.model.model.diffusion_model.input_blocks) - 1)
+    return s.replace(model=_out(_node("comfy_extras.nodes_model_downscale", "PatchModelAddDownscale").execute(
+        s.model, block, 2.0, 0.0, 0.35, True, "bicubic", "bicubic")))
+
+
+def rescale_cfg(s: Setup) -> Setup:
+    return s.replace(model=_out(_node("comfy_extras.nodes_model_advanced", "RescaleCFG")().patch(s.model, 0.7)))
+
+
+def ip_adapter_attn2(s: Setup, sigma_range: bool = False) -> Setup:
+    """An IP-Adapter-style cross-attention replace on every UNet transformer block: the block's
+    attention plus attention over image tokens projected by the block's own to_k_ip / to_v_ip
+    (random, as the IP-Adapter layout has them), computed per call.  ``sigma_range``: active
+    only between two sigmas, read on the host per call as IP-Adapter Plus does
+    (``sigmas.cpu().item()``)."""
+    m = s.model.clone()
+    dm = m.model.diffusion_model
+    g = torch.Generator().manual_seed(31)
+    device, dtype = comfy.model_management.get_torch_device(), m.model.get_dtype_inference()
+    blocks = [(name, i, j, tb) for name, group in (("input", dm.input_blocks), ("middle", [dm.middle_block]),
+                                                   ("output", dm.output_blocks))
+              for i, block in enumerate(group) for layer in block
+              for j, tb in enumerate(getattr(layer, "transformer_blocks", []))]
+    width = blocks[0][3].attn2.to_k.weight.shape[1]  # the context's width
+    tokens = torch.randn(1, 4, width, generator=g).to(device, dtype)
+    projections = {}
+    for name, i, j, tb in blocks:
+        inner = tb.attn2.to_k.weight.shape[0]
+        w = (torch.randn(width, inner, generator=g) / math.sqrt(width)).to(device, dtype)
+        projections[(name, i, j)] = (w, w * 0.5)
+
+    def attn2(q, k, v, extra):
+        heads = extra["n_heads"]
+        out = optimized_attention(q, k, v, heads)
+        if sigma_range:
+            sigma = extra["sigmas"].detach().cpu()[0].item()
+            if not 0.2 <= sigma <= 100.0:
+                return out
+        wk, wv = projections[(*extra["block"], extra["block_index"])]
+        b = q.shape[0]
+        return out + 0.6 * optimized_attention(q, (tokens @ wk).expand(b, -1, -1), (tokens @ wv).expand(b, -1, -1),
+                                               heads)
+    for name, i, j, _tb in blocks:
+        m.set_model_attn2_replace(attn2, name, i, j)
+    return s.replace(model=m)
+
+
+def ip_adapter_gated(s: Setup) -> Setup:
+    return ip_adapter_attn2(s, sigma_range=True)
+
+
+def first_block_cache(s: Setup) -> Setup:
+    """A TeaCache / first-block-cache style diffusion-model wrapper: reuses the previous output's
+    residual when the input moved little since the last full evaluation (a host-side decision
+    per call)."""
+    m = s.model.clone()
+    state = {}
+
+    def wrapper(executor, x, *args, **kwargs):
+        prev = state.get("x")
+        if prev is not None and prev.shape == x.shape:
+            change = ((x - prev).abs().mean() / prev.abs().mean().clamp_min(1e-6)).item()
+            if change < 0.05:
+                return x + state["residual"]
+        out = executor(x, *args, **kwargs)
+        state["x"], state["residual"] = x, out - x
+        return out
+    m.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, "first_block_cache", wrapper)
+    return s.replace(model=m)
+
+
+def skip_layer_guidance(s: Setup) -> Setup:
+    return s.replace(model=_out(_node("comfy_extras.nodes_slg", "SkipLayerGuidanceDiT").execute(
+        s.model, 3.0, 0.01, 0.9, "0", "0")))
+
+
+def dit_replace(s: Setup) -> Setup:
+    """A PuLID-style DiT block replace: the original block, then an identity-feature term added
+    to the image tokens (random, fixed), on every other double block."""
+    m = s.model.clone()
+    dm = m.model.diffusion_model
+    g = torch.Generator().manual_seed(41)
+    width = dm.hidden_size
+    feature = (torch.randn(1, 1, width, generator=g) * 0.05).to(comfy.model_management.get_torch_device(),
+                                                                m.model.get_dtype_inference())
+
+    def replace(args, extra):
+        out = extra["original_block"](args)
+        out["img"] = out["img"] + feature
+        return out
+    for i in range(0, len(dm.double_blocks), 2):
+        m.set_model_patch_replace(replace, "dit", "double_block", i)
+    return s.replace(model=m)
+
+
+def model_sampling_flux(s: Setup) -> Setup:
+    h, w = s.latent.shape[-2:]
+    return s.replace(model=_out(_node("comfy_extras.nodes_model_advanced", "ModelSamplingFlux")().patch(
+        s.model, 1.15, 0.5, w * 8, h * 8)))
+
+
+def torch_compile(s: Setup) -> Setup:
+    return s.replace(model=_out(_node("comfy_extras.nodes_torch_compile", "TorchCompileModel").execute(
+        s.model, "inductor")))
+
+
+def merge(s: Setup, other) -> Setup:
+    """ModelMergeSimple with another (16-bit) model of the same layout: weight patches."""
+    return s.replace(model=_node("comfy_extras.nodes_model_merging", "ModelMergeSimple")().merge(s.model, other, 0.7)[0])
+
+
+# --------------------------------------------------------------------------- conditioning
+def area(s: Setup) -> Setup:
+    """Regional prompts: a second prompt over the right half (ConditioningSetArea + Combine)."""
+    import nodes
+    h, w = s.latent.shape[-2:]
+    g = torch.Generator().manual_seed(51)
+    other = [[torch.randn(s.positive[0][0].shape, generator=g).to(s.positive[0][0].dtype), dict(s.positive[0][1])]]
+    region = nodes.ConditioningSetArea().append(other, w * 4, h * 8, w * 4, 0, 1.0)[0]
+    return s.replace(positive=nodes.ConditioningCombine().combine(s.positive, region)[0])
+
+
+def mask(s: Setup) -> Setup:
+    import nodes
+    h, w = s.latent.shape[-2:]
+    m = torch.zeros(1, h * 8, w * 8)
+    m[:, : h * 4] = 1.0
+    g = torch.Generator().manual_seed(52)
+    other = [[torch.randn(s.positive[0][0].shape, generator=g).to(s.positive[0][0].dtype), dict(s.positive[0][1])]]
+    masked = nodes.ConditioningSetMask().append(other, m, "default", 1.0)[0]
+    return s.replace(positive=nodes.ConditioningCombine().combine(s.positive, masked)[0])
+
+
+def reference_latent(s: Setup) -> Setup:
+    """Kontext-style reference latents (the ReferenceLatent node) on positive and negative."""
+    node = _node("comfy_extras.nodes_edit_model", "ReferenceLatent")
+    g = torch.Generator().manual_seed(53)
+    ref = {"samples": torch.randn(s.latent.shape[:1] + (16,) + s.latent.shape[2:], generator=g)}
+    return s.replace(positive=_out(node.execute(s.positive, ref)), negative=_out(node.execute(s.negative, ref)))
+
+
+def img2img(s: Setup) -> Setup:
+    g = torch.Generator().manual_seed(54)
+    return s.replace(latent=torch.randn(s.latent.shape, generator=g) * 0.5, denoise=0.6)
+
+
+def hires_fix(s: Setup) -> Setup:
+    return s.replace(second_pass=(1.5, 0.5))
+
+
+def batch2(s: Setup) -> Setup:
+    return s.replace(latent=torch.cat([s.latent, s.latent]))
+
+
+def new_size(s: Setup) -> Setup:
+    """Another image size than the calibration's (768x1344 at full size: 0.75 x 1.31 of a square)."""
+    h, w = s.latent.shape[-2:]
+    return s.replace(latent=torch.zeros(*s.latent.shape[:-2], int(h * 1.3125) // 2 * 2, int(w * 0.75) // 2 * 2))
+
+
+# name -> (case, the families it applies to, needs a full-size model)
+CASES = {
+    "controlnet": (controlnet, UNET + DIT, False),
+    "controlnet x2, start/end": (controlnet_stacked, UNET + DIT, False),
+    "t2i-adapter": (t2i, UNET, True),
+    "freeu_v2": (freeu, UNET, False),
+    "pag": (pag, UNET, False),
+    "sag": (sag, UNET, False),
+    "tome": (tome, UNET, False),
+    "hypertile": (hypertile, UNET, False),
+    "deep shrink": (deep_shrink, UNET, False),
+    "ip-adapter attn2": (ip_adapter_attn2, UNET, False),
+    "ip-adapter attn2, sigma range": (ip_adapter_gated, UNET, False),
+    "rescale_cfg": (rescale_cfg, UNET + DIT, False),
+    "first-block cache wrapper": (first_block_cache, UNET + DIT, False),
+    "skip layer guidance": (skip_layer_guidance, DIT, False),
+    "dit replace (pulid-style)": (dit_replace, DIT, False),
+    "modelsamplingflux": (model_sampling_flux, DIT, False),
+    "reference latents": (reference_latent, DIT, False),
+    "area prompts": (area, UNET + DIT, False),
+    "mask prompts": (mask, UNET + DIT, False),
+    "img2img 0.6": (img2img, UNET + DIT, False),
+    "hires fix 1.5x": (hires_fix, UNET + DIT, False),
+    "batch 2": (batch2, UNET + DIT, False),
+    "new size": (new_size, UNET + DIT, False),
+}
+# by name only (compat.py --cases): the 16-bit model's whole-model compile takes minutes
+EXTRA = {"torchcompilemodel": torch_compile}
+
+
+def cases_for(family: str, full_size: bool = True) -> list:
+    return [name for name, (_f, families, full) in CASES.items() if family in families and (full_size or not full)]
+
+
+def apply(name: str, s: Setup) -> Setup:
+    return EXTRA[name](s) if name in EXTRA else CASES[name][0](s)

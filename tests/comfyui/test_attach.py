@@ -1,0 +1,153 @@
+"""Where the 16-bit model goes, the quantized one goes too: what users attach between a model and a
+sampler (benchmarks/attachments.py: ControlNets in ComfyUI's layouts, the stock patch nodes,
+regional conditioning, a hires-fix pass, another size, wrappers) on Quantize Model's output with
+its default runtime, against the 16-bit model with the same attachment - in a real ComfyUI on the
+CPU (the semantics: no exception, the attachment's effect on the final latent as on the 16-bit
+model) and on a GPU (the runtime's paths: captured into the graphs, or eager with its reason)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+import architectures as models  # noqa: E402
+
+if not models.COMFYUI_PATH:
+    pytest.skip("COMFYUI_PATH is not set: ComfyUI attachment tests SKIPPED (point it at a ComfyUI v0.29+ tree)",
+                allow_module_level=True)
+
+models.setup_comfy()
+import comfy.model_management as mm  # noqa: E402
+import comfy.sd  # noqa: E402
+
+import attachments as att  # noqa: E402
+from test_nodes import load_pack, runner_of  # noqa: E402
+
+from comfy_modelopt.calibrate import CalibrationOptions, calibrate  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+
+
+def rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def conditioning(family: str):
+    g = torch.Generator().manual_seed(5)
+    if family == "flux":
+        ctx, pooled = torch.randn(1, 16, 256, generator=g), torch.randn(1, 256, generator=g)
+        extra = {"pooled_output": pooled, "guidance": 3.5}
+        return [[ctx, dict(extra)]], [[ctx * 0, dict(extra)]], 1.0
+    ctx = torch.randn(1, 77, 768, generator=g)
+    return [[ctx, {}]], [[ctx * 0.3, {}]], 5.0
+
+
+def setups(family: str, runtime: str = "auto"):
+    """(the 16-bit Setup, the quantized Setup): the same conditioning and latent, the quantized
+    model from Quantize Model (fp8, calibrated on the 16-bit model's sampling runs)."""
+    dtype = torch.float16 if CUDA else torch.float32
+    _, sd = models.build(family, "small", seed=2, dtype=dtype)
+    model = comfy.sd.load_diffusion_model_state_dict(sd)
+    pos, neg, cfg = conditioning(family)
+    latent = torch.zeros(1, 16 if family == "flux" else 4, 12, 16)
+    s16 = att.Setup(family, model, pos, neg, latent, cfg, steps=4)
+    mm.load_models_gpu([model])
+    stats = calibrate(model.model.diffusion_model, lambda _m: att.run(s16), CalibrationOptions())
+    with torch.inference_mode():
+        q, _report = load_pack().ModelOptQuantizeUNet.execute(
+            model=model, format="float8_e4m3fn", weight_scale="absmax", input_scale="max", smoothing="none",
+            gptq=False, convrot=False, static_nvfp4_input=False, keep="", runtime=runtime, calibration=stats).args[:2]
+    return s16, s16.replace(model=q)
+
+
+@pytest.fixture(scope="module", params=["sd15", "flux"])
+def pair(request):
+    return request.param, *setups(request.param)
+
+
+def sampled(s) -> torch.Tensor:
+    with torch.inference_mode():
+        return att.run(s).float()
+
+
+def test_every_attachment_moves_the_quantized_model_as_the_16bit_one(pair):
+    """Every case of the family: samples without an exception, finite; where the case keeps the
+    latent's shape its effect on the quantized model's final latent is the 16-bit model's within
+    +-30% (or both negligible), and quantized-vs-16-bit under the case stays within 1.5x of the
+    distance without it (+0.02, +10% of the case's own effect)."""
+    family, s16, sq = pair
+    base16, baseq = sampled(s16), sampled(sq)
+    plain = rel(baseq, base16)
+    rows, bad = [], []
+    for name in att.cases_for(family, full_size=False):
+        c16, cq = att.apply(name, s16), att.apply(name, sq)
+        out16, outq = sampled(c16), sampled(cq)
+        assert torch.isfinite(outq).all(), name
+        dist = rel(outq, out16)
+        row = {"case": name, "dist": dist, "plain": plain}
+        if out16.shape == base16.shape and c16.second_pass is None and c16.denoise == 1.0:
+            e16, eq = rel(out16, base16), rel(outq, baseq)
+            row.update(effect16=e16, effectq=eq)
+            if e16 > 0.02 and not 0.7 <= eq / e16 <= 1.3:
+                bad.append(row)
+            elif e16 <= 0.02 and eq > 0.05:
+                bad.append(row)
+        # a case that moves the latent far (skipping a tiny model's only block) carries the
+        # quantization error further too: 10% of its own effect is allowed on top
+        if dist > 1.5 * plain + 0.02 + 0.1 * row.get("effect16", 0.0):
+            bad.append(row)
+        rows.append(row)
+    print("\n".join(str(r) for r in rows))
+    assert not bad, bad
+
+
+def test_merging_another_model_patches_the_quantized_weights(pair):
+    """ModelMergeSimple with another 16-bit model: weight patches on the quantized layers (ComfyUI
+    re-quantizes them), the merge's effect as on the 16-bit model."""
+    family, s16, sq = pair
+    _, sd = models.build(family, "small", seed=9, dtype=torch.float16 if CUDA else torch.float32)
+    other = comfy.sd.load_diffusion_model_state_dict(sd)
+    base16, baseq = sampled(s16), sampled(sq)
+    out16, outq = sampled(att.merge(s16, other)), sampled(att.merge(sq, other))
+    e16, eq = rel(out16, base16), rel(outq, baseq)
+    assert e16 > 0.005 and 0.7 <= eq / e16 <= 1.3, (e16, eq)
+    assert rel(outq, out16) <= 1.5 * rel(baseq, base16) + 0.02
+
+
+CUDA_ONLY = pytest.mark.skipif(not CUDA, reason="needs CUDA: the runtime's graph paths (capture, replay, fallback)")
+# what each case does to the graphs: captured (replays, no eager call but a check), or eager with a reason
+EAGER = {"sag": "keeps tensors it made between calls", "deep shrink": "reads GPU values on the host",
+         "hypertile": "draws random numbers on the host", "first-block cache wrapper": "reads GPU values on the host",
+         "ip-adapter attn2, sigma range": "reads GPU values on the host"}
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("family", ["sd15", "flux"])
+def test_attachments_take_the_graphs_or_say_why(family):
+    """On a GPU every case runs through the default runtime's graphs - ControlNet residuals,
+    patches, replaces and wrappers captured - and matches the quantized model's eager run (the
+    lean runtime, the same attachment) within the compiled blocks' tolerance; a case the graphs
+    cannot hold runs eagerly with its reason."""
+    _, sq = setups(family)
+    _, lean = setups(family, runtime="lean")
+    runner = runner_of(sq.model)
+    assert runner is not None
+    failures = []
+    for name in ["plain"] + att.cases_for(family, full_size=False):
+        replays, failed = runner.replays, set(runner.failed.values())
+        out = sampled(sq if name == "plain" else att.apply(name, sq))
+        ref = sampled(lean if name == "plain" else att.apply(name, lean))
+        new = set(runner.failed.values()) - failed
+        expected = EAGER.get(name)
+        if expected is None:
+            if runner.replays == replays or new or not rel(out, ref) < 0.05:
+                failures.append((name, runner.replays - replays, new, rel(out, ref)))
+        elif not any(expected in r for r in new | runner.warned):
+            failures.append((name, new))
+    print(runner.failed, runner.warned, runner.captures, runner.replays, runner.evictions)
+    assert not failures, failures
