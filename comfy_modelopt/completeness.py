@@ -103,3 +103,76 @@ def _hole(blocks: dict, indices: list, pos: int) -> list:
     if a == b and mine < a and len(a - mine) == 1:
         return sorted(a - mine)
     return []
+
+
+# what sibling blocks are compared on: not a quantized layer's own parts (formats and scales may
+# differ block to block in a mixed-precision file)
+_QUANT_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale", ".pre_quant_scale", ".comfy_quant",
+                   ".lowrank_up", ".lowrank_down", ".smooth_scale")
+
+
+def structure_problems(entries, prefix: str = "", optional: tuple = (), quantized=frozenset()) -> list:
+    """Tensors whose shapes the model's own structure contradicts (``entries``: key -> (dtype,
+    shape); ``quantized``: layer names, relative to ``prefix``, stored quantized - their weights'
+    shapes are the format's):
+
+    - a 16-bit layer's bias that is not one value per output of its weight, a norm whose weight
+      and bias differ;
+    - a tensor of a block in a run (``<run>.<i>.``) that is missing, or of another shape, where
+      the blocks on both sides agree (the first or last block: where the next two agree);
+    - a weight outside the blocks that shares no width with them (each layer outside the
+      blocks - embedders, the final layer - reads or writes the blocks' widths).
+    A family's by-design differences (``optional`` globs) pass."""
+    shapes = {k[len(prefix):]: tuple(s) for k, (_d, s) in entries.items()
+              if k.startswith(prefix) and not k.endswith(_QUANT_SUFFIXES)}
+    shapes = {k: s for k, s in shapes.items() if not any(fnmatch.fnmatchcase(k.rpartition(".")[0], p) for p in optional)}
+    problems = []
+    for key, shape in sorted(shapes.items()):
+        layer, _, part = key.rpartition(".")
+        weight = shapes.get(layer + ".weight")
+        if part != "bias" or weight is None or layer in quantized:
+            continue
+        want = weight if len(weight) == 1 else weight[:1]
+        if shape != want:
+            problems.append(Problem(prefix + key, f"has shape {list(shape)}, its layer's weight {list(weight)} "
+                                                  f"needs {list(want)}"))
+    runs: dict = defaultdict(lambda: defaultdict(dict))  # run prefix -> index -> rest -> shape (None: quantized)
+    inside = set()
+    for key, shape in shapes.items():
+        for head, i, rest in _iter_blocks(key):
+            runs[head][i][rest] = None if key.rpartition(".")[0] in quantized and key.endswith(".weight") else shape
+            inside.add(key)
+    for run, blocks in runs.items():
+        indices = sorted(blocks)
+        if len(indices) < 3 or indices != list(range(indices[0], indices[-1] + 1)):
+            continue
+        for pos, i in enumerate(indices):
+            if 0 < pos < len(indices) - 1:
+                a, b = blocks[indices[pos - 1]], blocks[indices[pos + 1]]
+            else:  # the first or last block: the next two
+                step = 1 if pos == 0 else -1
+                a, b = blocks[indices[pos + step]], blocks[indices[pos + 2 * step]]
+            if not _same_block(a, b):
+                continue
+            mine, found = blocks[i], []
+            for rest, shape in sorted(a.items()):
+                key = f"{prefix}{run}{i}.{rest}"
+                if rest not in mine:
+                    found.append(Problem(key, f"missing: the blocks beside {run}{i} in the run hold it"))
+                elif shape is not None and mine[rest] is not None and mine[rest] != shape:
+                    found.append(Problem(key, f"has shape {list(mine[rest])}, the blocks beside {run}{i} in the "
+                                              f"run hold {list(shape)}"))
+            if len(found) <= 2:  # one tensor, or a layer's weight and bias; a block of another design differs more
+                problems += found
+    widths = {d for k in inside for d in shapes[k]}
+    for key, shape in sorted(shapes.items()):
+        if key in inside or len(shape) < 2 or not widths or key.rpartition(".")[0] in quantized:
+            continue
+        if not widths.intersection(shape):
+            problems.append(Problem(prefix + key, f"has shape {list(shape)}: no width of the model's blocks "
+                                                  f"(a layer outside them reads or writes one)"))
+    return problems
+
+
+def _same_block(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(a[r] is None or b[r] is None or a[r] == b[r] for r in a)

@@ -53,6 +53,9 @@ def quantize_layer(w: torch.Tensor, layer: LayerPlan, plan: Plan, layer_stats=No
         tensors[layer.name + LOWRANK_UP], tensors[layer.name + LOWRANK_DOWN] = work.branch
         if work.pre_scale is not None:
             tensors[layer.name + SMOOTH_SCALE] = work.pre_scale.float().cpu()
+        elif layer.name + SMOOTH_SCALE in layer.tensors:  # planned, but no statistics for this layer: no smoothing
+            tensors[layer.name + SMOOTH_SCALE] = torch.ones(layer.k, dtype=torch.float32)
+            work.notes.append("no smoothing (no statistics for this layer)")
     if work.input_scale is not None:
         tensors[layer.name + INPUT_SCALE] = torch.tensor(work.input_scale, dtype=torch.float32)
     tensors[layer.name + COMFY_QUANT] = comfy_quant_tensor(layer.conf)

@@ -183,7 +183,15 @@ def layer_problems(name: str, conf: dict, entries: Entries, read: Reader | None,
     checks = [(k, lambda t, s=PARTS[k]: fmt.value_problem(s, t)) for k in planned if deep or k != ".weight"]
     checks += [(p, positive_problem) for p in (INPUT_SCALE, SMOOTH_SCALE) if name + p in entries]
     checks += [(p, _finite_problem) for p in (LOWRANK_UP, LOWRANK_DOWN) if name + p in entries]
-    return _read_values(name, checks, read)
+    problems, seen = _read_values(name, checks, read)
+    if not problems:
+        scales = {PARTS[k]: t for (k, _rule), t in zip(checks, seen) if k in planned and k != ".weight"}
+        weight = []
+        found = fmt.scales_problem(scales, lambda: weight.append(read(name + ".weight")) or weight[0])
+        if found:
+            problems.append(Problem(name + ".weight_scale", found))
+        seen += weight
+    return problems, seen
 
 
 @lru_cache(maxsize=1024)
@@ -352,8 +360,11 @@ def verify(entries: Entries, metadata: Mapping[str, str], read: Reader | None, r
                 problems.append(Problem(key, found))
     if complete:
         family = detect_family({k[len(prefix):]: tuple(s) for k, (_, s) in entries.items() if k.startswith(prefix)})
-        from .completeness import missing_layers
+        from .completeness import missing_layers, structure_problems
         problems += missing_layers(entries, prefix, family.optional)
+        named = {p.key for p in problems}
+        quantized = {n[len(prefix):] for n in confs if n.startswith(prefix)}
+        problems += [p for p in structure_problems(entries, prefix, family.optional, quantized) if p.key not in named]
     result.tensors = len(entries)
     result.seconds = time.perf_counter() - t0
     return result

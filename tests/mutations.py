@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,19 @@ def _layers(tensors):
 def _sixteen_bit(tensors, quantized):
     return sorted(k for k, v in tensors.items() if v.is_floating_point() and v.dtype.itemsize >= 2
                   and k.rpartition(".")[0] not in quantized and k.endswith((".weight", ".bias", ".scale")))
+
+
+def _repeated(key: str, tensors: dict) -> bool:
+    """Whether ``key`` sits in a numbered block beside another that holds the same key
+    (``<run>.<i>.<rest>`` with i-1 or i+1): the file itself then tells what it should hold."""
+    parts = key.split(".")
+    for j, part in enumerate(parts):
+        if part.isdigit():
+            for d in (-1, 1):
+                alt = parts[:j] + [str(int(part) + d)] + parts[j + 1:]
+                if ".".join(alt) in tensors:
+                    return True
+    return False
 
 
 def _conf_text(conf) -> torch.Tensor:
@@ -83,7 +97,7 @@ def mutate(tensors: dict, metadata: dict, rng: random.Random) -> Mutation:
     fmt = conf["format"]
     parts = sorted(k for k in t if k.startswith(layer + ".") and k.rpartition(".")[0] == layer)
     sixteen = _sixteen_bit(t, set(quantized))
-    kind = rng.randrange(12)
+    kind = rng.randrange(16)
 
     if kind == 0:  # a scale's values
         keys = [k for k in parts if k.endswith(SCALES)]
@@ -212,6 +226,52 @@ def mutate(tensors: dict, metadata: dict, rng: random.Random) -> Mutation:
             doc["layers"].pop(victim, None)
             m["_quantization_metadata"] = json.dumps(doc)
         return Mutation(t, m, f"drop {', '.join(keys)}", "loader")
+    if kind == 12:  # any tensor of the model left out: a norm, a bias, an embedding, a final layer
+        key = rng.choice([k for k in t if not k.endswith(QUANT_CONF)])
+        del t[key]
+        layer = key.rpartition(".")[0]
+        if layer in quantized and key.endswith(".weight"):
+            doc = json.loads(m["_quantization_metadata"])
+            doc["layers"].pop(layer, None)
+            m["_quantization_metadata"] = json.dumps(doc)
+            t.pop(layer + QUANT_CONF, None)
+        optional = key.endswith((".input_scale", ".smooth_scale"))  # a layer is valid without them
+        return Mutation(t, m, f"drop {key}", "" if optional else "all" if _repeated(key, t) else "loader")
+    if kind == 13:  # a quantized layer's config gone from its tensor and from the header
+        t.pop(layer + QUANT_CONF, None)
+        doc = json.loads(m["_quantization_metadata"])
+        doc["layers"].pop(layer, None)
+        m["_quantization_metadata"] = json.dumps(doc)
+        return Mutation(t, m, f"{layer} config gone", "all")
+    if kind == 14:  # a 16-bit tensor resized consistently: its own rows and its bias shrunk alike
+        key = rng.choice([k for k in sixteen if t[k].shape[0] > 2])
+        keep = rng.choice([1, t[key].shape[0] - 1, t[key].shape[0] // 2])
+        layer = key.rpartition(".")[0]
+        for k in [k for k in t if k.rpartition(".")[0] == layer and t[k].dim() and t[k].shape[0] == t[key].shape[0]]:
+            t[k] = t[k][:keep].clone()
+        return Mutation(t, m, f"resize {layer} to {keep} outputs", "all" if _repeated(key, t) else "loader")
+    if kind == 15:  # a scale no quantizer writes: negative, negative zero, a zero block scale over codes
+        keys = [k for k in parts if k.endswith((".weight_scale", ".weight_scale_2", ".input_scale"))]
+        key = rng.choice(keys)
+        v = t[key].clone()
+        flat = v.view(-1)
+        i = rng.randrange(flat.numel())
+        if v.is_floating_point() and v.dtype.itemsize >= 2:
+            bad = rng.choice([-0.0, -abs(float(flat[i])) or -1.0, 0.0])
+            flat[i] = bad
+            label, refuse = f"{key} [{i}] = {bad}", "all"
+        elif fmt.endswith("mxfp8"):  # E8M0 has neither sign nor zero: its one bad byte is NaN
+            flat.view(torch.uint8)[i] = 0xFF
+            label, refuse = f"{key} byte [{i}] = 0xff", "all"
+        elif rng.random() < 0.5:  # an E4M3 block scale with its sign set (-0.0 where it was 0)
+            raw = flat.view(torch.uint8)
+            raw[i] = raw[i] | 0x80
+            label, refuse = f"{key} byte [{i}] = {int(raw[i]):#x}", "all"
+        else:  # every block scale of the layer zero over its codes: the layer's output is zero
+            flat.view(torch.uint8).zero_()
+            label, refuse = f"{key} all zero", "all"
+        t[key] = v
+        return Mutation(t, m, label, refuse)
     # kind 11: an extra layer (another layer's tensors under a new name)
     source = rng.choice(quantized + [k[:-7] for k in sixteen if k.endswith(".weight") and t[k].dim() == 2])
     for k in [k for k in t if k.rpartition(".")[0] == source]:

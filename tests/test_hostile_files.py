@@ -192,13 +192,15 @@ def test_stray_quantization_tensor_in_source_named(tmp_path, flux_file, part):
     assert not (tmp_path / "o.safetensors").exists()
 
 
-def test_empty_linear_weight_kept_with_reason(tmp_path, flux_file):
+def test_empty_linear_weight_refused_by_key(tmp_path, flux_file):
+    """An empty Linear weight beside its bias: a model ComfyUI would not build, refused before
+    any work, naming the tensor and the rule."""
     def change(t):
         key = next(k for k in t if k.endswith("img_mlp.0.weight"))
         t[key] = torch.zeros(0, t[key].shape[1], dtype=torch.bfloat16)
-    rep = quantize_file(_source(tmp_path, flux_file, change), str(tmp_path / "o.safetensors"), Recipe("nvfp4"))
-    kept = [l for l in rep.layers if l.name.endswith("img_mlp.0")]
-    assert kept[0].reason.startswith("empty weight")
+    with pytest.raises(PlanError, match=r"src\.safetensors: double_blocks\.0\.img_mlp\.0\.bias: has shape \[1024\], "
+                                        r"its layer's weight \[0, 256\] needs \[0\]"):
+        quantize_file(_source(tmp_path, flux_file, change), str(tmp_path / "o.safetensors"), Recipe("nvfp4"))
 
 
 def test_nonfinite_source_tensors_refused_or_copied_by_key(tmp_path, flux_file):

@@ -49,7 +49,8 @@ def written(tmp_path_factory):
     from conftest import TINY_FLUX
     folder = tmp_path_factory.mktemp("verify")
     src = str(folder / "flux-bf16.safetensors")
-    write_checkpoint(src, flux_layout(**TINY_FLUX), seed=1)
+    # three blocks of each kind: a block's neighbours tell what it should hold (completeness)
+    write_checkpoint(src, flux_layout(**dict(TINY_FLUX, depth=3, depth_single=3)), seed=1)
     stats = stats_file(str(folder), src)
     out = {"bf16": src}
     with torch.inference_mode():
@@ -296,3 +297,34 @@ def test_formats_only_the_runtime_knows_are_left_to_it(written):
                                  lambda k: decode_comfy_quant(tensors[k], k), runtime_formats=formats).problems
     assert [p.key for p in run(())] == [layer + ".comfy_quant"]
     assert run(("awq_w4a16",)) == []
+
+
+def test_nvfp4_zero_block_scale_only_over_zero_codes():
+    """kitchen writes a block scale of zero for a block of zeros, and only there: a zero scale over
+    codes that are not zero (a zeroed or damaged scale) silences the block and is refused, found
+    through kitchen's own unswizzle of the stored scales."""
+    from comfy_kitchen.tensor import QuantizedTensor
+    from comfy_modelopt.formats import FORMATS
+    from comfy_modelopt.formats.base import kitchen_reference
+    fmt = FORMATS["nvfp4"]
+    w = torch.randn(300, 128, generator=torch.Generator().manual_seed(0))
+    w[7, 32:48] = 0  # one block of zeros: kitchen gives it a zero scale
+    with kitchen_reference():
+        q = QuantizedTensor.from_float(w, fmt.layout)
+    weight, scale = q._qdata, q._params.block_scale
+    assert fmt.scales_problem({"_scale": scale}, lambda: weight) is None
+    flat = scale.clone().view(torch.uint8).reshape(-1)
+    assert int((flat == 0).sum()) > 0  # the zero block (and the padding) hold zero scales
+    flat[int((flat != 0).nonzero()[0, 0])] = 0
+    found = fmt.scales_problem({"_scale": flat.view(scale.dtype).reshape(scale.shape)}, lambda: weight)
+    assert found is not None and found.startswith("1 block scales of zero over blocks whose codes are not zero")
+
+
+def test_lowrank_smoothing_with_statistics_of_some_layers(written, tmp_path):
+    """Statistics that cover only some layers (here block 0 of three): a low-rank file with
+    smoothing writes every planned smooth_scale - ones, noted, where no statistics ran (it raised
+    "26 planned tensors were never written") - and verifies clean."""
+    tensors, _ = load(written["nvfp4-lowrank"])
+    assert torch.equal(tensors["double_blocks.2.img_attn.qkv.smooth_scale"], torch.ones(256))
+    assert not torch.equal(tensors["double_blocks.0.img_attn.qkv.smooth_scale"], torch.ones(256))
+    assert not verify_file(written["nvfp4-lowrank"]).problems

@@ -242,6 +242,12 @@ class Format:
         check_common_fields(conf, self.name, self.block)
         return {}
 
+    def scales_problem(self, scales: dict, read_weight) -> str | None:
+        """Why the layer's scales (``scales``: stored suffix -> tensor, as read) do not fit its
+        codes - ``read_weight()`` gives the stored weight, read only where a rule needs it - or
+        None.  Nothing by default; nvfp4: a zero block scale over codes that are not zero."""
+        return None
+
     def value_problem(self, suffix: str, t: torch.Tensor) -> str | None:
         """Why stored tensor ``suffix`` ('' the weight, '_scale', '_scale_2': kitchen's
         ``state_dict`` suffixes) holds values ComfyUI must not compute with, or None.  Scales must

@@ -55,6 +55,22 @@ class NvFp4Format(Format):
     def _stored_params(self, tensors, conf):
         return {"scale": tensors["_scale_2"], "block_scale": tensors["_scale"].view(torch.float8_e4m3fn)}
 
+    def scales_problem(self, scales, read_weight):
+        """A block scale of zero is what kitchen writes for a block of zeros only: over codes that
+        are not zero it silences the block (a zeroed or damaged scale).  The weight is read only
+        where a scale is zero; kitchen's own unswizzle maps the stored scales to their blocks."""
+        stored = scales.get("_scale")
+        if stored is None or not bool((stored.view(torch.uint8) == 0).any()):
+            return None
+        from comfy_kitchen.float_utils import from_blocked
+        codes = read_weight().view(torch.uint8)
+        rows, blocks = codes.shape[0], codes.shape[1] // 8  # two E2M1 codes a byte, 16 a block
+        zero = from_blocked(stored.view(torch.uint8), rows, blocks) == 0
+        # a code's magnitude is its low three bits (0x8 is the sign: -0 is zero)
+        filled = (codes.reshape(rows, blocks, 8) & 0x77).amax(dim=-1) != 0
+        bad = int((zero & filled).sum())
+        return f"{bad} block scales of zero over blocks whose codes are not zero (of {zero.numel()})" if bad else None
+
     def value_problem(self, suffix, t):
         if suffix == "_scale":  # E4M3 block scales: >= 0 (zero for an all-zero block), never NaN
             return nan_code_problem(t, E4M3_NAN_OR_NEGATIVE, "NaN or negative block-scale")
