@@ -336,7 +336,7 @@ def new_size(s: Setup) -> Setup:
 # name -> (case, the families it applies to, needs a full-size model)
 CASES = {
     "controlnet": (controlnet, UNET + DIT, False),
-    "controlnet x2, start/end": (controlnet_stacked, UNET + DIT, False),
+    "controlnet x2 start/end": (controlnet_stacked, UNET + DIT, False),
     "t2i-adapter": (t2i, UNET, True),
     "freeu_v2": (freeu, UNET, False),
     "pag": (pag, UNET, False),
@@ -345,7 +345,7 @@ CASES = {
     "hypertile": (hypertile, UNET, False),
     "deep shrink": (deep_shrink, UNET, False),
     "ip-adapter attn2": (ip_adapter_attn2, UNET, False),
-    "ip-adapter attn2, sigma range": (ip_adapter_gated, UNET, False),
+    "ip-adapter attn2 sigma range": (ip_adapter_gated, UNET, False),
     "rescale_cfg": (rescale_cfg, UNET + DIT, False),
     "first-block cache wrapper": (first_block_cache, UNET + DIT, False),
     "skip layer guidance": (skip_layer_guidance, DIT, False),

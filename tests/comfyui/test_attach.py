@@ -123,7 +123,7 @@ CUDA_ONLY = pytest.mark.skipif(not CUDA, reason="needs CUDA: the runtime's graph
 # what each case does to the graphs: captured (replays, no eager call but a check), or eager with a reason
 EAGER = {"sag": "keeps tensors it made between calls", "deep shrink": "reads GPU values on the host",
          "hypertile": "draws random numbers on the host", "first-block cache wrapper": "reads GPU values on the host",
-         "ip-adapter attn2, sigma range": "reads GPU values on the host"}
+         "ip-adapter attn2 sigma range": "reads GPU values on the host"}
 
 
 @CUDA_ONLY

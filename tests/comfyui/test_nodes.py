@@ -670,7 +670,7 @@ def test_compiled_blocks_not_compiled_for_a_streamed_model(env, monkeypatch):
     x, c = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 8, 768, generator=g)
     call = calibrate_mod.RecordedCall.of((x, torch.tensor([0.5])), {"context": c})
     compiled = []
-    monkeypatch.setattr(blocks.CompiledBlocks, "validate", lambda self, *a: compiled.append(a) or True)
+    monkeypatch.setattr(blocks.CompiledBlocks, "validate", lambda self, *a, **k: compiled.append(a) or True)
     with torch.inference_mode():
         assert blocks.CompiledBlocks(dm).compile_for(call, dm, torch.device("cpu"), may_stream=lambda: True)
         assert len(compiled) == 1  # resident: on to compiling
