@@ -34,6 +34,8 @@ ap.add_argument("--format", default="float8_e4m3fn")
 ap.add_argument("--calib-prompts", type=int, default=2)
 ap.add_argument("--calib-steps", type=int, default=8)
 ap.add_argument("--log-info", action="store_true")
+ap.add_argument("--profile", default="", metavar="CASE",
+                help="run the quantized model with this case once more under cProfile (profile_<case>.txt in --out)")
 ap.add_argument("--cpu-tiny", action="store_true", help="the family's small config at 96 px: a CPU smoke run")
 A = ap.parse_args()
 
@@ -169,6 +171,8 @@ def main():
             out16, t16 = timed(c16)
             before = runner_state(runner)
             outq, tq = timed(cq)
+            if name == A.profile:
+                profile(name, cq)
             row = {"case": name, "16bit_s": [round(t, 3) for t in t16], "quant_s": [round(t, 3) for t in tq],
                    "speed": round(min(t16[1:] or t16) / min(tq[1:] or tq), 3), "latent": round(rel(outq, out16), 5),
                    "ran": how_it_ran(before, runner_state(runner))}
@@ -184,6 +188,22 @@ def main():
         del c16, cq
         gc.collect()
     print(table(), flush=True)
+
+
+def profile(name: str, s: att.Setup) -> None:
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    with torch.inference_mode():
+        prof.runcall(att.run, s)
+    sync()
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(40)
+    os.makedirs(A.out, exist_ok=True)
+    with open(os.path.join(A.out, f"profile_{''.join(c if c.isalnum() else '_' for c in name)}.txt"), "w") as f:
+        f.write(text.getvalue())
 
 
 def table() -> str:

@@ -379,9 +379,14 @@ class CudaGraphs:
             # (release_blas_workspaces); every other one goes back to the allocator
             release_blas_workspaces()
             # thread_local: other threads of the process (ComfyUI's) may use the GPU meanwhile
-            with torch.cuda.graph(graph, pool=self.pool.handle, stream=stream,
-                                  capture_error_mode="thread_local"):
-                out = run()
+            before = torch.cuda.current_stream(stream.device)
+            try:
+                with torch.cuda.graph(graph, pool=self.pool.handle, stream=stream,
+                                      capture_error_mode="thread_local"):
+                    out = run()
+            except BaseException:
+                _end_failed_capture(graph, stream.device, before)
+                raise
             release_blas_workspaces()
         return graph, out
 
@@ -423,6 +428,20 @@ class CudaGraphs:
                 raise _NotCapturable(f"{', '.join(kept)} keeps tensors it made between calls, which a replay would "
                                      "not update")
         return out
+
+
+def _end_failed_capture(graph, device, stream) -> None:
+    """What a capture that failed inside leaves behind, undone: torch's ``capture_end`` raises on
+    the invalidated capture before it ends the allocator's routing into the graph's pool and
+    before the graph context gives the stream back - every later capture in the process then
+    failed ("beginAllocateToPool: already recording to mempool_id") and work stayed on the
+    capture stream."""
+    torch.cuda.set_stream(stream)
+    index = torch.device(device).index
+    try:
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device() if index is None else index, graph.pool())
+    except Exception:  # not routing any more (capture_end got that far): nothing to undo
+        pass
 
 
 class _NotCapturable(Exception):
