@@ -328,3 +328,57 @@ def test_lowrank_smoothing_with_statistics_of_some_layers(written, tmp_path):
     assert torch.equal(tensors["double_blocks.2.img_attn.qkv.smooth_scale"], torch.ones(256))
     assert not torch.equal(tensors["double_blocks.0.img_attn.qkv.smooth_scale"], torch.ones(256))
     assert not verify_file(written["nvfp4-lowrank"]).problems
+
+
+def _source_mutation(t: dict, rng: random.Random):
+    """A damaged 16-bit source: (tensors, label, whether quantize must refuse it from the file alone)."""
+    from mutations import _repeated
+    t = dict(t)
+    key = rng.choice(sorted(t))
+    kind = rng.randrange(4)
+    if kind == 0:  # a tensor left out
+        del t[key]
+        return t, f"drop {key}", _repeated(key, t)
+    if kind == 1:  # a layer resized consistently (its bias with it)
+        layer = key.rpartition(".")[0]
+        n = t[key].shape[0]
+        keep = max(1, n // 2)
+        for k in [k for k in t if k.rpartition(".")[0] == layer and t[k].dim() and t[k].shape[0] == n]:
+            t[k] = t[k][:keep].clone()
+        return t, f"resize {layer} to {keep}", _repeated(key, t)
+    if kind == 2:  # a bias (or any 1-D tensor) of one value
+        ones = [k for k in t if k.endswith(".bias")]
+        key = rng.choice(ones)
+        t[key] = t[key][:1].clone()
+        return t, f"{key} of one value", True
+    # a weight outside the blocks resized to widths the model has nowhere
+    top = [k for k in t if t[k].dim() == 2 and not any(p.isdigit() for p in k.split("."))]
+    key = rng.choice(top)
+    t[key] = torch.zeros(17, 3, dtype=t[key].dtype)
+    layer = key.rpartition(".")[0]
+    if layer + ".bias" in t:
+        t[layer + ".bias"] = torch.zeros(17, dtype=t[key].dtype)
+    return t, f"{key} as [17, 3]", True
+
+
+def test_semantic_source_mutations_refused_by_quantize(written, tmp_path):
+    """quantize on a damaged 16-bit source: a tensor left out of a block, a layer resized in a
+    block, a bias of one value, a final or embedding layer of widths the model has nowhere - each
+    refused before any work, one line naming the file and the key (none written)."""
+    tensors, meta = load(written["bf16"])
+    rng = random.Random(64)
+    silent, outcomes = [], collections.Counter()
+    for i in range(max(50, FUZZ_CASES // 8)):
+        t, label, must = _source_mutation(tensors, rng)
+        src, out = str(tmp_path / "src.safetensors"), str(tmp_path / "out.safetensors")
+        write_file(src, t, meta, overwrite=True)
+        try:
+            quantize_file(src, out, Recipe("float8_e4m3fn", weight_scale="absmax"), overwrite=True)
+            outcomes["quantized"] += 1
+            if must:
+                silent.append(label)
+        except ModelOptError as e:
+            assert "\n" not in str(e) and str(e).startswith("src.safetensors: "), str(e)
+            outcomes["refused"] += 1
+    print(f"\n{dict(outcomes)}")
+    assert not silent, f"{len(silent)} damaged sources quantized, e.g. {silent[:5]}"

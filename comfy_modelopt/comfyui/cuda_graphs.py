@@ -380,12 +380,13 @@ class CudaGraphs:
             release_blas_workspaces()
             # thread_local: other threads of the process (ComfyUI's) may use the GPU meanwhile
             before = torch.cuda.current_stream(stream.device)
+            # the pool's id, named here: a failed capture's own (graph.pool()) cannot be asked for
+            handle = self.pool.handle if self.pool.handle is not None else torch.cuda.graph_pool_handle()
             try:
-                with torch.cuda.graph(graph, pool=self.pool.handle, stream=stream,
-                                      capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool=handle, stream=stream, capture_error_mode="thread_local"):
                     out = run()
             except BaseException:
-                _end_failed_capture(graph, stream.device, before)
+                _end_failed_capture(handle, stream.device, before)
                 raise
             release_blas_workspaces()
         return graph, out
@@ -430,18 +431,23 @@ class CudaGraphs:
         return out
 
 
-def _end_failed_capture(graph, device, stream) -> None:
+def _end_failed_capture(pool, device, stream) -> None:
     """What a capture that failed inside leaves behind, undone: torch's ``capture_end`` raises on
     the invalidated capture before it ends the allocator's routing into the graph's pool and
     before the graph context gives the stream back - every later capture in the process then
-    failed ("beginAllocateToPool: already recording to mempool_id") and work stayed on the
-    capture stream."""
+    failed ("beginAllocateToPool: already recording to mempool_id", seen after a
+    patch's .item() inside a capture) and work stayed on the capture stream."""
     torch.cuda.set_stream(stream)
     index = torch.device(device).index
-    try:
-        torch._C._cuda_endAllocateToPool(torch.cuda.current_device() if index is None else index, graph.pool())
-    except Exception:  # not routing any more (capture_end got that far): nothing to undo
-        pass
+    index = torch.cuda.current_device() if index is None else index
+    for name in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool"):  # torch's names over versions
+        end = getattr(torch._C, name, None)
+        if end is not None:
+            try:
+                end(index, pool)
+            except RuntimeError:  # not routing any more (capture_end got that far): nothing to undo
+                pass
+            return
 
 
 class _NotCapturable(Exception):

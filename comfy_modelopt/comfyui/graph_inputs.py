@@ -63,13 +63,13 @@ class ModelCall:
 
     def tensors(self) -> list:
         out: list = []
-        walk_tensors(self._keyed(), out)
+        walk_leaves(self._keyed(), out)
         return out
 
     def objects(self) -> list:
         """The callables and other objects the signature holds by identity."""
         out: list = []
-        walk_objects(self._keyed(), out)
+        walk_leaves(self._keyed(), out, objects=True)
         return out
 
     def static(self, device) -> "ModelCall":
@@ -89,7 +89,7 @@ class ModelCall:
 def tensors_of(*trees) -> list:
     out: list = []
     for t in trees:
-        walk_tensors(t, out)
+        walk_leaves(t, out)
     return out
 
 
@@ -97,25 +97,18 @@ def tensors_of(*trees) -> list:
 # (function -> cell -> function) holding whatever it collected.  The tensors of every model
 # evaluation (ComfyUI's conditioning, a fresh 4 MiB Flux context per step) then lived until the
 # garbage collector ran: 80 MiB more at the peak of a Flux run (measured, allocator history).
-def walk_tensors(v, out: list) -> None:
-    if isinstance(v, torch.Tensor):
-        out.append(v)
-    elif isinstance(v, dict):
-        for k in sorted(v, key=str):
-            walk_tensors(v[k], out)
-    elif isinstance(v, (list, tuple)):
-        for x in v:
-            walk_tensors(x, out)
-
-
-def walk_objects(v, out: list) -> None:
+def walk_leaves(v, out: list, objects: bool = False) -> None:
+    """The tensors (``objects``: the callables and other objects instead) of ``v``, in order."""
     if isinstance(v, dict):
         for k in sorted(v, key=str):
-            walk_objects(v[k], out)
+            walk_leaves(v[k], out, objects)
     elif isinstance(v, (list, tuple)):
         for x in v:
-            walk_objects(x, out)
-    elif not isinstance(v, (torch.Tensor, int, float, str, bool, type(None))):
+            walk_leaves(x, out, objects)
+    elif isinstance(v, torch.Tensor):
+        if not objects:
+            out.append(v)
+    elif objects and not isinstance(v, (int, float, str, bool, type(None))):
         out.append(v)
 
 

@@ -229,10 +229,38 @@ def _check_matches(patcher, given: dict, where: str) -> None:
             stored = list((w if q is None else q).shape)
             raise CheckpointError(f"{where}: {name}.weight: stored {stored} does not fit the "
                                   f"[{m.out_features}, {m.in_features}] layer of the model ComfyUI detected")
+    _check_shapes(patcher, given, where)
     extra = sorted(k for k in keys if k.endswith(".weight") and k[:-7] not in modules)
     if extra:
         raise CheckpointError(f"{where}: {extra[0]}: a layer the model ComfyUI detected does not have "
                               f"({len(extra)} such tensors; a file of another model variant, or damaged)")
+
+
+def _check_shapes(patcher, given: dict, where: str) -> None:
+    """Every 16-bit tensor of ``given`` has the shape the model ComfyUI detected has there - read
+    from that model built again on the meta device (ComfyUI's own loader may take a parameter of
+    another shape as it is: a final convolution of 2 outputs instead of 4 loaded and sampled)."""
+    config = patcher.model.model_config
+    # ComfyUI reads a UNet's output channels off its final convolution, so a resized one builds
+    # a model of that width: its output must be the latent it denoises
+    unet, latent = config.unet_config, getattr(config.latent_format, "latent_channels", None)
+    if "model_channels" in unet and latent and unet.get("out_channels") not in (None, latent, 2 * latent):
+        raise CheckpointError(f"{where}: out.2.weight: {unet['out_channels']} output channels, the "
+                              f"{type(config).__name__} latent it denoises has {latent}")
+    try:
+        with torch.device("meta"):
+            reference = config.get_model({}, "", device="meta").diffusion_model.state_dict()
+    except Exception:  # pragma: no cover - a model class that cannot be built on meta: the load checks stand
+        return
+    processed = config.process_unet_state_dict(dict(given))
+    quantized = {k[:-len(COMFY_QUANT)] for k in processed if k.endswith(COMFY_QUANT)}
+    for key, want in reference.items():
+        got = processed.get(key)
+        if got is None or key.rpartition(".")[0] in quantized or not hasattr(got, "shape"):
+            continue
+        if tuple(got.shape) != tuple(want.shape) and not got.numel() == want.numel() == 1:
+            raise CheckpointError(f"{where}: {key}: stored {list(got.shape)} does not fit the {list(want.shape)} "
+                                  f"tensor of the model ComfyUI detected")
 
 
 def _load(sd: dict, metadata: dict | None, where: str, **load_options):

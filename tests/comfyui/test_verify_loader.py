@@ -138,14 +138,17 @@ def test_dropped_16bit_layer_named_by_the_model(files, tmp_path):
 
 def test_extra_layer_named(files, tmp_path):
     tensors, meta = load(files["int8-convrot"][1])
-    tensors["final_layer.extra.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    # of the model's widths (a [4, 4] one the file's own structure already refuses)
+    tensors["final_layer.extra.weight"] = torch.zeros_like(tensors["final_layer.linear.weight"])
     _refused(_write(tmp_path, tensors, meta), r"final_layer\.extra\.weight: a layer the model ComfyUI detected does not have")
 
 
 def test_comfyui_errors_come_back_as_ours(files, tmp_path):
     tensors, meta = load(files["fp8-w8a8"][1])
-    key = "final_layer.adaLN_modulation.1.bias"
-    tensors[key] = tensors[key][:-2].clone()  # a 16-bit shape edit: ComfyUI's load_state_dict fails on it
+    # a 16-bit layer resized consistently (its bias with it: the file's own structure holds), which
+    # ComfyUI's load_state_dict fails on
+    for key in ("final_layer.adaLN_modulation.1.weight", "final_layer.adaLN_modulation.1.bias"):
+        tensors[key] = tensors[key][:-2].clone()
     _refused(_write(tmp_path, tensors, meta), r"ComfyUI could not build the model from it: .*size mismatch")
 
 
