@@ -67,20 +67,16 @@ class Recipe:
                        tooltip=_FORMAT_HELP.format(calibration="calibration") + ".")
     weight_scale: str = _opt("mse", choices=WEIGHT_SCALE_METHODS, advanced=False, optional=False,
                              help="absmax, or the MSE-optimal clipping search",
-                             tooltip="mse: search the clipping that minimises the error (on the layer's outputs "
-                                     "when calibrated); absmax: naive. mse by default: fp8 + GPTQ on a 110M real "
-                                     "model 0.86x a naive converter's error against 0.88x with absmax; nvfp4's "
-                                     "per-block scale search 0.88-0.90x before GPTQ.")
+                             tooltip="mse (default): search the clipping that minimises the error (on the layer's "
+                                     "outputs when calibrated) - the lower error on real weights; absmax: naive. "
+                                     "Figures: docs/algorithms.md#defaults.")
     input_scale: str = _opt("max", choices=INPUT_SCALE_METHODS, optional=False,
                             help="with --stats: how static activation scales are chosen - the calibration's max "
-                                 "(default: with GPTQ never worse than the mse clip search, on two real models "
-                                 "0.80-0.88x a naive converter's error, and in whole H200 runs of Flux, SDXL "
-                                 "and Wan the same final latent), a percentile or the mse clip search",
+                                 "(default: with GPTQ never worse than the mse clip search; docs/algorithms.md), "
+                                 "a percentile or the mse clip search",
                             tooltip="How calibrated static activation scales are chosen (fp8; nvfp4 with "
-                                    "static_nvfp4_input). max by default: with GPTQ it was never worse than the mse "
-                                    "clip search - 0.80-0.88x a naive converter's error on two real models, the same "
-                                    "final latent in whole Flux, SDXL and Wan runs on an H200 - and quicker to "
-                                    "make (Flux 44 s in this node instead of 50).")
+                                    "static_nvfp4_input). max (default): with GPTQ never worse than the mse clip "
+                                    "search, and quicker. Figures: docs/algorithms.md#defaults.")
     percentile: float = _opt(99.99, bounds=(0.01, 100.0, 0.001),
                              help="with input_scale percentile: which percentile of the activations")
     static_nvfp4_input: bool = _opt(False, optional=False,
@@ -107,30 +103,24 @@ class Recipe:
                              "this pack's loader (stock ComfyUI refuses them).")
     gptq: bool = _opt(True, optional=False,
                       help="error-compensated rounding with activation statistics (every format), kept per "
-                           "layer where it beats plain rounding on held-out prompts; on by default - 0.74-0.88x "
-                           "a naive converter's error on two real models (plain rounding: 0.88-1.02x); without "
-                           "statistics it is off and the report says so",
-                      tooltip="Error-compensated rounding (every format; needs calibration - without it the "
-                              "layers are rounded to nearest and the report says so), kept per layer where it "
-                              "beats plain rounding on held-out prompts. On by default: on two real models it took "
-                              "fp8 W8A8 to 0.82-0.88x and nvfp4 to 0.74-0.77x a naive converter's error (plain: "
-                              "0.88-1.02x); on a CUDA GPU each layer's pass is one Triton kernel per 128 columns.")
+                           "layer where it beats plain rounding on held-out prompts; on by default (lower error, "
+                           "docs/algorithms.md); without statistics it is off and the report says so",
+                      tooltip="Error-compensated rounding (every format; needs calibration, else rounded to "
+                              "nearest and reported), kept per layer where it beats plain rounding on held-out "
+                              "prompts. On: lower error at the same speed. Figures: docs/algorithms.md#defaults.")
     gptq_act_order: bool = _opt(True, help="with gptq: round each layer's columns by decreasing input energy "
                                            "(act-order) instead of in order (on by default: it won for fp8 and "
                                            "nvfp4 on real weights, at the same cost); ignored without gptq")
     sensitivity: bool = _opt(False, help="with statistics: also measure every layer's output error in every "
-                                         "format (the file report's per-layer sensitivity; off by default: 12 of "
-                                         "30 s of the 110M real model's fp8 file, and the planner measures it "
-                                         "anyway)")
+                                         "format (the file report's per-layer sensitivity; off by default: a large "
+                                         "part of quantizing's time, and the planner measures it anyway)")
     convrot: bool = _opt(True, optional=False,
                          help="int8_tensorwise: Hadamard-rotate weights and activations (ConvRot: outlier "
-                              "channels spread over a group); on by default - 0.28-0.36x a naive int8 converter's "
-                              "error on two real models, half plain int8's final-latent error in a whole Flux run "
-                              "for 3.6%% of its speed (SDXL: 20%% less for 7%%); other formats ignore it",
+                              "channels spread over a group); on by default (lower error for a few percent of "
+                              "speed, docs/algorithms.md); other formats ignore it",
                          tooltip="int8_tensorwise only (other formats ignore it): Hadamard-rotate weights and "
-                                 "activations so outlier channels spread over a group. On by default: 0.28-0.36x "
-                                 "a naive int8 converter's error on two real models, half plain int8's final-latent "
-                                 "error in a whole Flux run on an H200 for 3.6% of its speed (SDXL: 20% less for 7%).")
+                                 "activations so outlier channels spread over a group - much lower error for a few "
+                                 "percent of speed. Figures: docs/algorithms.md#defaults.")
     convrot_groupsize: int = _opt(DEFAULT_CONVROT_GROUPSIZE, choices=CONVROT_GROUPSIZES, bounds=(16, 1024, 1),
                                   help="ConvRot rotation group: int8_tensorwise takes the largest of "
                                        "1024/256/64/16 up to this that divides each layer's in_features; "

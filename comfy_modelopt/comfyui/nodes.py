@@ -86,17 +86,24 @@ class ModelOptCalibrationHelper(io.ComfyNode):
                 io.Clip.Input("clip", tooltip="The text encoder of this model."),
                 io.String.Input("prompts", multiline=True, default="\n".join(DEFAULT_PROMPTS),
                                 tooltip="One prompt per line; the first num_prompts are used."),
-                io.String.Input("negative_prompt", multiline=True, default=DEFAULT_NEGATIVE),
+                io.String.Input("negative_prompt", multiline=True, default=DEFAULT_NEGATIVE,
+                                tooltip="The negative prompt every calibration sample uses (as in your workflows)."),
                 io.Int.Input("num_prompts", default=16, min=1, max=1024,
                              tooltip="How many prompts to sample (more = better statistics, slower)."),
                 io.Int.Input("steps", default=20, min=1, max=200, tooltip="Sampling steps per prompt."),
                 io.Float.Input("cfg", default=4.0, min=0.0, max=30.0, step=0.1,
                                tooltip="CFG used while sampling (1.0 for guidance-distilled models like Flux-dev)."),
-                io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="euler"),
-                io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="simple"),
-                io.Int.Input("width", default=1024, min=64, max=8192, step=8),
-                io.Int.Input("height", default=1024, min=64, max=8192, step=8),
-                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF, control_after_generate=True),
+                io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="euler",
+                               tooltip="The sampler calibration samples with: the one your workflows use."),
+                io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="simple",
+                               tooltip="The scheduler calibration samples with: the one your workflows use."),
+                io.Int.Input("width", default=1024, min=64, max=8192, step=8,
+                             tooltip="Image width while calibrating: the size you will generate at (the "
+                                     "default runtime compiles for it)."),
+                io.Int.Input("height", default=1024, min=64, max=8192, step=8,
+                             tooltip="Image height while calibrating: the size you will generate at."),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF, control_after_generate=True,
+                             tooltip="Noise seed of the first prompt (the next ones add 1 each)."),
                 io.Float.Input("guidance", default=3.5, min=0.0, max=100.0, step=0.1,
                                tooltip="Embedded guidance for guidance-distilled models (Flux); others ignore it."),
                 io.Float.Input("samples_mib_per_layer", default=2.0, min=0.0, max=256.0, step=0.5, advanced=True,
@@ -110,10 +117,9 @@ class ModelOptCalibrationHelper(io.ComfyNode):
                 # optional: workflows saved before these inputs existed still validate
                 io.Combo.Input("engine", options=["own", "modelopt"], default="own", advanced=True, optional=True,
                                tooltip="modelopt: also calibrate with NVIDIA ModelOpt (pip install "
-                                       "'comfy-modelopt[modelopt]') on the same prompts - its input ranges and "
-                                       "SmoothQuant/AWQ scales, for one format (modelopt_format); Quantize "
-                                       "Model then writes them into the same stock file. Samples the prompts "
-                                       "twice (ours, then ModelOpt's on a copy of the model: twice its VRAM)."),
+                                       "'comfy-modelopt[modelopt]') for one format (modelopt_format); Quantize "
+                                       "Model writes its scales into the same stock file. Samples the prompts "
+                                       "twice, on a copy of the model (twice its VRAM)."),
                 io.Combo.Input("modelopt_algorithm", options=list(MODELOPT_ALGORITHMS), default="max", advanced=True,
                                optional=True, tooltip="max: ModelOpt's amax calibrators (fp8, int8, nvfp4); "
                                                       "smoothquant: int8; awq_lite: nvfp4, needs CUDA; awq_full: "
@@ -204,7 +210,10 @@ class ModelOptLoadCalibration(io.ComfyNode):
             display_name="Load Calibration (ModelOpt)",
             category=CATEGORY,
             description="Load statistics saved by Calibrate Model (models/modelopt_calibration).",
-            inputs=[io.Combo.Input("calibration_name", options=folder_paths.get_filename_list(CALIBRATION_FOLDER))],
+            inputs=[io.Combo.Input("calibration_name", options=folder_paths.get_filename_list(CALIBRATION_FOLDER),
+                                   tooltip="Statistics saved by Calibrate Model (its save_name) in "
+                                           "models/modelopt_calibration/. Empty: run Calibrate Model with a "
+                                           "save_name first, then refresh.")],
             outputs=[CALIBRATION.Output(display_name="calibration"), io.String.Output(display_name="summary")],
         )
 
@@ -227,7 +236,8 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                         "comfy-kitchen kernels). The input MODEL is not changed; LoRAs applied upstream "
                         "are baked in.",
             inputs=[
-                io.Model.Input("model"),
+                io.Model.Input("model", tooltip="The 16-bit model to quantize (LoRAs applied upstream are baked in; "
+                                                "it is left unchanged)."),
                 *map(recipe_input, QUANTIZE_INPUTS_BEFORE_CALIBRATION),
                 CALIBRATION.Input("calibration", optional=True,
                                   tooltip="From Calibrate Model: static input scales (true fp8 W8A8), smoothing, "
@@ -295,7 +305,8 @@ class ModelOptSaveQuantized(io.ComfyNode):
                 io.Model.Input("model", tooltip="The MODEL output of Quantize Model."),
                 io.String.Input("filename", default="quantized/model-fp8",
                                 tooltip="Relative to models/diffusion_models; .safetensors is added."),
-                io.Boolean.Input("overwrite", default=False),
+                io.Boolean.Input("overwrite", default=False,
+                                 tooltip="Replace a file of the same name. Off: an existing name is refused."),
             ],
             outputs=[io.String.Output(display_name="path")],
             is_output_node=True,
@@ -374,7 +385,9 @@ class ModelOptUNetLoader(io.ComfyNode):
                         "folder) after checking it: every layer against its format (tensors, dtypes, "
                         "shapes, scales finite and > 0), every 16-bit value finite, no layer missing; "
                         "a damaged file is refused naming the key at fault. Shows its report.",
-            inputs=[io.Combo.Input("unet_name", options=_unet_files()),
+            inputs=[io.Combo.Input("unet_name", options=_unet_files(),
+                                   tooltip="A quantized file in models/diffusion_models/ (any maker's); "
+                                           "checked layer by layer before ComfyUI sees it."),
                     io.Combo.Input("runtime", options=list(RUNTIMES), default=DEFAULT_RUNTIME, tooltip=RUNTIME_TOOLTIP),
                     io.Float.Input("dequant_cache_gib", default=0.0, min=0.0, max=1024.0, step=0.5, advanced=True,
                                    optional=True, tooltip=DEQUANT_CACHE_TOOLTIP)],

@@ -124,6 +124,23 @@ def test_quantize_node_offers_every_recipe_field():
                candidates=("nvfp4", "int8_tensorwise"))
 
 
+def test_every_input_explained_in_a_screenful_without_figures(env):
+    """Every input of every node has a tooltip that says what to choose, fits on a screen (<= 300
+    characters) and quotes no measured figure - ratios, timings, GPUs live in docs/benchmarks.md."""
+    import re
+    figure = re.compile(r"\d(\.\d+)?x\b|\bH[12]00\b|\d+(\.\d+)? ?(s|ms)\b|\d%")
+    bad = []
+    for cls in (env["nodes"].ModelOptCalibrationHelper, env["nodes"].ModelOptLoadCalibration,
+                env["nodes"].ModelOptQuantizeUNet, env["nodes"].ModelOptSaveQuantized,
+                env["nodes"].ModelOptUNetLoader, env["nodes"].ModelOptCudaGraphs):
+        schema = cls.define_schema()
+        for i in schema.inputs:
+            tip = getattr(i, "tooltip", None) or ""
+            if not tip or len(tip) > 300 or figure.search(tip):
+                bad.append(f"{schema.node_id}.{i.id}: {len(tip)} chars {figure.search(tip).group(0) if figure.search(tip) else ''}")
+    assert not bad, bad
+
+
 def test_calibration_covers_the_trajectory(env):
     st = env["stats"]
     assert st.forward_calls == 2 * 3  # prompts x steps (cond and uncond batched per call)
