@@ -21,8 +21,7 @@ import comfy_kitchen as ck
 import torch
 
 from ..formats import F8_E4M3_MAX
-from .compiled_blocks import block_independent
-from .graph_inputs import own
+from .compiled_blocks import block_independent, own
 
 # below this many query and key tokens the fp8 path leaves attention to ComfyUI (per call, H200,
 # Q/K/V quantized: cuDNN's FP8 SDPA 0.92x bf16 at 4,608 and 5,120 tokens; FlashAttention-3's

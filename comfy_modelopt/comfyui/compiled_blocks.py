@@ -98,6 +98,13 @@ def _is_weight_layer(m) -> bool:
 _KEYS_LEFT_OUT = ("block", "block_index", "transformer_index", "sample_sigmas")
 
 
+def own(fn):
+    """Marks a callable of this pack that it puts in transformer_options (an attention override):
+    not foreign to the graphs (``cuda_graphs`` checks other packs' callables against eager once)."""
+    fn.comfy_modelopt_own = True
+    return fn
+
+
 def block_independent(fn):
     """Marks a callable of the options (an attention override) that reads none of the per-block
     keys in ``_KEYS_LEFT_OUT``: regions are then called without those keys, as without a callable

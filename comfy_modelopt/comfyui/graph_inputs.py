@@ -129,14 +129,8 @@ def walk_signature(v, flat: list) -> None:
         flat.append(("O", type(v).__qualname__, id(v)))
 
 
-def own(fn):
-    """Marks a callable of this pack that it puts in transformer_options (an attention override):
-    not foreign to the graphs (no ``CudaGraphs`` check of its behaviour between calls)."""
-    fn.comfy_modelopt_own = True
-    return fn
-
-
 def foreign(objects: list) -> list:
+    """The callables and objects not of this pack (``compiled_blocks.own``)."""
     return [o for o in objects if not getattr(o, "comfy_modelopt_own", False)]
 
 
