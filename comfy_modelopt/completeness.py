@@ -111,7 +111,8 @@ _QUANT_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale", ".pre_qua
                    ".lowrank_up", ".lowrank_down", ".smooth_scale")
 
 
-def structure_problems(entries, prefix: str = "", optional: tuple = (), quantized=frozenset()) -> list:
+def structure_problems(entries, prefix: str = "", optional: tuple = (), quantized=frozenset(),
+                       widths: bool = True) -> list:
     """Tensors whose shapes the model's own structure contradicts (``entries``: key -> (dtype,
     shape); ``quantized``: layer names, relative to ``prefix``, stored quantized - their weights'
     shapes are the format's):
@@ -120,8 +121,9 @@ def structure_problems(entries, prefix: str = "", optional: tuple = (), quantize
       and bias differ;
     - a tensor of a block in a run (``<run>.<i>.``) that is missing, or of another shape, where
       the blocks on both sides agree (the first or last block: where the next two agree);
-    - a weight outside the blocks that shares no width with them (each layer outside the
-      blocks - embedders, the final layer - reads or writes the blocks' widths).
+    - with ``widths`` (a model of a known family): a weight outside the blocks that shares no width
+      with them (each layer outside a diffusion model's blocks - embedders, the final layer - reads
+      or writes the blocks' widths; any module need not).
     A family's by-design differences (``optional`` globs) pass."""
     shapes = {k[len(prefix):]: tuple(s) for k, (_d, s) in entries.items()
               if k.startswith(prefix) and not k.endswith(_QUANT_SUFFIXES)}
@@ -164,11 +166,11 @@ def structure_problems(entries, prefix: str = "", optional: tuple = (), quantize
                                               f"run hold {list(shape)}"))
             if len(found) <= 2:  # one tensor, or a layer's weight and bias; a block of another design differs more
                 problems += found
-    widths = {d for k in inside for d in shapes[k]}
+    block_widths = {d for k in inside for d in shapes[k]} if widths else set()
     for key, shape in sorted(shapes.items()):
-        if key in inside or len(shape) < 2 or not widths or key.rpartition(".")[0] in quantized:
+        if key in inside or len(shape) < 2 or not block_widths or key.rpartition(".")[0] in quantized:
             continue
-        if not widths.intersection(shape):
+        if not block_widths.intersection(shape):
             problems.append(Problem(prefix + key, f"has shape {list(shape)}: no width of the model's blocks "
                                                   f"(a layer outside them reads or writes one)"))
     return problems

@@ -364,7 +364,9 @@ def verify(entries: Entries, metadata: Mapping[str, str], read: Reader | None, r
         problems += missing_layers(entries, prefix, family.optional)
         named = {p.key for p in problems}
         quantized = {n[len(prefix):] for n in confs if n.startswith(prefix)}
-        problems += [p for p in structure_problems(entries, prefix, family.optional, quantized) if p.key not in named]
+        from .families import GENERIC
+        problems += [p for p in structure_problems(entries, prefix, family.optional, quantized,
+                                                   widths=family is not GENERIC) if p.key not in named]
     result.tensors = len(entries)
     result.seconds = time.perf_counter() - t0
     return result
