@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .stats import ActivationStats, CalibrationError, LayerStats, UpdateGraphs, rows_for_budget
+from .stats import INF_NAN_BIN, ActivationStats, CalibrationError, LayerStats, UpdateGraphs, rows_for_budget
 
 
 @dataclass(frozen=True)
@@ -268,6 +268,8 @@ def calibrate(module: torch.nn.Module, forward_loop: Callable[[torch.nn.Module],
         calls[0] += 1
         if stats.first_call is None:
             stats.first_call = RecordedCall.of(args, kwargs)
+        if calls[0] == 2 and options.nonfinite == "error":  # the first evaluation done: one read of its counts
+            _first_nonfinite(stats, layers)
 
     handles = [module.register_forward_pre_hook(count, with_kwargs=True)]
     try:
@@ -287,6 +289,22 @@ def calibrate(module: torch.nn.Module, forward_loop: Callable[[torch.nn.Module],
     return stats
 
 
+_SOURCES = ("if that layer takes the model's inputs, the conditioning (the text encoder's output: a broken or "
+            "mismatched CLIP, an empty prompt) or the latent; deeper in the model, 16-bit overflow - sample it in "
+            "bf16 or fp32")
+
+
+def _first_nonfinite(stats: ActivationStats, layers: dict) -> None:
+    """After the model's first evaluation: stop at once where it fed a layer NaN/Inf (the rest of
+    the calibration would only repeat it), naming the first such layer in the model's order."""
+    for name in layers:
+        hist = stats.layers[name].hist
+        bad = int(hist[INF_NAN_BIN:].sum()) if hist is not None else 0
+        if bad:
+            raise CalibrationError(f"NaN/Inf activations at the model's first evaluation, first in {name} ({bad} "
+                                   f"values): {_SOURCES}")
+
+
 def _check(stats: ActivationStats, options: CalibrationOptions) -> None:
     if stats.forward_calls == 0 or not any(s.rows for s in stats.layers.values()):
         raise CalibrationError("calibration saw no forward calls: forward_loop never ran the model "
@@ -295,6 +313,4 @@ def _check(stats: ActivationStats, options: CalibrationOptions) -> None:
     if bad and options.nonfinite == "error":
         worst = stats.layers[bad[0]]
         raise CalibrationError(
-            f"NaN/Inf activations in {len(bad)} layers (e.g. {bad[0]}: {worst.nonfinite} values): the model "
-            f"produced non-finite values during calibration (fp16 overflow?); sample it in bf16/fp32, "
-            f"or fix the inputs")
+            f"NaN/Inf activations in {len(bad)} layers (e.g. {bad[0]}: {worst.nonfinite} values): {_SOURCES}")

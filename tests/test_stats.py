@@ -190,6 +190,23 @@ def test_nonfinite_activations_refused():
     assert st.layers["0"].nonfinite >= 1 and torch.isfinite(st.layers["0"].amax)
 
 
+def test_nonfinite_activations_stop_calibration_at_the_first_evaluation():
+    """NaN/Inf in the first evaluation stops calibration before the second (not after every
+    prompt and step), naming the first layer that saw them and the likely sources."""
+    m = mlp()
+    x = torch.randn(4, 64)
+    x[0, 0] = float("nan")
+    calls = []
+
+    def loop(mod):
+        for _ in range(10):
+            calls.append(1)
+            mod(x)
+    with pytest.raises(CalibrationError, match=r"at the model's first evaluation, first in 0 \(1 values\): .*conditioning"):
+        calibrate(m, loop)
+    assert len(calls) == 2
+
+
 def test_save_load_and_fingerprint(tmp_path):
     m = mlp()
     st = calibrate(m, lambda mod: mod(torch.randn(10, 64)), info={"steps": 3})
