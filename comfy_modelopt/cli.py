@@ -150,7 +150,7 @@ def _quantize(a, device, shard) -> int:
         stats = ActivationStats.load(a.stats)
     where = f"{device or 'cpu'}" + (f", {shard.world} processes" if shard is not None else "")
     report = quantize(a.src, recipe, stats, out=a.output, overwrite=a.overwrite, hash_source=a.hash,
-                      progress=None if a.quiet or not lead else Progress(f"quantizing on {where}"),
+                      progress=False if a.quiet or not lead else Progress(f"quantizing on {where}"),
                       device=device, family=a.family, shard=shard).report
     if not lead:
         return 0

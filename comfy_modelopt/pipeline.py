@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from typing import Callable, Mapping, NamedTuple
 
@@ -58,7 +59,7 @@ class Quantized(NamedTuple):
 
 def quantize(source, recipe: Recipe, stats=None, *, out=None, overwrite: bool = False, sink=None,
              family: str | Family = "auto", refuse_unknown: bool = True, engine=None, prices: dict | None = None,
-             device=None, shard=None, progress: Progress | None = None,
+             device=None, shard=None, progress: Progress | bool | None = None,
              check_interrupt: Callable[[], None] | None = None, source_info: dict | None = None,
              hash_source: bool = False, metadata: dict | None = None) -> Quantized:
     """The one way in - the CLI, the nodes, the launcher and ``quantize_module`` call it: ``source``
@@ -80,11 +81,16 @@ def quantize(source, recipe: Recipe, stats=None, *, out=None, overwrite: bool = 
     ``recipe.max_error``.  ``device``: where the math runs (weights travel there one layer at a
     time).  ``shard`` (``distributed.Shard.current()`` under torchrun): every rank calls this alike,
     the layers are encoded across the ranks and rank 0 writes (its report is the whole one).
-    ``progress(done, total, layer_name)`` is called as layers finish, ``check_interrupt()`` before
+    ``progress(done, total, layer_name)`` is called as layers finish (None: ``progress.Progress`` on
+    the terminal when stderr is one - phase, layer i/N, ETA; False: silent), ``check_interrupt()`` before
     each (it raises to stop); ``source_info`` is what the header records of the source (a file's
     name and size, with ``hash_source`` its sha256)."""
     if out is not None and sink is not None:
         raise ValueError("quantize writes to out or to sink, not both")
+    if progress is None:  # a library call in an interactive terminal shows where it is
+        from .progress import Progress as Console
+        progress = Console("quantizing") if sys.stderr.isatty() else None
+    progress = progress or None
     writes = shard is None or shard.rank == 0
     path = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
     if out is not None:

@@ -23,7 +23,7 @@ def check_output_path(path: str, overwrite: bool) -> str:
     if os.path.isdir(path):
         raise OutputError(f"{path} is a folder; give a file name such as {os.path.join(path, 'model.safetensors')}")
     if os.path.lexists(path) and not overwrite:
-        raise OutputExistsError(f"{path} already exists (use --overwrite to replace it)")
+        raise OutputExistsError(f"{path} already exists (overwrite=True, or --overwrite, replaces it)")
     return folder
 
 
@@ -39,7 +39,7 @@ def publish(tmp_path: str, path: str, overwrite: bool) -> None:
         os.link(tmp_path, path)       # fails if the target appeared meanwhile
     except FileExistsError:
         raise OutputExistsError(f"{path} appeared while this run was writing (another run?); "
-                                f"nothing was replaced - use --overwrite to replace it") from None
+                                f"nothing was replaced - overwrite=True (--overwrite) replaces it") from None
     except OSError as e:
         if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS,
                            getattr(errno, "ENOTSUP", -1)):
@@ -47,7 +47,7 @@ def publish(tmp_path: str, path: str, overwrite: bool) -> None:
         # filesystems without hard links: the narrow check-then-rename is the best there is
         if os.path.lexists(path):
             raise OutputExistsError(f"{path} appeared while this run was writing; nothing "
-                                    f"was replaced - use --overwrite to replace it") from None
+                                    f"was replaced - overwrite=True (--overwrite) replaces it") from None
         os.rename(tmp_path, path)
         return
     os.unlink(tmp_path)

@@ -35,3 +35,15 @@ def test_a_slow_phase_still_speaks_every_30_seconds():
         p(i, 1000, "")
     assert len(lines) == 5  # every call 31 s after the last: each one speaks, though no tenth passed
     assert lines[1] == "saving: 1/1000 tensors, 31s, ETA 8h36m"
+
+
+def test_library_quantize_speaks_in_a_terminal_and_only_there(flux_file, tmp_path, monkeypatch, capsys):
+    """``quantize()`` from Python shows its progress when stderr is a terminal (it said nothing for
+    minutes), stays silent elsewhere and with ``progress=False``."""
+    import sys
+    from comfy_modelopt import Recipe, quantize
+    for tty, progress, speaks in ((True, None, True), (False, None, False), (True, False, False)):
+        monkeypatch.setattr(sys.stderr, "isatty", lambda tty=tty: tty)
+        quantize(flux_file, Recipe("float8_e4m3fn"), progress=progress)
+        err = capsys.readouterr().err
+        assert ("quantizing" in err) == speaks, (tty, progress, err[-200:])

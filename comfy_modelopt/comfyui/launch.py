@@ -273,7 +273,7 @@ def _quantize(model, recipe, stats, engine, path: str, overwrite: bool, shard, r
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     report = quantize(PatcherSource(model, compute_device()), recipe, stats, out=path, overwrite=overwrite,
                       refuse_unknown=False, engine=engine, shard=shard, source_info={"name": source},
-                      progress=Progress("quantizing") if rank == 0 else None).report
+                      progress=Progress("quantizing") if rank == 0 else False).report
     if rank == 0:
         logging.info(report.summary())
         logging.info(f"[comfy-modelopt] wrote {path} ({os.path.getsize(path) / 2**20:.1f} MiB)")
