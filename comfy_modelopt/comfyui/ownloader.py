@@ -64,7 +64,7 @@ from .records import layer_record, model_record
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 # what ComfyUI's loader raises on a state dict it cannot build a model from
-_COMFY_ERRORS = (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError)
+_COMFY_ERRORS = (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError, ArithmeticError)
 
 
 def split_state_dict(sd: dict, metadata: dict | None) -> tuple[dict, dict, dict]:
