@@ -106,13 +106,17 @@ _RANDOM = frozenset({"rand", "randn", "randint", "randperm", "random_", "uniform
                      "rand_like", "randn_like", "randint_like", "normal", "poisson"})
 
 
+_UNKNOWN = object()  # a host read whose values are not recorded
+
+
 class HostCopies(TorchDispatchMode):
     """Records, over one forward, what a CUDA graph could not hold: the ops that take a CPU
     tensor (not a 0-dim one: those are read as numbers) and return a tensor on another device -
     the host-to-device copies a capture refuses (``ops``); the ops that bring a GPU tensor's
     values to the host - ``.item()``, ``.cpu()``, a data-dependent shape - which a capture refuses
     too and which mean the forward decides something from those values (``reads``); and random
-    numbers drawn on the CPU (``random``), a decision a replay would freeze.  Run over a warm-up
+    numbers drawn on the CPU (``random``), a decision a replay would freeze (``values``: what
+    the reads brought to the host, which may be the step's sigma).  Run over a warm-up
     forward, it tells beforehand that a capture would fail (a capture that fails under
     cudaMallocAsync can take the process down when its allocations are freed) or would be wrong.
     0-dim copies are not flagged: the first warm-up is also where lazy initialisations run once,
@@ -124,6 +128,7 @@ class HostCopies(TorchDispatchMode):
         self.ops: list = []
         self.reads: list = []
         self.random: list = []
+        self.values: list = []  # what the reads read (numbers; ``_UNKNOWN`` where not one)
         self.bytes = 0  # what the host copies copied
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -137,6 +142,12 @@ class HostCopies(TorchDispatchMode):
                 func is torch.ops.aten._local_scalar_dense.default or func is torch.ops.aten.nonzero.default
                 or (isinstance(out, torch.Tensor) and out.device.type == "cpu")):
             self.reads.append(str(func))
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.values.append(out)
+            elif func is not torch.ops.aten.nonzero.default and out.numel() <= 64:
+                self.values.extend(out.flatten().tolist())
+            else:
+                self.values.append(_UNKNOWN)
         if func._opname in _RANDOM and isinstance(out, torch.Tensor) and out.device.type == "cpu":
             self.random.append(str(func))
         return out

@@ -58,16 +58,21 @@ class CudaGraphs:
     may decide per call whether to evaluate at all); the weights' storage addresses are checked
     before each replay (a model unloaded and reloaded elsewhere is captured again).
 
+    A forward whose patches read the step's sigma on the host to decide (active over part of the
+    schedule) gets one graph per step: each step's sigmas are handed to it on the host, captured
+    at the step's first evaluation and replayed at the same step of the next image.
+
     What a graph cannot hold runs eagerly, the reason logged once: a partially loaded model, a
-    forward that reads GPU values on the host or draws random numbers there (a patch that decides
-    per step in Python), one whose patches keep tensors between calls (Self-Attention Guidance's
+    forward that reads other GPU values on the host or draws random numbers there (a patch that
+    decides per call in Python), one whose patches keep tensors between calls (Self-Attention Guidance's
     attention maps), one whose replay differs from eager at its first replay (checked once per
     signature that holds other packs' callables), a failed capture.  Eagerly means over the
     compiled blocks where they hold code for those shapes."""
 
     replays_skip_hooks = True  # module hooks (calibration statistics) run only while capturing
 
-    def __init__(self, patcher, max_graphs: int = 8, compile_blocks: bool = False, persistent: bool | None = None):
+    def __init__(self, patcher, max_graphs: int = 8, compile_blocks: bool = False, persistent: bool | None = None,
+                 max_step_graphs: int = 64):
         self.patcher, self.max_graphs = patcher, max_graphs
         self.compile_seconds: list = []  # wall time of each compilation + check
         self.compiled = CompiledBlocks(patcher.model.diffusion_model) if compile_blocks else None
@@ -88,6 +93,11 @@ class CudaGraphs:
         self.capture_seconds: list = []  # wall time of each capture (with its warm-up / compilation)
         self.warmed: set = set()  # signatures whose lazy inits/compilation already ran
         self.failed: dict = {}  # signature -> why it runs eagerly (not retried)
+        # signature -> what reads the step's sigma on the host: its graphs are one per step, keyed
+        # by the sigmas (``_step_key``), up to ``max_step_graphs`` of them
+        self.per_step: dict = {}
+        self.max_step_graphs = max_step_graphs
+        self.step_checked: set = set()  # per-step signatures whose first replay was checked
         self.validated: set = set()  # signatures whose compiled blocks matched eager
         self.graph_memory_trimmed = None  # cudaMallocAsync: whether the last release trimmed
         # (signature, compiled) -> what its forward asks of the pool (graph_memory.PoolNeed),
@@ -199,17 +209,21 @@ class CudaGraphs:
             return self._eager(apply_model, call, f"unsupported argument type {e}")
         if sig in self.failed:  # a forward that cannot be captured: no retry per call
             return self._eager(apply_model, call, self.failed[sig], compiled=True)
+        key = _step_key(sig, call) if sig in self.per_step else sig
         weights = self._weights_key()
-        entry = self.graphs.pop(sig, None)
+        entry = self.graphs.pop(key, None)
         if entry is not None and entry["weights"] != weights:
             self.graphs.clear()
             entry = None
         if entry is None:
-            if len(self.graphs) >= self.max_graphs:  # the least recently used graph goes
-                del self.graphs[next(iter(self.graphs))]
-                self.evictions += 1
+            self._evict(key is not sig)
             try:
-                entry = self._capture(apply_model, call, weights, sig)
+                entry = self._capture(apply_model, call, weights, sig, key)
+            except _PerStep as e:
+                self.per_step[sig] = e.readers
+                return self._eager(apply_model, call, f"{e.readers} read the step's sigma on the host: one graph per "
+                                   "step, captured at the step's first evaluation, replayed from the next image on",
+                                   compiled=True)
             except _NotCapturable as e:
                 self.failed[sig] = str(e)
                 return self._eager(apply_model, call, self.failed[sig], compiled=True)
@@ -218,13 +232,14 @@ class CudaGraphs:
                     keep_forever(e)  # cudaMallocAsync: what the capture allocated is never freed
                 self.failed[sig] = f"capture failed: {type(e).__name__}: {str(e)[:300]}"
                 return self._eager(apply_model, call, self.failed[sig], compiled=True)
-            self.graphs[sig] = entry
+            self.graphs[key] = entry
             return entry["out"].clone()
-        self.graphs[sig] = entry  # most recently used
+        self.graphs[key] = entry  # most recently used
         check = entry.pop("check", None)
         rng = torch.cuda.get_rng_state(call.args[0].device) if check else None
         for dst, src in zip(entry["static"], call.tensors()):
-            dst.copy_(src, non_blocking=True)
+            if dst.device.type != "cpu":  # not a step's sigmas, handed to the forward on the host
+                dst.copy_(src, non_blocking=True)
         entry["graph"].replay()
         self.replays += 1
         out = entry["out"].clone()
@@ -233,14 +248,23 @@ class CudaGraphs:
             ref = self._eager(apply_model, call, "checking a replay against eager", compiled=entry["compiled"])
             err = _rel_l2(out, ref)
             if not err <= _CHECK_TOL:
-                del self.graphs[sig]
+                del self.graphs[key]
                 self.failed[sig] = (f"its replay differs from eager by {err:.3g} (relative L2): {check} decide "
                                     "per call in Python")
                 logging.info(f"[comfy-modelopt] CUDA graphs: running eagerly ({self.failed[sig]})")
                 return ref
         return out
 
-    def _capture(self, apply_model, call: ModelCall, weights, sig):
+    def _evict(self, step: bool) -> None:
+        """Room for one more graph: the least recently used one of its kind (per-step or not) goes."""
+        same = [k for k in self.graphs if (k[0] is _STEP) == step]
+        if len(same) >= (self.max_step_graphs if step else self.max_graphs):
+            del self.graphs[same[0]]
+            self.evictions += 1
+
+    def _capture(self, apply_model, call: ModelCall, weights, sig, key):
+        """A graph of ``call``'s evaluation (``key``: its signature ``sig``, or a step of a per-step
+        signature - warmed up, compiled and checked once per signature)."""
         t0 = time.perf_counter()
         # Conditioning can arrive on the CPU (SDXL's ADM vector and Flux's guidance are built
         # there); apply_model would copy it to the GPU on every call, and a host-to-device copy
@@ -248,21 +272,25 @@ class CudaGraphs:
         # anyway, so the static copies live there; replays copy new values into them.
         device = call.args[0].device
         static = call.static(device)
+        step = key is not sig
+        if step:  # read on the host by the forward (no sync, nothing a capture refuses); fixed by the key
+            sigmas = call.options["sigmas"]
+            static.options["sigmas"] = torch.tensor(key[2], dtype=sigmas.dtype).reshape(sigmas.shape)
         others = foreign(static.objects())
         use_compiled = self.compiled is not None and self.compiled.enabled and sig in self.validated
         run = lambda: self._model_call(apply_model, static)  # noqa: E731
-        first = lambda: self._model_call(apply_model, static, check=others)  # noqa: E731
+        first = lambda: self._model_call(apply_model, static, check=others, step=step)  # noqa: E731
         cache = dequant_cache_of(self.patcher.model)
         # a graph that will get a pool of its own, not sized yet: its warm-up is recorded, and the
         # pool seeded from that record, so the capture needs no second take into a fitted pool
         # (the first capture ~20% shorter).  The capture is recorded too and checks the seeding
         fresh = not self.graphs or self.pool is None
-        warm = {}  # (sig, compiled) -> the PoolNeed of that warm-up
+        warm = {}  # (key, compiled) -> the PoolNeed of that warm-up
 
         def sized_warm_up(fn, compiled: bool):
-            if not fresh or (sig, compiled) in self.pool_needs:
+            if not fresh or (key, compiled) in self.pool_needs:
                 return fn()
-            out, warm[(sig, compiled)] = self._recorded(fn, device)
+            out, warm[(key, compiled)] = self._recorded(fn, device)
             return out
         if sig not in self.warmed:
             t_compile = time.perf_counter()
@@ -284,7 +312,7 @@ class CudaGraphs:
                 self.compile_seconds.append(round(time.perf_counter() - t_compile, 3))
             if use_compiled:
                 self.validated.add(sig)
-        elif use_compiled:
+        elif use_compiled and not step:
             # a new run's transformer_options may fail a compiled guard: any recompilation (and
             # Inductor's autotuning) must happen here, never inside the capture
             def warm_up_compiled():
@@ -298,9 +326,9 @@ class CudaGraphs:
         # the allocator serves a request only from free blocks of its own stream, and a sized
         # pool's segments are made on it
         stream = work_stream(device)
-        key = (sig, use_compiled)
-        need = self.pool_needs.get(key)
-        warm_need = warm.get(key) if need is None else None
+        need_key = (key, use_compiled)
+        need = self.pool_needs.get(need_key)
+        warm_need = warm.get(need_key) if need is None else None
         # no graph lives in the pool (none yet, or the uncompiled graph this capture replaces is
         # gone): a pool of its own for this one, seeded where its need is known (or its warm-up's)
         if fresh:
@@ -316,11 +344,11 @@ class CudaGraphs:
             if warm_need is not None and warm_need.fitted and grown <= warm_need.fitted and \
                     abs(peak_in_use(events)[0] - warm_need.peak) <= ROUND_LARGE:
                 # the capture asked what its warm-up did and the seeded segments served it
-                self.pool_needs[key] = warm_need
+                self.pool_needs[need_key] = warm_need
                 self.pool_sizing.append({"from_warm_up": True, "fitted": warm_need.fitted, "peak": warm_need.peak,
                                          "simulated_grown": warm_need.grown, "sized": grown})
             else:
-                need = self.pool_needs[key] = pool_need(events)
+                need = self.pool_needs[need_key] = pool_need(events)
                 if need.fitted and grown - need.fitted > max(_RESIZE_MIN_SAVING, need.fitted // 20):
                     # the pool grew segment by segment to far more than the graph uses at once:
                     # capture again into the fitted segments (the same forward, once more)
@@ -337,8 +365,10 @@ class CudaGraphs:
         self.capture_seconds.append(round(time.perf_counter() - t0, 3))
         entry = {"graph": graph, "call": static, "static": static.tensors(), "out": out, "weights": weights,
                  "compiled": use_compiled}
-        if others:  # checked against eager at its first replay (CudaGraphs.evaluate)
+        if others and sig not in self.step_checked:  # checked against eager at its first replay (evaluate)
             entry["check"] = _named(others)
+            if step:  # once per signature, not per step
+                self.step_checked.add(sig)
         return entry
 
     @staticmethod
@@ -402,14 +432,17 @@ class CudaGraphs:
             gc.collect()
             torch.cuda.synchronize()
 
-    def _model_call(self, apply_model, call: ModelCall, check: list | None = None):
+    def _model_call(self, apply_model, call: ModelCall, check: list | None = None, step: bool = False):
         """The model evaluation a capture and its warm-ups run: constants the forward builds on the
         CPU and moves to the GPU are built on the GPU (``device_constants``: Wan 2.1's timestep
         embedding - without it every Wan capture failed; compiled regions leave that mode, see
         ``compiled_blocks``).  ``check`` (a signature's first warm-up: the foreign callables the
         call holds): what a graph cannot hold fails the signature here, before any capture is
         tried - a copy from the CPU, a GPU value read on the host or random numbers drawn there
-        (a decision made per call in Python), a callable that keeps a tensor it made."""
+        (a decision made per call in Python), a callable that keeps a tensor it made.  Where the
+        only values read are the step's sigmas (``transformer_options["sigmas"]``: a patch active
+        over part of the schedule) and nothing else is amiss, the signature gets one graph per step
+        instead (``_PerStep``; ``step``: a step's warm-up, its sigmas already on the host)."""
         mode = ConstantsOnDevice()
         state = kept_state(check) if check else []
         with HostCopies() if check is not None else contextlib.nullcontext() as host, mode:
@@ -419,15 +452,17 @@ class CudaGraphs:
             if host.ops:
                 raise _NotCapturable(f"the forward copies tensors from the CPU to the GPU ({_listed(host.ops)}), "
                                      "which a CUDA graph cannot capture")
-            if check and (host.reads or host.random):  # the model's own code: a capture tells
-                what = " and ".join(w for w, ops in (("reads GPU values on the host", host.reads),
-                                                     ("draws random numbers on the host", host.random)) if ops)
-                raise _NotCapturable(f"the forward {what} ({_listed(host.reads + host.random)}): "
-                                     f"{_named(check)} decide per call in Python")
             kept = state_changes(state)
             if kept:
                 raise _NotCapturable(f"{', '.join(kept)} keeps tensors it made between calls, which a replay would "
                                      "not update")
+            if check and (host.reads or host.random):  # the model's own code: a capture tells
+                if not host.random and not step and call.only_sigmas(host.values):
+                    raise _PerStep(_named(check))
+                what = " and ".join(w for w, ops in (("reads GPU values on the host", host.reads),
+                                                     ("draws random numbers on the host", host.random)) if ops)
+                raise _NotCapturable(f"the forward {what} ({_listed(host.reads + host.random)}): "
+                                     f"{_named(check)} decide per call in Python")
         return out
 
 
@@ -452,6 +487,25 @@ def _end_failed_capture(pool, device, stream) -> None:
 
 class _NotCapturable(Exception):
     """Why a signature's forward cannot be held by a graph (found before any capture)."""
+
+
+class _PerStep(_NotCapturable):
+    """A signature's forward reads the step's sigmas on the host, and nothing else a graph cannot
+    hold: ``readers`` decide per step (active over part of the schedule - IP-Adapter's and
+    ControlNet-like patches' start/end, Kohya deep shrink), the same way at the same sigma."""
+
+    def __init__(self, readers: str):
+        super().__init__(readers)
+        self.readers = readers
+
+
+_STEP = "per-step"  # first item of a per-step graph's key (a signature's first item is a tuple)
+
+
+def _step_key(sig, call: ModelCall) -> tuple:
+    """The graph key of a per-step signature's call: its step's sigmas, read on the host (one sync
+    per evaluation)."""
+    return (_STEP, sig, call.step_sigmas())
 
 
 def _listed(ops) -> str:

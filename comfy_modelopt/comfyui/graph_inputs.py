@@ -80,6 +80,20 @@ class ModelCall:
     def replace_input(self, x) -> "ModelCall":
         return ModelCall((x, *self.args[1:]), self.kwargs)
 
+    def sigmas(self):
+        """The step's sigmas (``transformer_options["sigmas"]``), or None."""
+        sigmas = self.options.get("sigmas")
+        return sigmas if isinstance(sigmas, torch.Tensor) and 0 < sigmas.numel() <= 64 else None
+
+    def step_sigmas(self) -> tuple | None:
+        sigmas = self.sigmas()
+        return tuple(sigmas.flatten().tolist()) if sigmas is not None else None
+
+    def only_sigmas(self, values: list) -> bool:
+        """Every value in ``values`` (what a forward read on the host) is one of the step's sigmas."""
+        allowed = set(self.step_sigmas() or ())
+        return bool(allowed and values) and all(isinstance(v, float) and v in allowed for v in values)
+
     def run(self, fn):
         """``fn(*args, **kwargs)`` with containers of its own (the tensors and objects shared)."""
         same = lambda t: t  # noqa: E731

@@ -8,8 +8,8 @@ ComfyUI-GGUF's layers are made.  ``make_lean(patcher)`` then gives each quantize
 record, a direct call of the kernel the stock path ends in (the format's ``lean_kernel``), which
 the class's forward takes whenever the call allows it:
 
-- fp8 with a static input scale: kitchen's fused activation quantizer + ``scaled_mm`` (bit-exact
-  with stock; ``fast_accum`` trades exactness for Hopper's fast fp8 accumulation);
+- fp8 with a static input scale: kitchen's activation quantizer (a small input: torch's operations
+  where they round every value as it does, ``_inverse``) + ``scaled_mm`` (bit-exact with stock; ``fast_accum`` trades exactness for Hopper's fast fp8 accumulation);
 - int8 / int8+ConvRot: kitchen's ``int8_linear`` op (what the stock dispatch calls);
 - formats this GPU cannot compute (nvfp4/mxfp8 before Blackwell, fp8 weight-only, ...): kitchen's
   dequantization kernel + one 16-bit GEMM, as stock does - or, within the budget of a
@@ -89,14 +89,6 @@ def _bias(module, x):
     return b if (b.dtype == x.dtype and b.device == x.device) else b.to(device=x.device, dtype=x.dtype)
 
 
-def fp8_mm(x, qdata, scale_a, scale_b, bias, fast_accum: bool):
-    """fp8 with a static input scale on plain tensors: kitchen's activation quantizer, then
-    ``fp8_gemm``."""
-    x2 = x.reshape(-1, x.shape[-1])
-    out = fp8_gemm(_quantize_fp8(x2, scale_a, qdata.dtype), qdata, scale_a, scale_b, bias, fast_accum, x.dtype)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
 def fp8_gemm(xq, qdata, scale_a, scale_b, bias, fast_accum: bool, out_dtype):
     """The GEMM of an fp8 layer on its 2-D input already in fp8 (also the compiled blocks'
     operator, ``traced_layers``, which rounds the input in traced code)."""
@@ -162,7 +154,49 @@ except AttributeError:  # pragma: no cover - a torch without scaled_mm: kitchen'
 
 def _fp8_forward(module, x, fast_accum: bool):
     w = module.weight
-    return fp8_mm(x, w._qdata, module.input_scale, w._params.scale, _bias(module, x), fast_accum)
+    x2 = x.reshape(-1, x.shape[-1])
+    qdtype, scale = w._qdata.dtype, module.input_scale
+    inverse = _inverse(module, scale, x2, qdtype) if x2.numel() <= _TORCH_ROUNDING_MAX else None
+    if inverse is None:
+        xq = _quantize_fp8(x2, scale, qdtype)
+    else:
+        bound = torch.finfo(qdtype).max
+        xq = torch.clamp(x2 * inverse, -bound, bound).to(qdtype)
+    out = fp8_gemm(xq, w._qdata, scale, w._params.scale, _bias(module, x), fast_accum, x.dtype)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+# An eager fp8 layer rounds an input of up to this many elements with three torch operations
+# (kitchen's own formula, its eager backend's) instead of kitchen's CUDA kernel, whose Python entry
+# (an allocation, the stream, three DLPack exports) costs more host time than a small layer's
+# GEMM takes on the GPU - where eager SDXL is host-bound.  Taken per layer and input dtype only
+# where the two agree bit for bit on every value of that dtype at the layer's scale (``_inverse``).
+# Larger inputs keep the one-pass kernel: the operations read and write them three times.
+_TORCH_ROUNDING_MAX = 1 << 22
+_EVERY: dict = {}  # (dtype, device) -> every finite and infinite value of a 16-bit dtype
+
+
+def _inverse(module, scale, x, qdtype):
+    """1/scale in ``x``'s dtype where torch's rounding of ``x`` equals kitchen's kernel's for every
+    value of that dtype (checked once per layer, dtype and device, never inside a graph capture),
+    else None."""
+    rec = module.__dict__[ATTR]
+    key = (x.dtype, x.device)
+    inverse = rec.inverse.get(key) if rec.inverse else None
+    if inverse is None:
+        if x.dtype not in (torch.float16, torch.bfloat16) or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None
+        every = _EVERY.get(key)
+        if every is None:
+            every = torch.arange(-32768, 32768, dtype=torch.int32, device=x.device).to(torch.int16).view(x.dtype)
+            every = _EVERY[key] = every[~every.isnan()].reshape(1, -1)
+        inverse = (1.0 / scale).to(x.dtype)
+        bound = torch.finfo(qdtype).max
+        mine = torch.clamp(every * inverse, -bound, bound).to(qdtype)
+        if not torch.equal(mine.view(torch.uint8), _quantize_fp8(every, scale, qdtype).view(torch.uint8)):
+            inverse = False
+        rec.inverse = {**(rec.inverse or {}), key: inverse}
+    return None if inverse is False else inverse
 
 
 def int8_params(w) -> tuple:

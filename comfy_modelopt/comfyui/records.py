@@ -22,6 +22,7 @@ class LayerRecord:
     lean_kernel: tuple | None = None  # what compiled blocks may trace as one operator: ("fp8", fast_accum) | ("int8",)
     own_forward: object = None        # own loader: (module, x, inner) -> y, its layer's computation around the
     #                                   class's (``inner``: the direct kernel or ComfyUI's; an fp8 convolution replaces it)
+    inverse: dict | None = None       # lean fp8: (input dtype, device) -> 1/input scale for torch's rounding, or False
     traced: tuple | None = None       # while compiled blocks are installed: (kind, weight, bias, extra)
     untraced: object = None           # ... and the forward any other call takes
 

@@ -12,9 +12,9 @@ and Wan 2.1's compiled blocks 578 MiB against 458 - memory a CUDA graph then kee
 With the layers as operators the block is one graph whose buffers Inductor frees at their last
 use.
 
-The operator runs the lean kernel (``lean.fp8_gemm``; kitchen's ``int8_linear`` op; the 16-bit
-``linear`` ComfyUI's cast path ends in when the weight is already on the device in the input's
-dtype).  An fp8 layer's static-scale input rounding is traced as torch operations (kitchen's
+The operator is torch's or kitchen's (``fp8_gemm``: ``torch._scaled_mm``; kitchen's ``int8_linear``
+op; the 16-bit ``linear`` ComfyUI's cast path ends in when the weight is already on the device in
+the input's dtype).  An fp8 layer's static-scale input rounding is traced as torch operations (kitchen's
 formula, ``_fp8_input``) so that TorchInductor fuses it into the kernel that produced the input -
 the norm, modulation or GELU before it writes e4m3 instead of 16-bit, and no separate pass reads
 the activation again (Wan's 8,960-wide FFN input: 1.2 GB per block call at 81 frames); it computes
@@ -29,9 +29,7 @@ own class's: ``lean.unpatched``), the weight on the device.  Any other layer - a
 outside a compilation (another thread running the block eagerly) - runs its own forward, opaque
 to the compiler as before.
 """
-import logging
 import types
-from typing import Optional
 
 import torch
 
@@ -53,42 +51,6 @@ try:
 except ImportError:  # pragma: no cover
     QuantizedTensor = ()
 
-_OP = "comfy_modelopt::fp8_gemm"
-
-
-def _registered() -> bool:
-    try:
-        torch.ops.comfy_modelopt.fp8_gemm  # noqa: B018 - a module imported twice registers once
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def _register() -> bool:
-    """Define the operator (once per process); False where this torch cannot (fp8 layers then stay
-    opaque, as before)."""
-    if _registered():
-        return True
-    try:
-        # no postponed annotations in this module: custom_op reads the schema from these types
-        @torch.library.custom_op(_OP, mutates_args=())
-        def fp8_gemm(xq: torch.Tensor, qdata: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                     bias: Optional[torch.Tensor], fast_accum: bool, out_dtype: torch.dtype) -> torch.Tensor:
-            """The lean fp8 GEMM as one operator (``lean.fp8_gemm``), on the 2-D input in fp8."""
-            return _lean_module().fp8_gemm(xq, qdata, scale_a, scale_b, bias, fast_accum, out_dtype)
-
-        @fp8_gemm.register_fake
-        def _fp8_gemm_fake(xq, qdata, scale_a, scale_b, bias, fast_accum, out_dtype):
-            return xq.new_empty((xq.shape[0], qdata.shape[0]), dtype=out_dtype)
-    except Exception as e:  # pragma: no cover - an older torch's custom_op
-        logging.info(f"[comfy-modelopt] compiled blocks keep fp8 layers opaque: {type(e).__name__}: {e}")
-        return False
-    return True
-
-
-_FP8_OP = _register()
-
-
 def _plain(t):
     """A parameter as the plain tensor Dynamo lifts as a graph input."""
     return t.detach() if isinstance(t, torch.nn.Parameter) else t
@@ -99,6 +61,15 @@ def _fp8_input(x, scale, dtype):
     (``quantize_per_tensor_fp8``), written in torch operations for the compiler to fuse."""
     bound = torch.finfo(dtype).max
     return (x * (1.0 / scale).to(x.dtype)).clamp(-bound, bound).to(dtype)
+
+
+def fp8_gemm(xq, qdata, scale_a, scale_b, bias, fast_accum: bool, out_dtype):
+    """An fp8 layer's GEMM on its 2-D input in fp8, as the compiler sees it: torch's own operator
+    (the cuBLASLt call behind the eager path's ``scaled_mm``), which Inductor calls without Python
+    in between - a Python custom operator around the eager kernel cost ~80 us of dispatch per layer
+    call where a region runs without a graph."""
+    return torch._scaled_mm(xq, qdata.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
 
 
 def _traced(self, input, *args, **kwargs):
@@ -118,8 +89,7 @@ def _traced(self, input, *args, **kwargs):
     if kind == "fp8":
         scale_a, scale_b, fast_accum = extra
         x2 = input.reshape(-1, input.shape[-1])
-        out = torch.ops.comfy_modelopt.fp8_gemm(_fp8_input(x2, scale_a, weight.dtype), weight, scale_a, scale_b,
-                                                bias, fast_accum, input.dtype)
+        out = fp8_gemm(_fp8_input(x2, scale_a, weight.dtype), weight, scale_a, scale_b, bias, fast_accum, input.dtype)
         return out.reshape(*input.shape[:-1], out.shape[-1])
     if kind == "int8":
         scale, convrot, group = extra
@@ -149,7 +119,7 @@ def traced_forward(m, untraced):
         kind = rec.lean_kernel if rec is not None else None
         if kind is None or own is not None:
             return None  # no direct kernel, or a forward on top of the class's (a LoRA hook's)
-        if kind[0] == "fp8" and _FP8_OP:
+        if kind[0] == "fp8":
             traced = ("fp8", w._qdata, bias, (_plain(m.input_scale), w._params.scale, kind[1]))
         elif kind[0] == "int8" and lean.dtype_code is not None:
             traced = ("int8", w._qdata, bias, lean.int8_params(w))

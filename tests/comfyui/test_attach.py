@@ -124,9 +124,11 @@ CUDA_ONLY = pytest.mark.skipif(not CUDA, reason="needs CUDA: the runtime's graph
 # reason - a patch that reads the GPU only from its second call on (the cache wrapper) is found by
 # its failed capture, which leaves the process able to capture the next signature
 READS = "reads GPU values on the host"
-EAGER = {"sag": ("keeps tensors it made between calls",), "deep shrink": (READS, "capture failed"),
-         "hypertile": ("draws random numbers on the host",), "first-block cache wrapper": (READS, "capture failed"),
-         "ip-adapter attn2 sigma range": (READS, "capture failed")}
+KEEPS = "keeps tensors it made between calls"
+EAGER = {"sag": (KEEPS,), "hypertile": ("draws random numbers on the host",),
+         "first-block cache wrapper": (READS, KEEPS, "capture failed")}
+# patches that read the step's sigma on the host: one graph per step, replayed from the second image on
+PER_STEP = ("deep shrink", "ip-adapter attn2 sigma range")
 
 
 @CUDA_ONLY
@@ -134,7 +136,8 @@ EAGER = {"sag": ("keeps tensors it made between calls",), "deep shrink": (READS,
 def test_attachments_take_the_graphs_or_say_why(family):
     """On a GPU every case runs through the default runtime's graphs - ControlNet residuals,
     patches, replaces and wrappers captured - and matches the quantized model's eager run (the
-    lean runtime, the same attachment) within the compiled blocks' tolerance; a case the graphs
+    lean runtime, the same attachment) within the compiled blocks' tolerance; a patch that reads
+    the step's sigma gets a graph per step, replayed at the second image; a case the graphs
     cannot hold runs eagerly with its reason."""
     _, sq = setups(family)
     _, lean = setups(family, runtime="lean")
@@ -142,13 +145,18 @@ def test_attachments_take_the_graphs_or_say_why(family):
     assert runner is not None
     failures = []
     for name in ["plain"] + att.cases_for(family, full_size=False):
-        replays, failed = runner.replays, set(runner.failed.values())
-        out = sampled(sq if name == "plain" else att.apply(name, sq))
+        case = sq if name == "plain" else att.apply(name, sq)
+        replays, failed, steps = runner.replays, set(runner.failed.values()), len(runner.per_step)
+        out = sampled(case)
+        if name in PER_STEP:
+            replays = runner.replays
+            out = sampled(case)  # the second image: every step replayed
         ref = sampled(lean if name == "plain" else att.apply(name, lean))
         new = set(runner.failed.values()) - failed
         expected = EAGER.get(name)
         if expected is None:
-            if runner.replays == replays or new or not rel(out, ref) < 0.05:
+            if runner.replays - replays < (sq.steps if name in PER_STEP else 1) or new or not rel(out, ref) < 0.05 \
+                    or (len(runner.per_step) > steps) != (name in PER_STEP):
                 failures.append((name, runner.replays - replays, new, rel(out, ref)))
         elif not any(e in r for e in expected for r in new | runner.warned):
             failures.append((name, new))

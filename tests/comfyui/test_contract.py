@@ -370,9 +370,8 @@ def test_compiled_blocks_trace_the_lean_layers(family, fmt):
         kind, qdata, bias, extra = layer_record(lin).traced
         bias = None if bias is None else bias.to(h.dtype)
         if kind == "fp8":  # the input rounded in traced code (kitchen's formula: bit-exact eagerly), the GEMM an operator
-            from comfy_modelopt.comfyui.traced_layers import _fp8_input
-            op = torch.ops.comfy_modelopt.fp8_gemm(_fp8_input(h, extra[0], qdata.dtype), qdata, *extra[:2], bias,
-                                                   extra[2], h.dtype)
+            from comfy_modelopt.comfyui.traced_layers import _fp8_input, fp8_gemm
+            op = fp8_gemm(_fp8_input(h, extra[0], qdata.dtype), qdata, *extra[:2], bias, extra[2], h.dtype)
         else:
             from comfy_modelopt.comfyui.lean import dtype_code
             assert kind == "int8" and extra[1]  # ConvRot

@@ -436,6 +436,25 @@ def test_lean_runtime_equals_stock(env, fmt):
         # matmul of the fp8-rounded operands while the lean layer runs _scaled_mm: same operands,
         # other summation order (bit-exactness is checked on the GPU by benchmarks/speed.py)
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-3) and not torch.equal(a, torch.zeros_like(a))
+        # a 16-bit input is rounded by torch's operations only where they agree with kitchen's
+        # kernel on every value of its dtype at the layer's scale; else by kitchen's
+        m = next(m for m in lean2.model.diffusion_model.modules() if getattr(m, "quant_format", None) == fmt)
+        w, scale = m.weight, m.input_scale
+        h = torch.randn(5, w.shape[1], generator=g).to(torch.bfloat16) * 40
+        bias = None if m.bias is None else m.bias.to(h.dtype)
+        kitchen = lean_runtime.fp8_gemm(lean_runtime._quantize_fp8(h, scale, w._qdata.dtype), w._qdata, scale,
+                                        w._params.scale, bias, False, h.dtype)
+        assert torch.equal(lean_runtime._fp8_forward(m, h, False), kitchen)
+        assert m._modelopt.inverse[(torch.bfloat16, h.device)] is not False
+        m._modelopt.inverse, quantize_fp8 = None, lean_runtime._quantize_fp8
+        lean_runtime._quantize_fp8 = lambda x, sc, q: quantize_fp8(x * 1.01, sc, q)  # a kernel rounding otherwise
+        try:
+            other = lean_runtime.fp8_gemm(lean_runtime._quantize_fp8(h, scale, w._qdata.dtype), w._qdata, scale,
+                                          w._params.scale, bias, False, h.dtype)
+            assert torch.equal(lean_runtime._fp8_forward(m, h, False), other) and not torch.equal(other, kitchen)
+            assert m._modelopt.inverse[(torch.bfloat16, h.device)] is False
+        finally:
+            lean_runtime._quantize_fp8 = quantize_fp8
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback: this run has a GPU")
@@ -572,7 +591,7 @@ def test_cuda_graph_replays_leave_no_tensor_to_the_garbage_collector(env):
     clone, runner = env["nodes"].enable_cuda_graphs(env["model"])
     runner._blocker = lambda call: None  # as on a GPU
 
-    def capture(apply_model, call, weights, sig):  # a graph that replays nothing
+    def capture(apply_model, call, weights, sig, key):  # a graph that replays nothing
         static = call.static(call.args[0].device)
         return {"graph": types.SimpleNamespace(replay=lambda: None), "weights": weights, "compiled": False,
                 "call": static, "static": static.tensors(), "out": call.run(apply_model)}
@@ -606,6 +625,31 @@ def test_cuda_graph_capture_builds_cpu_constants_on_the_device(env):
     with pytest.raises(graphs._NotCapturable, match="copies tensors from the CPU to the GPU"):
         runner._model_call(lambda x, t, *a, **c: torch.randn(8).to(x), call, check=[])
     runner._model_call(lambda x, t, *a, **c: torch.randn(8).to(x), call)  # only the first warm-up checks
+
+
+def test_cuda_graphs_per_step_keys(env):
+    """A forward whose host reads are all the step's sigmas gets one graph per step, keyed by the
+    sigmas; any other value read (a decision from the latent, a comparison's bool) does not; a
+    signature's per-step graphs and its plain graphs are evicted by kinds of their own."""
+    from comfy_modelopt.comfyui.graph_inputs import ModelCall
+    sigmas = torch.tensor([14.6146, 14.6146])
+    call = ModelCall((torch.randn(2, 4, 8, 8), sigmas, None, None, None, {"sigmas": sigmas}), {})
+    assert call.step_sigmas() == tuple(sigmas.tolist())
+    assert call.only_sigmas([sigmas[0].item()]) and call.only_sigmas(sigmas.tolist())
+    for values in ([], [0.5], [True], [sigmas[0].item(), 0.5], [object()]):
+        assert not call.only_sigmas(values), values
+    assert not ModelCall((torch.randn(2), sigmas), {}).only_sigmas([sigmas[0].item()])  # no sigmas in the options
+    _, runner = env["nodes"].enable_cuda_graphs(env["model"])
+    graphs = sys.modules[type(runner).__module__]
+    runner.max_graphs, runner.max_step_graphs = 2, 3
+    for i in range(3):
+        runner.graphs[(graphs._STEP, ("sig",), (float(i),))] = {}
+    runner.graphs[("sig",)] = runner.graphs[("other",)] = {}
+    runner._evict(step=True)
+    assert (graphs._STEP, ("sig",), (0.0,)) not in runner.graphs and len(runner.graphs) == 4
+    runner._evict(step=False)
+    assert ("sig",) not in runner.graphs and ("other",) in runner.graphs and len(runner.graphs) == 3
+    runner.graphs.clear()
 
 
 FAKE_POOL = types.SimpleNamespace(vacate=lambda: None, accounting="mempool")  # stands in for a GraphPool off a GPU
