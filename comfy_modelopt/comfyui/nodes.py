@@ -17,7 +17,7 @@ from comfy_api.latest import ComfyExtension, io
 
 from ..calibrate import CalibrationOptions
 from ..checkpoint import inspect_file
-from ..errors import ModelOptError, PlanError
+from ..errors import ModelOptError, OutputExistsError, PlanError
 from ..modelopt_engine import ALGORITHMS as MODELOPT_ALGORITHMS, ENGINE_FORMATS, check_request
 from ..pipeline import DictSink, quantize
 from ..progress import Progress
@@ -304,9 +304,11 @@ class ModelOptSaveQuantized(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="The MODEL output of Quantize Model."),
                 io.String.Input("filename", default="quantized/model-fp8",
-                                tooltip="Relative to models/diffusion_models; .safetensors is added."),
+                                tooltip="Relative to models/diffusion_models; .safetensors is added. A name "
+                                        "that exists gets the next free counter (model-fp8_00001), as "
+                                        "ComfyUI's own savers do."),
                 io.Boolean.Input("overwrite", default=False,
-                                 tooltip="Replace a file of the same name. Off: an existing name is refused."),
+                                 tooltip="Replace a file of the same name instead of adding a counter."),
             ],
             outputs=[io.String.Output(display_name="path")],
             is_output_node=True,
@@ -314,11 +316,12 @@ class ModelOptSaveQuantized(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, filename=None, overwrite=None):
-        # before the graph runs: a name that exists would otherwise be refused after Quantize Model
+        # before the graph runs: a name that cannot be written would otherwise be refused after
+        # Quantize Model (one that exists is saved under the next free counter)
         if not isinstance(filename, str):  # linked from another node: checked when it runs
             return True
         try:
-            _save_path(filename, bool(overwrite))
+            _save_path(filename)
         except NodeError as e:
             return str(e)
         return True
@@ -329,19 +332,28 @@ class ModelOptSaveQuantized(io.ComfyNode):
         if art is None:
             raise NodeError("this MODEL was not made by Quantize Model: connect its MODEL output "
                             "(stock files from disk are already saved)")
-        path = _save_path(filename, overwrite)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        asked = _save_path(filename)
+        os.makedirs(os.path.dirname(asked), exist_ok=True)
         pbar = comfy.utils.ProgressBar(len(art.state_dict))
         console = Progress("saving", write=log, unit="tensors")
-        log(f"saving {path}")
 
         def each(i):
             pbar.update_absolute(i + 1)
             console(i + 1, len(art.state_dict), "")
             comfy.model_management.throw_exception_if_processing_interrupted()
-        write_file(path, art.state_dict, art.metadata, overwrite=overwrite, on_tensor=each)
+        for attempt in range(3):
+            path = asked if overwrite else _free_path(asked)
+            log(f"saving {path}")
+            try:
+                write_file(path, art.state_dict, art.metadata, overwrite=overwrite, on_tensor=each)
+                break
+            except OutputExistsError:  # another run took that name while this one wrote
+                if attempt == 2:
+                    raise
         size = os.path.getsize(path)
         text = f"saved {path} ({size / 2**20:.1f} MiB)"
+        if path != asked:
+            text += f"; {os.path.basename(asked)} exists, so the next free name was taken (overwrite replaces it)"
         log(text)
         return io.NodeOutput(path, ui={"text": [text]})
 
@@ -354,7 +366,7 @@ def save_folder() -> str:
     return next((f for f in folders if os.path.abspath(f) != legacy), folders[0])
 
 
-def _save_path(filename: str, overwrite: bool) -> str:
+def _save_path(filename: str) -> str:
     folder = save_folder()
     name = filename.strip().lstrip("/\\")
     if not name:
@@ -362,8 +374,18 @@ def _save_path(filename: str, overwrite: bool) -> str:
     path = os.path.abspath(os.path.join(folder, name if name.endswith(".safetensors") else name + ".safetensors"))
     if not path.startswith(os.path.abspath(folder) + os.sep):
         raise NodeError(f"filename must stay inside {folder}")
-    if os.path.exists(path) and not overwrite:
-        raise NodeError(f"{path} exists; choose another filename or enable overwrite")
+    if os.path.isdir(path):
+        raise NodeError(f"{path} is a folder; give a file name")
+    return path
+
+
+def _free_path(path: str) -> str:
+    """``path``, or where it exists the first free ``<name>_00001.safetensors``, ... (the counter
+    ComfyUI's savers add)."""
+    stem, n = path[:-len(".safetensors")], 0
+    while os.path.lexists(path):
+        n += 1
+        path = f"{stem}_{n:05d}.safetensors"
     return path
 
 

@@ -94,8 +94,8 @@ def quantize_and_compare(info: dict, variant: str, planner: bool = False) -> dic
              f"Quantize Model {does}; both KSamplers use the same seed, so the two images differ only by the "
              "quantization.  The chart and the text are the per-layer report.")
     g.note(f"## {_title(variant, what)}\n\n{FILES}\n**What it does**: {steps}\n\n**Where the file goes**: Save "
-           f"Quantized Model writes `models/diffusion_models/{name}.safetensors` (it refuses to replace a file: change "
-           "the filename or set overwrite); ComfyUI's own Load Diffusion Model loads it."
+           f"Quantized Model writes `models/diffusion_models/{name}.safetensors` (a name that exists gets the next free "
+           "counter, `_00001`; overwrite replaces it instead); ComfyUI's own Load Diffusion Model loads it."
            + ("\n\nOn a CPU or a GPU without fp8 tensor cores (before Ada) the file is smaller, not faster."
               if not planner else "\n\nnvfp4 runs natively on Blackwell; elsewhere it is smaller, not faster."),
            (20, 1140), size=(780, 330))

@@ -316,13 +316,21 @@ def test_save_and_reload_identical(env):
     for m in (stock, ours):
         n = sum(isinstance(getattr(x, "weight", None), QuantizedTensor) for x in m.model.diffusion_model.modules())
         assert n == 71
-    with pytest.raises(Exception, match="exists"):
-        nodes.ModelOptSaveQuantized.execute(model=qmodel, filename="test/sd15-fp8", overwrite=False)
-    # refused when the prompt is queued, before Quantize Model runs; written where the README says
-    assert "exists" in nodes.ModelOptSaveQuantized.validate_inputs(filename="test/sd15-fp8", overwrite=False)
-    assert nodes.ModelOptSaveQuantized.validate_inputs(filename="test/sd15-fp8", overwrite=True) is True
+    # a name that exists: saved under the next free counter, as ComfyUI's savers do (no work lost)
+    before = open(path, "rb").read()
+    for n in (1, 2):
+        out = nodes.ModelOptSaveQuantized.execute(model=qmodel, filename="test/sd15-fp8", overwrite=False)
+        assert out.args[0] == path[:-len(".safetensors")] + f"_{n:05d}.safetensors" and os.path.isfile(out.args[0])
+        assert "sd15-fp8.safetensors exists, so the next free name was taken" in out.ui["text"][0]
+        assert open(out.args[0], "rb").read() == before == open(path, "rb").read()
+    # what cannot be written is refused when the prompt is queued, before Quantize Model runs;
+    # written where the README says
+    for overwrite in (False, True):
+        assert nodes.ModelOptSaveQuantized.validate_inputs(filename="test/sd15-fp8", overwrite=overwrite) is True
     assert nodes.ModelOptSaveQuantized.validate_inputs(filename="test/new-name", overwrite=False) is True
     assert "inside" in nodes.ModelOptSaveQuantized.validate_inputs(filename="../../escape", overwrite=False)
+    for n in (1, 2):
+        os.remove(path[:-len(".safetensors")] + f"_{n:05d}.safetensors")
     assert os.path.dirname(os.path.dirname(path)) == nodes.save_folder() != os.path.join(folder_paths.models_dir, "unet")
 
     # the leftover of a killed save (header length never written) loads nowhere, with a clear word
