@@ -26,6 +26,7 @@ import torch
 
 import folder_paths
 
+from ..publish import atomic_write_bytes
 from .compiled_blocks import compile_account
 
 KEEP = 32                 # bundles kept in all (the least recently used go first)
@@ -143,7 +144,6 @@ def _load(path: str, where: str) -> bool:
 
 
 def _save(d: str, key: str, where: str) -> str | None:
-    tmp = os.path.join(d, f"{key}.{os.getpid()}.partial")
     try:
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
@@ -151,11 +151,7 @@ def _save(d: str, key: str, where: str) -> str | None:
         data, info = saved
         path = os.path.join(d, f"{key}-{hashlib.sha256(data).hexdigest()[:12]}.bin")
         os.makedirs(d, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write_bytes(path, data, overwrite=True)
         _SEEN[path] = True
         _prune(d, key)
         logging.info(f"[comfy-modelopt] {where}: compiled code kept in {path} ({len(data) / 2**20:.1f} MiB, "
@@ -164,8 +160,6 @@ def _save(d: str, key: str, where: str) -> str | None:
     except Exception as e:
         logging.warning(f"[comfy-modelopt] {where}: could not keep the compiled code in {d} "
                         f"({type(e).__name__}: {str(e)[:200]})")
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
         return None
 
 
