@@ -25,12 +25,15 @@ COMFY_QUANT = ".comfy_quant"
 INPUT_SCALE = ".input_scale"
 QUANT_METADATA = "_quantization_metadata"
 QUANT_METADATA_VERSION = "1.0"
-# every per-layer key suffix (without the dot) a quantized layer of ours or ComfyUI's may carry
-LAYER_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "comfy_quant",
-                  "lowrank_up", "lowrank_down", "smooth_scale")
+LOWRANK_UP, LOWRANK_DOWN, SMOOTH_SCALE = ".lowrank_up", ".lowrank_down", ".smooth_scale"
+# the key suffixes only a quantized layer (ComfyUI's or this pack's own loader's) carries, its
+# config last
+QUANT_PARTS = (".weight_scale", ".weight_scale_2", INPUT_SCALE, ".pre_quant_scale", LOWRANK_UP, LOWRANK_DOWN,
+               SMOOTH_SCALE, COMFY_QUANT)
+# every per-layer key suffix (without the dot) a quantized layer may carry
+LAYER_SUFFIXES = ("weight",) + tuple(p[1:] for p in QUANT_PARTS)
 # keys that mark a file as already quantized (ComfyUI native, legacy scaled fp8, old node pack)
-QUANT_MARKERS = (COMFY_QUANT, ".scale_weight", ".weight_q", ".weight_scale", ".weight_scale_2", INPUT_SCALE,
-                 ".pre_quant_scale", ".lowrank_up", ".lowrank_down", ".smooth_scale")
+QUANT_MARKERS = QUANT_PARTS + (".scale_weight", ".weight_q")
 # a .comfy_quant config is a few dozen bytes; anything near this is not a config
 MAX_COMFY_QUANT_BYTES = 64 * 1024
 
@@ -38,7 +41,6 @@ MAX_COMFY_QUANT_BYTES = 64 * 1024
 # Formats only comfy-modelopt's loader runs.  Their names are not ComfyUI QUANT_ALGOS keys, so
 # stock ComfyUI refuses such a file instead of silently dropping the extra tensors.
 LOWRANK_PREFIX = "modelopt_lowrank_"
-LOWRANK_UP, LOWRANK_DOWN, SMOOTH_SCALE = ".lowrank_up", ".lowrank_down", ".smooth_scale"
 LOWRANK_SUFFIXES = (LOWRANK_UP, LOWRANK_DOWN, SMOOTH_SCALE)
 # fp8 Conv2d weights (ComfyUI 0.29 quantizes only Linear layers): [O, I*kh*kw] float8_e4m3fn with
 # one float32 scale per output channel.  Stored 2-D on purpose: stock ComfyUI's load_state_dict

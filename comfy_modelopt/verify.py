@@ -26,8 +26,8 @@ from typing import Callable, Mapping
 import torch
 
 from .errors import CheckpointError, PlanError
-from .fileformat import (COMFY_QUANT, CONV_FORMAT, INPUT_SCALE, LOWRANK_DOWN, LOWRANK_UP, QUANT_METADATA, SMOOTH_SCALE,
-                         SUFFIX_KEYS, decode_comfy_quant, decode_quantization_metadata, own_base, stock_conf)
+from .fileformat import (COMFY_QUANT, CONV_FORMAT, INPUT_SCALE, LOWRANK_DOWN, LOWRANK_UP, QUANT_METADATA, QUANT_PARTS,
+                         SMOOTH_SCALE, SUFFIX_KEYS, decode_comfy_quant, decode_quantization_metadata, own_base, stock_conf)
 from .families import detect_family
 from .formats import FORMATS
 from .formats.base import positive_problem
@@ -39,9 +39,6 @@ Reader = Callable[[str], torch.Tensor]
 
 # the kitchen suffix ("" weight, "_scale", "_scale_2") behind each stored key suffix
 PARTS = {key: suffix for suffix, key in SUFFIX_KEYS.items()}
-# key suffixes that only a quantized layer carries
-QUANT_PARTS = (".weight_scale", ".weight_scale_2", INPUT_SCALE, ".pre_quant_scale", LOWRANK_UP, LOWRANK_DOWN,
-               SMOOTH_SCALE, COMFY_QUANT)
 # a scale stored in one byte may be kept as its float8 type or as raw bytes (ComfyUI views both)
 _BYTE_SCALES = {"F8_E4M3": {"F8_E4M3", "U8"}, "U8": {"U8", "F8_E8M0"}}
 _LEGACY = ("scaled_fp8",)          # legacy scaled-fp8 files: ComfyUI converts them itself
