@@ -225,7 +225,8 @@ def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, fami
     ``evaluate(model) -> float``, the whole model's error on inputs of your choosing (lower is
     better; not the inputs you will judge the result on): the planner then prices each layer's
     formats by that instead of the layer's own output error (``price_end_to_end``).
-    The report is ``module_report(result)``.
+    Integer and boolean tensors (buffers) are kept as they are.  The report is
+    ``module_report(result)``.
     Run the result under ``torch.no_grad()`` or ``torch.inference_mode()`` (inference only)."""
     if family is None:
         family = module_family(module)
@@ -233,7 +234,9 @@ def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, fami
     if evaluate is not None:
         prices = price_end_to_end(module, recipe, stats, evaluate, family=family, native=native, progress=progress)
     target = module if inplace else copy.deepcopy(module)
-    sd = {k: v.detach() for k, v in target.state_dict().items()}
+    # integer and boolean tensors (a BatchNorm's count, a converted graph's index tables) are the
+    # module's own: they stay as they are, outside what the pipeline plans and checks
+    sd = {k: v.detach() for k, v in target.state_dict().items() if v.is_floating_point()}
     out, metadata, report = quantize(sd, recipe, stats, family=family, progress=progress, engine=engine,
                                      prices=prices)
     dtype_of = {k: v.dtype for k, v in sd.items()}

@@ -133,6 +133,23 @@ def test_quantized_layer_refuses_load_state_dict(net_and_stats):
         q.load_state_dict(q.state_dict())
 
 
+def test_integer_buffers_are_kept_as_they_are():
+    """A module as loaded: a BatchNorm's num_batches_tracked and an index table (integer and
+    boolean buffers) are the module's own, kept unchanged, not a reason to refuse it."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 32))
+    net[1].num_batches_tracked.fill_(7)
+    net.register_buffer("order", torch.arange(64).flip(0))
+    net.register_buffer("mask", torch.arange(64) % 2 == 0)
+    net.eval()
+    x = torch.randn(8, 64)
+    q = quantize_module(net, Recipe(format="int8_tensorwise"))
+    assert isinstance(q[0], QuantLinear) and isinstance(q[2], QuantLinear)
+    assert q[1].num_batches_tracked.item() == 7 and torch.equal(q.order, net.order) and torch.equal(q.mask, net.mask)
+    with torch.no_grad():
+        assert _rel(q(x), net(x)) < 0.05
+
+
 def test_export_needs_a_quantized_module():
     with pytest.raises(QuantizeError, match="quantize_module"):
         export_state_dict(torch.nn.Linear(4, 4))
