@@ -33,6 +33,7 @@ from .safetensors_io import write_file
 
 _METADATA = "_modelopt_metadata"
 _REPORT = "_modelopt_report"
+_WRITTEN = "_modelopt_written_dtypes"
 
 
 def _weight_key(suffix: str) -> str:
@@ -251,6 +252,9 @@ def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, fami
         current = target.state_dict(keep_vars=True)
         for k, v in rest.items():
             current[k].copy_(v.to(current[k].device, current[k].dtype))
+    # the module keeps its dtypes; the file holds some tensors in another (an fp32 module's
+    # unquantized tensors in 16-bit, recipe.fp32_tensors): the export writes them as the file does
+    setattr(target, _WRITTEN, {k: v.dtype for k, v in rest.items() if v.dtype != dtype_of[k]})
     setattr(target, _METADATA, dict(metadata))
     setattr(target, _REPORT, report)
     return target
@@ -375,7 +379,8 @@ def export_state_dict(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor],
     metadata = getattr(module, _METADATA, None)
     if metadata is None:
         raise QuantizeError("export_state_dict needs a module made by quantize_module")
-    sd = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    written = getattr(module, _WRITTEN, {})
+    sd = {k: v.detach().to("cpu", written.get(k, v.dtype)).contiguous() for k, v in module.state_dict().items()}
     return sd, dict(metadata)
 
 

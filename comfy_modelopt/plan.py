@@ -5,6 +5,7 @@ so the whole output file can be laid out before any weight is read.
 """
 from __future__ import annotations
 
+import collections
 import fnmatch
 import re
 from dataclasses import dataclass, field
@@ -204,7 +205,9 @@ def _layers_of(source: Mapping[str, tuple], prefix: str, family: Family, fmt, re
                stats) -> tuple:
     """(Linear layer plans, tensors copied as they are, convolution plans) of ``source``."""
     layers, passthrough, convs = [], {}, []
+    written = _written_dtype(source, recipe)
     for key, (dtype, shape) in source.items():
+        out = written.get(dtype, dtype)  # what a tensor left unquantized is written as
         rel = key[len(prefix):] if key.startswith(prefix) else None
         if rel is not None and rel.endswith(".weight") and len(shape) == 4:
             conv = _conv_plan(key, rel, dtype, tuple(shape), recipe, family)
@@ -212,19 +215,28 @@ def _layers_of(source: Mapping[str, tuple], prefix: str, family: Family, fmt, re
                 convs.append(conv)
                 continue
         if rel is None or not rel.endswith(".weight") or len(shape) != 2:
-            passthrough[key] = (dtype, tuple(shape))
+            passthrough[key] = (out, tuple(shape))
             continue
         layer = LayerPlan(key[:-7], rel[:-7], shape[0], shape[1], dtype)
         if not family.is_linear(layer.rel):
-            passthrough[key] = (dtype, tuple(shape))
+            passthrough[key] = (out, tuple(shape))
             continue
         _decide(layer, fmt, recipe, opts, family, stats)
         if layer.quantized:
             lay_out(layer, fmt, recipe)
         else:
-            layer.tensors = {key: (dtype, tuple(shape))}
+            layer.tensors = {key: (out, tuple(shape))}
         layers.append(layer)
     return layers, passthrough, convs
+
+
+def _written_dtype(source: Mapping[str, tuple], recipe: Recipe) -> dict:
+    """{"F32": 16-bit dtype} where an fp32 source's unquantized tensors are written in 16-bit
+    (``recipe.fp32_tensors``): the source's most common 16-bit float dtype, else BF16."""
+    if recipe.fp32_tensors == "keep":
+        return {}
+    counts = collections.Counter(d for d, _ in source.values() if d in ("F16", "BF16"))
+    return {"F32": counts.most_common(1)[0][0] if counts else "BF16"}
 
 
 def _matches(layer, pat: str) -> bool:

@@ -50,6 +50,9 @@ class Option:
     bounds: tuple = ()           # node: (min, max, step) of a number
 
 
+FP32_TENSORS = ("16-bit", "keep")
+
+
 def _opt(default, **kw):
     if isinstance(default, tuple):
         return field(default_factory=tuple, metadata={"option": Option(**kw)})
@@ -160,6 +163,12 @@ class Recipe:
                                     "Linear layers stays within this. 0: off.")
     allow_nonfinite: bool = _opt(False, help="copy source tensors that hold NaN/Inf values as they are (noted in "
                                              "the report) instead of refusing the model")
+    fp32_tensors: str = _opt("16-bit", choices=FP32_TENSORS,
+                             help="from an fp32 source, the tensors that stay unquantized (norms, biases, layers "
+                                  "kept 16-bit): 16-bit (default; the source's 16-bit dtype where it has one, "
+                                  "else bf16 - a quantized file is never larger than the 16-bit one) or keep (fp32)",
+                             tooltip="From an fp32 model: write the tensors that stay unquantized in 16-bit "
+                                     "(default) or keep them fp32. A model ComfyUI holds in 16-bit is saved so anyway.")
 
     def __post_init__(self):
         if self.format not in NAMES:
@@ -168,6 +177,7 @@ class Recipe:
         _check("input_scale", self.input_scale, INPUT_SCALE_METHODS)
         _check("smoothing", self.smoothing, SMOOTHING_METHODS)
         _check("linear_dtype", self.linear_dtype, LINEAR_DTYPES)
+        _check("fp32_tensors", self.fp32_tensors, FP32_TENSORS)
         if self.convrot_groupsize not in CONVROT_GROUPSIZES:
             raise ValueError(f"convrot_groupsize must be a power of 4 (16..1024), got {self.convrot_groupsize}")
         if not 0.0 < self.percentile <= 100.0:

@@ -6,6 +6,7 @@ header before quantizing and filled in afterwards without moving any tensor data
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 from .errors import CheckpointError, one_line
@@ -324,13 +325,15 @@ def header_room(plan, report: QuantReport, calibrated: bool) -> int:
 
 
 def plan_notes(plan, report: QuantReport, stats, nbytes: dict) -> None:
-    """The report's bytes of copied tensors (``nbytes``: the source's, by key) and its notes on
+    """The report's bytes of copied tensors (as written; ``nbytes``: the source's, by key) and its notes on
     the plan: an unknown family's rules, fp8 without statistics, NaN/Inf statistics, layers
     calibration never reached, patterns that matched nothing, tensors named like weights that
     are not 2-D."""
-    for key, (dtype, _shape) in plan.passthrough.items():
-        report.passthrough_bytes += nbytes[key]
-        report.passthrough_bytes_16bit += nbytes[key] // ITEMSIZE[dtype] * 2 if dtype in FLOAT_DTYPES else nbytes[key]
+    for key, (dtype, shape) in plan.passthrough.items():  # as written (an fp32 source's in 16-bit)
+        numel = math.prod(shape)
+        written = numel * ITEMSIZE[dtype] if dtype in ITEMSIZE else nbytes[key]
+        report.passthrough_bytes += written
+        report.passthrough_bytes_16bit += numel * 2 if dtype in FLOAT_DTYPES else written
     fmt = plan.fmt  # the recipe's format (the planner's layers are checked per layer below)
     if plan.family.name == "unknown":
         kept = [l.rel for l in plan.kept if "unknown rule" in l.reason]

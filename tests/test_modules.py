@@ -101,6 +101,33 @@ def test_export_is_the_file_quantize_file_writes(tmp_path, net_and_stats):
     assert not kept  # the keep pattern held
 
 
+def test_an_fp32_source_is_written_16bit_where_unquantized(tmp_path):
+    """From an fp32 model the tensors left unquantized (norms, biases, embeddings, layers kept)
+    are written 16-bit by default - bf16 where the source has no 16-bit tensor - so the file is
+    smaller than the 16-bit model; ``fp32_tensors="keep"`` keeps them fp32.  quantize_module's
+    module keeps fp32 and computes with the written values; its export is the file."""
+    torch.manual_seed(0)
+    net = Net()  # fp32
+    src = tmp_path / "net.safetensors"
+    write_file(str(src), {k: v.contiguous() for k, v in net.state_dict().items()})
+    sixteen = sum(v.numel() * 2 for v in net.state_dict().values())
+    for choice, expected in (("16-bit", torch.bfloat16), ("keep", torch.float32)):
+        recipe = Recipe(format="float8_e4m3fn", keep=("blocks.1.up",), fp32_tensors=choice)
+        out = tmp_path / f"q-{choice}.safetensors"
+        quantize_file(src, out, recipe, family=module_family(net))
+        with SafetensorsFile(str(out)) as f:
+            for k in ("tok.weight", "blocks.0.norm.weight", "blocks.0.up.bias", "blocks.1.up.weight", "conv.weight"):
+                assert f.read(k).dtype == expected, (choice, k)
+        if choice == "16-bit":
+            assert out.stat().st_size < sixteen
+            q = quantize_module(net, recipe)
+            assert q.tok.weight.dtype == torch.float32  # the module keeps its dtype, with the file's values
+            assert torch.equal(q.tok.weight, net.tok.weight.to(torch.bfloat16).float())
+            sd, _ = export_state_dict(q)
+            with SafetensorsFile(str(out)) as f:
+                assert all(f.read(k).dtype == sd[k].dtype and _bytes(f.read(k)) == _bytes(sd[k]) for k in f.keys())
+
+
 def _bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 

@@ -152,7 +152,8 @@ def test_folded_smoothing_lowers_block_error(fmt):
     block, sd, stats, data = _sd_setup()
     errs = {}
     for smoothing in ("none", "smoothquant", "awq"):
-        recipe = Recipe(fmt, smoothing=smoothing, sensitivity=False, gptq=False, convrot=False)
+        # the float block's own precision (fp32) kept: the comparison is of the algorithms
+        recipe = Recipe(fmt, smoothing=smoothing, sensitivity=False, gptq=False, convrot=False, fp32_tensors="keep")
         sink = DictSink()
         rep = quantize(sd, recipe, stats, sink=sink, refuse_unknown=False).report
         q = _rebuild(block, sink.tensors, recipe)
