@@ -117,3 +117,22 @@ def test_keep_forever_keeps_an_object_nobody_references():
     del kept, dropped
     gc.collect()
     assert kept_ref() is not None and dropped_ref() is None
+
+
+def test_host_reads_and_their_values_are_recorded():
+    """``.item()`` of a device tensor is a read, recorded with the value it brought back - as a
+    dispatch mode sees it (aten.item: deep shrink's sigma read was missed when only its
+    decomposition, _local_scalar_dense, counted).  On a CPU machine the CPU stands in for the
+    device."""
+    sigmas = torch.tensor([14.5, 14.5])
+    with torch.inference_mode(), HostCopies() as copies:
+        copies.host = ("meta",)
+        sigmas[0].item()  # Kohya deep shrink
+        sigmas.max().item()  # ControlNet-LLLite's sigma range
+        (sigmas > 1).any().item()  # a decision's bool
+    # (with the CPU standing in, every op's CPU output counts as brought over too)
+    assert copies.reads.count("aten.item.default") == 3
+    assert copies.values[-1] is True and copies.values.count(14.5) >= 2
+    with torch.inference_mode(), HostCopies() as copies:
+        sigmas[0].item()  # a CPU tensor read on the CPU: nothing a capture refuses
+    assert copies.reads == [] and copies.values == []

@@ -475,14 +475,19 @@ def _end_failed_capture(pool, device, stream) -> None:
     torch.cuda.set_stream(stream)
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
-    for name in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool"):  # torch's names over versions
+    # torch's names over versions; every one there is, and what each said, in the log: this did not
+    # yet stop the next capture failing on an H100 (docs/status.md)
+    said = []
+    for name in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool"):
         end = getattr(torch._C, name, None)
-        if end is not None:
-            try:
-                end(index, pool)
-            except RuntimeError:  # not routing any more (capture_end got that far): nothing to undo
-                pass
-            return
+        if end is None:
+            continue
+        try:
+            end(index, pool)
+            said.append(f"{name}: ended")
+        except (RuntimeError, TypeError) as e:  # not routing any more (capture_end got that far)
+            said.append(f"{name}: {type(e).__name__}: {str(e)[:120]}")
+    logging.info(f"[comfy-modelopt] CUDA graphs: after a failed capture into pool {pool}: {'; '.join(said) or 'no end call in this torch'}")
 
 
 class _NotCapturable(Exception):
