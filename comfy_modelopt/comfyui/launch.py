@@ -67,9 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--engine", default="own", choices=["own", "modelopt"],
                    help="modelopt: NVIDIA ModelOpt's calibration too (pip install 'comfy-modelopt[modelopt]'; "
                         "one process), its choices written into --model-out")
-    q.add_argument("--modelopt-algorithm", default="max", help="with --engine modelopt: max, smoothquant, "
-                   "awq_lite, awq_full, svdquant (Calibrate Model's modelopt_algorithm)")
     from ..cli import add_recipe_arguments
+    from ..modelopt_engine import ALGORITHMS
+    q.add_argument("--modelopt-algorithm", default=ALGORITHMS[0], choices=ALGORITHMS,
+                   help="with --engine modelopt: ModelOpt's calibration algorithm (Calibrate Model's modelopt_algorithm)")
     add_recipe_arguments(q)
     return p
 
