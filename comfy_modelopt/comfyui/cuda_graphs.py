@@ -312,7 +312,8 @@ class CudaGraphs:
                 self.compile_seconds.append(round(time.perf_counter() - t_compile, 3))
             if use_compiled:
                 self.validated.add(sig)
-        elif use_compiled and not step:
+        elif use_compiled and not (step and not self.compiled.compile_new_shapes):
+            # (a step of a per-step signature is captured without one where nothing compiles)
             # a new run's transformer_options may fail a compiled guard: any recompilation (and
             # Inductor's autotuning) must happen here, never inside the capture
             def warm_up_compiled():
