@@ -488,7 +488,8 @@ def _end_failed_capture(pool, device, stream) -> None:
             said.append(f"{name}: ended")
         except (RuntimeError, TypeError) as e:  # not routing any more (capture_end got that far)
             said.append(f"{name}: {type(e).__name__}: {str(e)[:120]}")
-    logging.info(f"[comfy-modelopt] CUDA graphs: after a failed capture into pool {pool}: {'; '.join(said) or 'no end call in this torch'}")
+    logging.info(f"[comfy-modelopt] CUDA graphs: after a failed capture into pool {pool}: "
+                 f"{'; '.join(said) or 'no end call in this torch'}")
 
 
 class _NotCapturable(Exception):

@@ -80,14 +80,12 @@ class ModelCall:
     def replace_input(self, x) -> "ModelCall":
         return ModelCall((x, *self.args[1:]), self.kwargs)
 
-    def sigmas(self):
-        """The step's sigmas (``transformer_options["sigmas"]``), or None."""
-        sigmas = self.options.get("sigmas")
-        return sigmas if isinstance(sigmas, torch.Tensor) and 0 < sigmas.numel() <= 64 else None
-
     def step_sigmas(self) -> tuple | None:
-        sigmas = self.sigmas()
-        return tuple(sigmas.flatten().tolist()) if sigmas is not None else None
+        """The step's sigmas (``transformer_options["sigmas"]``) read on the host, or None."""
+        sigmas = self.options.get("sigmas")
+        if not isinstance(sigmas, torch.Tensor) or not 0 < sigmas.numel() <= 64:
+            return None
+        return tuple(sigmas.flatten().tolist())
 
     def only_sigmas(self, values: list) -> bool:
         """Every value in ``values`` (what a forward read on the host) is one of the step's sigmas."""

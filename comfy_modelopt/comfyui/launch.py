@@ -70,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     from ..cli import add_recipe_arguments
     from ..modelopt_engine import ALGORITHMS
     q.add_argument("--modelopt-algorithm", default=ALGORITHMS[0], choices=ALGORITHMS,
-                   help="with --engine modelopt: ModelOpt's calibration algorithm (Calibrate Model's modelopt_algorithm)")
+                   help="with --engine modelopt: ModelOpt's calibration algorithm (Calibrate Model's "
+                        "modelopt_algorithm)")
     add_recipe_arguments(q)
     return p
 

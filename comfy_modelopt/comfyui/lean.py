@@ -9,7 +9,8 @@ record, a direct call of the kernel the stock path ends in (the format's ``lean_
 the class's forward takes whenever the call allows it:
 
 - fp8 with a static input scale: kitchen's activation quantizer (a small input: torch's operations
-  where they round every value as it does, ``_inverse``) + ``scaled_mm`` (bit-exact with stock; ``fast_accum`` trades exactness for Hopper's fast fp8 accumulation);
+  where they round every value as it does, ``_inverse``) + ``scaled_mm`` (bit-exact with stock;
+  ``fast_accum`` trades exactness for Hopper's fast fp8 accumulation);
 - int8 / int8+ConvRot: kitchen's ``int8_linear`` op (what the stock dispatch calls);
 - formats this GPU cannot compute (nvfp4/mxfp8 before Blackwell, fp8 weight-only, ...): kitchen's
   dequantization kernel + one 16-bit GEMM, as stock does - or, within the budget of a
@@ -37,6 +38,7 @@ from comfy.patcher_extension import CallbacksMP
 
 from ..formats import CONVROT_GROUP_DEFAULT, FORMATS
 from .records import ATTR, layer_record, model_record
+from .traced_layers import fp8_round
 
 try:
     from comfy.quant_ops import QuantizedTensor
@@ -157,11 +159,7 @@ def _fp8_forward(module, x, fast_accum: bool):
     x2 = x.reshape(-1, x.shape[-1])
     qdtype, scale = w._qdata.dtype, module.input_scale
     inverse = _inverse(module, scale, x2, qdtype) if x2.numel() <= _TORCH_ROUNDING_MAX else None
-    if inverse is None:
-        xq = _quantize_fp8(x2, scale, qdtype)
-    else:
-        bound = torch.finfo(qdtype).max
-        xq = torch.clamp(x2 * inverse, -bound, bound).to(qdtype)
+    xq = _quantize_fp8(x2, scale, qdtype) if inverse is None else fp8_round(x2, inverse, qdtype)
     out = fp8_gemm(xq, w._qdata, scale, w._params.scale, _bias(module, x), fast_accum, x.dtype)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -191,8 +189,7 @@ def _inverse(module, scale, x, qdtype):
             every = torch.arange(-32768, 32768, dtype=torch.int32, device=x.device).to(torch.int16).view(x.dtype)
             every = _EVERY[key] = every[~every.isnan()].reshape(1, -1)
         inverse = (1.0 / scale).to(x.dtype)
-        bound = torch.finfo(qdtype).max
-        mine = torch.clamp(every * inverse, -bound, bound).to(qdtype)
+        mine = fp8_round(every, inverse, qdtype)
         if not torch.equal(mine.view(torch.uint8), _quantize_fp8(every, scale, qdtype).view(torch.uint8)):
             inverse = False
         rec.inverse = {**(rec.inverse or {}), key: inverse}
