@@ -72,8 +72,8 @@ def _fp8_input(x, scale, dtype):
 def fp8_gemm(xq, qdata, scale_a, scale_b, bias, fast_accum: bool, out_dtype):
     """An fp8 layer's GEMM on its 2-D input in fp8, as the compiler sees it: torch's own operator
     (the cuBLASLt call behind the eager path's ``scaled_mm``), which Inductor calls without Python
-    in between - a Python custom operator around the eager kernel cost ~80 us of dispatch per layer
-    call where a region runs without a graph."""
+    in between: a Python custom operator's dispatch per layer call showed in the eager path's profile
+    where a region runs without a graph (docs/benchmarks.md, "What users attach")."""
     return torch._scaled_mm(xq, qdata.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
 
