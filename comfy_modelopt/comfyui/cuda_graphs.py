@@ -417,7 +417,13 @@ class CudaGraphs:
                 with torch.cuda.graph(graph, pool=handle, stream=stream, capture_error_mode="thread_local"):
                     out = run()
             except BaseException:
-                _end_failed_capture(handle, stream.device, before)
+                if not _end_failed_capture(handle, stream.device, before):
+                    # the allocator may still route through this graph (its filter reads the
+                    # graph object): it must outlive the process's allocations
+                    keep_forever(graph)
+                # the pool's id may still be marked as recording: the next capture takes a new
+                # pool, and the graphs in this one go with it (captured again when needed)
+                self.release()
                 raise
             release_blas_workspaces()
         return graph, out
@@ -467,29 +473,33 @@ class CudaGraphs:
         return out
 
 
-def _end_failed_capture(pool, device, stream) -> None:
-    """What a capture that failed inside leaves behind, undone: torch's ``capture_end`` raises on
-    the invalidated capture before it ends the allocator's routing into the graph's pool and
-    before the graph context gives the stream back - every later capture in the process then
-    failed ("beginAllocateToPool: already recording to mempool_id", seen after a
-    patch's .item() inside a capture) and work stayed on the capture stream."""
+def _end_failed_capture(pool, device, stream) -> bool:
+    """What a capture that failed inside leaves behind, undone; True where the allocator's routing
+    into ``pool`` was ended here or had been.  torch's ``capture_end`` raises on the invalidated
+    capture (``cudaStreamEndCapture``) before it ends that routing and before the graph context
+    gives the stream back: every later capture into the pool then fails ("beginAllocateToPool:
+    already recording to mempool_id") and work stays on the capture stream."""
     torch.cuda.set_stream(stream)
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
-    # torch's names over versions; every one there is, and what each said, in the log: this did not
-    # yet stop the next capture failing on an H100 (docs/status.md)
-    said = []
-    for name in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool"):
+    said, ended = [], False
+    for name in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool"):  # torch's names over versions
         end = getattr(torch._C, name, None)
         if end is None:
             continue
         try:
             end(index, pool)
             said.append(f"{name}: ended")
-        except (RuntimeError, TypeError) as e:  # not routing any more (capture_end got that far)
+            ended = True
+            break
+        except RuntimeError as e:  # "not currently recording": capture_end got that far
+            said.append(f"{name}: {str(e).splitlines()[0][:120]}")
+            ended = ended or "not currently recording" in str(e)
+        except TypeError as e:  # another signature in this torch
             said.append(f"{name}: {type(e).__name__}: {str(e)[:120]}")
     logging.info(f"[comfy-modelopt] CUDA graphs: after a failed capture into pool {pool}: "
                  f"{'; '.join(said) or 'no end call in this torch'}")
+    return ended
 
 
 class _NotCapturable(Exception):
