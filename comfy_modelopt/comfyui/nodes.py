@@ -29,10 +29,10 @@ from .compat import check_kitchen
 from .cuda_graphs import enable_cuda_graphs
 from .recipe_inputs import (QUANTIZE_INPUTS, QUANTIZE_INPUTS_AFTER_RUNTIME, QUANTIZE_INPUTS_BEFORE_CALIBRATION,
                             recipe_input)
-from .runtime import (DEFAULT_RUNTIME, DEQUANT_CACHE_TOOLTIP, RUNTIME_TOOLTIP, RUNTIMES, apply_runtime, first_call_of,
-                      gpu_note)
+from .runtime import (DEFAULT_RUNTIME, DEQUANT_CACHE_TOOLTIP, RUNTIMES, apply_runtime, first_call_of, gpu_note,
+                      runtime_tooltip)
 from . import ownloader
-from .report_image import render as render_report
+from .report_image import compare as compare_images, render as render_report
 from .model import NodeError, PatcherSource, artifact_of, build_quantized_model, compute_device, log
 from .sampling import calibrate_by_sampling, empty_latent, modelopt_by_sampling
 
@@ -243,7 +243,7 @@ class ModelOptQuantizeUNet(io.ComfyNode):
                                   tooltip="From Calibrate Model: static input scales (true fp8 W8A8), smoothing, "
                                           "activation-aware clipping, GPTQ, per-layer sensitivity."),
                 *map(recipe_input, QUANTIZE_INPUTS),
-                io.Combo.Input("runtime", options=list(RUNTIMES), default=DEFAULT_RUNTIME, tooltip=RUNTIME_TOOLTIP),
+                io.Combo.Input("runtime", options=list(RUNTIMES), default=DEFAULT_RUNTIME, tooltip=runtime_tooltip()),
                 io.Float.Input("dequant_cache_gib", default=0.0, min=0.0, max=1024.0, step=0.5, advanced=True,
                                optional=True, tooltip=DEQUANT_CACHE_TOOLTIP),
                 *map(recipe_input, QUANTIZE_INPUTS_AFTER_RUNTIME),
@@ -410,7 +410,7 @@ class ModelOptUNetLoader(io.ComfyNode):
             inputs=[io.Combo.Input("unet_name", options=_unet_files(),
                                    tooltip="A quantized file in models/diffusion_models/ (any maker's); "
                                            "checked layer by layer before ComfyUI sees it."),
-                    io.Combo.Input("runtime", options=list(RUNTIMES), default=DEFAULT_RUNTIME, tooltip=RUNTIME_TOOLTIP),
+                    io.Combo.Input("runtime", options=list(RUNTIMES), default=DEFAULT_RUNTIME, tooltip=runtime_tooltip()),
                     io.Float.Input("dequant_cache_gib", default=0.0, min=0.0, max=1024.0, step=0.5, advanced=True,
                                    optional=True, tooltip=DEQUANT_CACHE_TOOLTIP)],
             outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report")],
@@ -458,6 +458,42 @@ class ModelOptCudaGraphs(io.ComfyNode):
         return io.NodeOutput(enable_cuda_graphs(model, compile_blocks=compile_blocks)[0])
 
 
+class ModelOptCompareImages(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="ModelOptCompareImages",
+            display_name="Compare Images (ModelOpt)",
+            category=CATEGORY,
+            description="The 16-bit model's image, the quantized model's and their difference side by side, "
+                        "with the error as numbers: where the quantization changed the picture.",
+            inputs=[io.Image.Input("quantized", tooltip="The quantized model's image (VAE Decode)."),
+                    io.Image.Input("reference", tooltip="The 16-bit model's image: same prompt, seed and size."),
+                    io.Float.Input("gain", default=0.0, min=0.0, max=256.0, step=1.0, optional=True,
+                                   tooltip="How much the difference is amplified. 0 picks it per image so the "
+                                           "largest differences show at full brightness.")],
+            outputs=[io.Image.Output(display_name="comparison", tooltip="Connect Preview Image or Save Image."),
+                     io.String.Output(display_name="summary")],
+        )
+
+    @classmethod
+    def execute(cls, quantized, reference, gain=0.0) -> io.NodeOutput:
+        if quantized.shape != reference.shape:
+            raise NodeError(f"Compare Images: the images differ in size or batch - quantized "
+                            f"{tuple(quantized.shape)}, 16-bit {tuple(reference.shape)}; sample both the same way")
+        pictures, lines = [], []
+        for i in range(quantized.shape[0]):
+            pic, n = compare_images(quantized[i].float().cpu().numpy(), reference[i].float().cpu().numpy(), gain)
+            pictures.append(torch.from_numpy(pic).float().div(255.0))
+            lines.append(f"image {i + 1}: PSNR {n['psnr_db']:.2f} dB, mean |diff| {n['mean_abs'] * 255:.2f}/255, "
+                         f"largest {n['max_abs'] * 255:.0f}/255, {n['changed']:.2%} of pixels changed by > 4/255")
+        return io.NodeOutput(torch.stack(pictures), "\n".join(lines))
+
+
+NODES = [ModelOptCalibrationHelper, ModelOptLoadCalibration, ModelOptQuantizeUNet, ModelOptSaveQuantized,
+         ModelOptUNetLoader, ModelOptCudaGraphs, ModelOptCompareImages]
+
+
 class ModelOptExtension(ComfyExtension):
     @override
     async def on_load(self) -> None:
@@ -465,8 +501,7 @@ class ModelOptExtension(ComfyExtension):
 
     @override
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [ModelOptCalibrationHelper, ModelOptLoadCalibration, ModelOptQuantizeUNet,
-                ModelOptSaveQuantized, ModelOptUNetLoader, ModelOptCudaGraphs]
+        return list(NODES)
 
 
 async def comfy_entrypoint() -> ModelOptExtension:

@@ -59,6 +59,15 @@ RUNTIME_TOOLTIP = ("auto (default): the fastest measured - CUDA graphs over comp
                    "here, else lean + cuda graphs; FP8 attention on Hopper with fa3-fwd. lean: stock kernels "
                    "without per-layer Python. stock: ComfyUI's own layers. Figures: docs/benchmarks.md.")
 
+
+def runtime_tooltip() -> str:
+    """The runtime input's tooltip, marked where the choices beyond lean cannot apply."""
+    if torch.cuda.is_available():
+        return RUNTIME_TOOLTIP
+    return ("No CUDA GPU here: every choice but stock runs as lean (the rest need one). lean: stock kernels "
+            "without per-layer Python. stock: ComfyUI's own layers. auto (default) picks per GPU.")
+
+
 DEQUANT_CACHE_TOOLTIP = ("GiB of VRAM for 16-bit copies of the weights this GPU cannot compute natively "
                          "(nvfp4/mxfp8 before Blackwell): those layers then skip dequantizing on every call "
                          "(same output). 0 = off. ComfyUI is told to keep that much free; the copies go "

@@ -39,7 +39,7 @@ def _title(variant: str, what: str) -> str:
 
 
 def _sampler(g: Graph, model, pos, neg, latent, x, y, title, steps):
-    return _link_all(g, g.add("KSampler", (x, y), title=title, size=(320, 270), seed=42, steps=steps, cfg=7.0,
+    return _link_all(g, g.add("KSampler", (x, y), title=title, size=(300, 262), seed=42, steps=steps, cfg=7.0,
                               sampler_name="euler", scheduler="normal", denoise=1.0),
                      model=model, positive=pos, negative=neg, latent_image=latent)
 
@@ -50,87 +50,103 @@ def _link_all(g: Graph, node: int, **inputs) -> int:
     return node
 
 
-def _prompts(g: Graph, ckpt: int, size: int, x: int = 420):
-    pos = _link_all(g, g.add("CLIPTextEncode", (x, 40), title="Positive prompt", size=(400, 160), text=POSITIVE),
+def _prompts(g: Graph, ckpt: int, size: int, x: int = 20, y: int = 170):
+    """The prompts and the empty latent, stacked in the first column under the checkpoint."""
+    pos = _link_all(g, g.add("CLIPTextEncode", (x, y), title="Positive prompt", size=(340, 130), text=POSITIVE),
                     clip=(ckpt, "CLIP"))
-    neg = _link_all(g, g.add("CLIPTextEncode", (x, 240), title="Negative prompt", size=(400, 120), text=NEGATIVE),
+    neg = _link_all(g, g.add("CLIPTextEncode", (x, y + 170), title="Negative prompt", size=(340, 90), text=NEGATIVE),
                     clip=(ckpt, "CLIP"))
-    latent = g.add("EmptyLatentImage", (x, 400), width=size, height=size, batch_size=1)
+    latent = g.add("EmptyLatentImage", (x, y + 300), size=(340, 106), width=size, height=size, batch_size=1)
     return (pos, 0), (neg, 0), (latent, 0)
 
 
-def _images(g: Graph, samples, vae, x, y, prefix, title):
-    decoded = _link_all(g, g.add("VAEDecode", (x, y), size=(220, 50)), samples=samples, vae=vae)
-    return _link_all(g, g.add("SaveImage", (x, y + 90), title=title, size=(360, 400), filename_prefix=prefix),
-                     images=(decoded, 0))
+def _decoded(g: Graph, samples, vae, x, y):
+    return _link_all(g, g.add("VAEDecode", (x, y), size=(150, 46)), samples=samples, vae=vae)
 
 
+def _saved(g: Graph, images, x, y, prefix, title, size=(260, 300)):
+    return _link_all(g, g.add("SaveImage", (x, y), title=title, size=size, filename_prefix=prefix), images=images)
+
+
+# The layouts leave room for each node at the size ComfyUI's frontend draws it (every widget,
+# advanced ones included) and fit a 1920x1080 window at a zoom where node text is drawn
+# (tests/comfyui/test_frontend.py opens each as the template browser does and checks both).
 def quantize_and_compare(info: dict, variant: str, planner: bool = False) -> dict:
     s = SIZES[variant]
     g = Graph(info)
-    ckpt = g.add("CheckpointLoaderSimple", (20, 40), size=(360, 100), ckpt_name=CHECKPOINT)
+    ckpt = g.add("CheckpointLoaderSimple", (20, 40), size=(340, 98), ckpt_name=CHECKPOINT)
     pos, neg, latent = _prompts(g, ckpt, s["size"])
     calib = _link_all(g, g.add(
-        "ModelOptCalibrationHelper", (20, 560), title="Calibrate Model", size=(380, 560),
+        "ModelOptCalibrationHelper", (400, 40), title="Calibrate Model", size=(300, 542),
         num_prompts=s["prompts"], steps=s["calib_steps"], cfg=7.0, sampler_name="euler", scheduler="normal",
         width=s["size"], height=s["size"], seed=0, save_name=""), model=(ckpt, "MODEL"), clip=(ckpt, "CLIP"))
     recipe = dict(format="nvfp4", budget=BUDGET) if planner else dict(format="float8_e4m3fn")
-    quant = _link_all(g, g.add("ModelOptQuantizeUNet", (420, 560), title="Quantize Model", size=(400, 470), **recipe),
+    quant = _link_all(g, g.add("ModelOptQuantizeUNet", (740, 40), title="Quantize Model", size=(300, 740), **recipe),
                       model=(ckpt, "MODEL"), calibration=(calib, 0))
-    quantized = _sampler(g, (quant, 0), pos, neg, latent, 880, 40, "KSampler - quantized", s["steps"])
-    reference = _sampler(g, (ckpt, "MODEL"), pos, neg, latent, 1260, 40, "KSampler - 16-bit (same seed)", s["steps"])
-    _images(g, (quantized, 0), (ckpt, "VAE"), 880, 340, "modelopt/quantized", "Quantized")
-    _images(g, (reference, 0), (ckpt, "VAE"), 1260, 340, "modelopt/16bit", "16-bit")
-    _link_all(g, g.add("PreviewImage", (880, 860), title="Report (chart)", size=(740, 420)), images=(quant, 2))
-    _link_all(g, g.add("PreviewAny", (1640, 40), title="Report", size=(520, 800)), source=(quant, 1))
     name = f"quantized/sd15-{'mixed' if planner else 'fp8'}{'-quick' if variant == 'quick' else ''}"
-    _link_all(g, g.add("ModelOptSaveQuantized", (420, 1060), title="Save Quantized Model", size=(400, 130),
+    _link_all(g, g.add("ModelOptSaveQuantized", (400, 640), title="Save Quantized Model", size=(300, 82),
                        filename=name, overwrite=False), model=(quant, 0))
+    quantized = _sampler(g, (quant, 0), pos, neg, latent, 1080, 40, "KSampler - quantized", s["steps"])
+    reference = _sampler(g, (ckpt, "MODEL"), pos, neg, latent, 1080, 350, "KSampler - 16-bit (same seed)",
+                         s["steps"])
+    q_img, r_img = (_decoded(g, (quantized, 0), (ckpt, "VAE"), 1080, 660),
+                    _decoded(g, (reference, 0), (ckpt, "VAE"), 1230, 660))
+    compared = _link_all(g, g.add("ModelOptCompareImages", (1080, 750), title="Compare Images", size=(300, 78)),
+                         quantized=(q_img, 0), reference=(r_img, 0))
+    _link_all(g, g.add("PreviewImage", (1420, 40), title="16-bit | quantized | difference", size=(600, 300)),
+              images=(compared, 0))
+    _saved(g, (q_img, 0), 1420, 380, "modelopt/quantized", "Quantized")
+    _saved(g, (r_img, 0), 1720, 380, "modelopt/16bit", "16-bit")
+    _link_all(g, g.add("PreviewImage", (1420, 720), title="Report (chart)", size=(600, 380)), images=(quant, 2))
+    _link_all(g, g.add("PreviewAny", (740, 830), title="Report", size=(300, 270)), source=(quant, 1))
     what = ("Quantize under a size budget: nvfp4, fp8 and int8 per layer (planner)" if planner else
             "Quantize a model (fp8) and compare it with the 16-bit one")
     does = (f"gives each Linear layer the format that buys the most accuracy per byte, within {BUDGET}x the 16-bit "
             "Linear bytes" if planner else "writes fp8 W8A8 with static input scales")
     steps = (f"Calibrate Model samples {s['prompts']} prompts x {s['calib_steps']} steps at {s['size']} px; "
              f"Quantize Model {does}; both KSamplers use the same seed, so the two images differ only by the "
-             "quantization.  The chart and the text are the per-layer report.")
-    g.note(f"## {_title(variant, what)}\n\n{FILES}\n**What it does**: {steps}\n\n**Where the file goes**: Save "
-           f"Quantized Model writes `models/diffusion_models/{name}.safetensors` (a name that exists gets the next free "
-           "counter, `_00001`; overwrite replaces it instead); ComfyUI's own Load Diffusion Model loads it."
+             "quantization: Compare Images shows where (the difference, amplified).")
+    g.note(f"## {_title(variant, what)}\n\n{FILES}\n**What it does**: {steps}\n\n**Where the file goes**: "
+           f"`models/diffusion_models/{name}.safetensors` (a name that exists gets the next free counter, `_00001`; "
+           "overwrite replaces it instead); ComfyUI's own Load Diffusion Model loads it."
            + ("\n\nOn a CPU or a GPU without fp8 tensor cores (before Ada) the file is smaller, not faster."
               if not planner else "\n\nnvfp4 runs natively on Blackwell; elsewhere it is smaller, not faster."),
-           (20, 1140), size=(780, 330))
+           (20, 640), size=(340, 460))
     return g.ui()
 
 
-def load_and_sample(info: dict, variant: str) -> dict:
+def load_and_sample(info: dict, variant: str, quantize_title: str) -> dict:
     s = SIZES[variant]
     name = f"quantized/sd15-fp8{'-quick' if variant == 'quick' else ''}.safetensors"
     g = Graph(info)
-    unet = g.add("ModelOptUNetLoader", (20, 40), title="Load Quantized Model", size=(360, 110), unet_name=name)
-    ckpt = g.add("CheckpointLoaderSimple", (20, 200), title="Text encoder and VAE", size=(360, 100),
+    ckpt = g.add("CheckpointLoaderSimple", (20, 40), title="Text encoder and VAE", size=(340, 98),
                  ckpt_name=CHECKPOINT)
     pos, neg, latent = _prompts(g, ckpt, s["size"])
-    sampled = _sampler(g, (unet, 0), pos, neg, latent, 880, 40, "KSampler", s["steps"])
-    _images(g, (sampled, 0), (ckpt, "VAE"), 880, 340, "modelopt/reloaded", "Image")
-    _link_all(g, g.add("PreviewAny", (1260, 40), title="Report (checked when loading)", size=(520, 700)),
+    unet = g.add("ModelOptUNetLoader", (400, 40), title="Load Quantized Model", size=(300, 126), unet_name=name)
+    sampled = _sampler(g, (unet, 0), pos, neg, latent, 400, 210, "KSampler", s["steps"])
+    _saved(g, (_decoded(g, (sampled, 0), (ckpt, "VAE"), 400, 520), 0), 740, 40, "modelopt/reloaded", "Image",
+           size=(400, 440))
+    _link_all(g, g.add("PreviewAny", (740, 520), title="Report (checked when loading)", size=(400, 300)),
               source=(unet, 1))
     g.note(f"## {_title(variant, 'Load a quantized model and sample')}\n\n{FILES}"
-           f"- `models/diffusion_models/{name}` - written by *Quantize a model (fp8) and compare it* "
-           f"({'quick' if variant == 'quick' else 'real size'}); run that one first\n\n"
-           "**What it does**: Load Quantized Model checks the file (every layer against its format, every scale "
-           "finite, no layer missing) and loads it with ComfyUI's own loader on the fast runtime; the report shows "
-           "its recipe and per-layer errors.  The CLIP text encoder and the VAE come from the SD1.5 checkpoint.",
-           (20, 360), size=(380, 360))
+           f"- `models/diffusion_models/{name}` - written by the workflow *{quantize_title}*: run that one "
+           "first\n\n**What it does**: Load Quantized Model checks the file (every layer against its format, every "
+           "scale finite, no layer missing) and loads it with ComfyUI's own loader on the fast runtime; the report "
+           "shows its recipe and per-layer errors.  The CLIP text encoder and the VAE come from the SD1.5 checkpoint.",
+           (1180, 40), size=(360, 520))
     return g.ui()
 
 
-WORKFLOWS = {  # file name -> builder; the order is the one a user (and the test) runs them in
-    "Quantize and compare (quick).json": lambda info: quantize_and_compare(info, "quick"),
-    "Load a quantized model (quick).json": lambda info: load_and_sample(info, "quick"),
-    "Mixed precision under a budget (quick).json": lambda info: quantize_and_compare(info, "quick", planner=True),
-    "Quantize and compare.json": lambda info: quantize_and_compare(info, "full"),
-    "Load a quantized model.json": lambda info: load_and_sample(info, "full"),
-    "Mixed precision under a budget.json": lambda info: quantize_and_compare(info, "full", planner=True),
+# file name -> builder.  The template browser lists a pack's workflows in the order the file system
+# returns them and titles each by its file name: the number says which to run first.
+QUICK, FULL = "1 Quantize and compare (quick)", "4 Quantize and compare"
+WORKFLOWS = {
+    f"{QUICK}.json": lambda info: quantize_and_compare(info, "quick"),
+    "2 Load a quantized model (quick).json": lambda info: load_and_sample(info, "quick", QUICK),
+    "3 Mixed precision under a budget (quick).json": lambda info: quantize_and_compare(info, "quick", planner=True),
+    f"{FULL}.json": lambda info: quantize_and_compare(info, "full"),
+    "5 Load a quantized model.json": lambda info: load_and_sample(info, "full", FULL),
+    "6 Mixed precision under a budget.json": lambda info: quantize_and_compare(info, "full", planner=True),
 }
 
 
@@ -140,21 +156,36 @@ def render(info: dict) -> dict[str, str]:
 
 
 def main():
+    """Write the workflows; with --thumbnails also their template-browser pictures (needs
+    Playwright and Chromium: tests/comfyui/frontend.py)."""
     import pathlib
     from comfy_server import Server
+    thumbnails = "--thumbnails" in sys.argv[1:]
     with tempfile.TemporaryDirectory() as tmp:
         base = pathlib.Path(tmp)
-        (base / "models").mkdir()
-        server = Server(base, base / "models")
+        models_dir = base / "models"
+        for sub, name in (("checkpoints", CHECKPOINT), ("diffusion_models", "quantized/sd15-fp8-quick.safetensors"),
+                          ("diffusion_models", "quantized/sd15-fp8.safetensors")):
+            (models_dir / sub / name).parent.mkdir(parents=True, exist_ok=True)
+            (models_dir / sub / name).touch()  # listed, so no "missing model" notice covers the picture
+        server = Server(base, models_dir)
         try:
             info = server.get("/object_info")
+            os.makedirs(FOLDER, exist_ok=True)
+            for name, text in render(info).items():
+                with open(os.path.join(FOLDER, name), "w") as f:
+                    f.write(text)
+                print(os.path.join(FOLDER, name))
+            if thumbnails:
+                import frontend
+                with frontend.page_on(server.url) as page:
+                    for name in WORKFLOWS:
+                        frontend.open_template(page, name[:-len(".json")])
+                        path = os.path.join(FOLDER, name[:-len(".json")] + ".jpg")
+                        frontend.thumbnail(page, path)
+                        print(path)
         finally:
             server.stop()
-    os.makedirs(FOLDER, exist_ok=True)
-    for name, text in render(info).items():
-        with open(os.path.join(FOLDER, name), "w") as f:
-            f.write(text)
-        print(os.path.join(FOLDER, name))
 
 
 if __name__ == "__main__":

@@ -130,15 +130,36 @@ def test_every_input_explained_in_a_screenful_without_figures(env):
     import re
     figure = re.compile(r"\d(\.\d+)?x\b|\bH[12]00\b|\d+(\.\d+)? ?(s|ms)\b|\d%")
     bad = []
-    for cls in (env["nodes"].ModelOptCalibrationHelper, env["nodes"].ModelOptLoadCalibration,
-                env["nodes"].ModelOptQuantizeUNet, env["nodes"].ModelOptSaveQuantized,
-                env["nodes"].ModelOptUNetLoader, env["nodes"].ModelOptCudaGraphs):
+    for cls in env["nodes"].NODES:
         schema = cls.define_schema()
         for i in schema.inputs:
             tip = getattr(i, "tooltip", None) or ""
             if not tip or len(tip) > 300 or figure.search(tip):
                 bad.append(f"{schema.node_id}.{i.id}: {len(tip)} chars {figure.search(tip).group(0) if figure.search(tip) else ''}")
     assert not bad, bad
+
+
+def test_compare_images_shows_where_the_picture_changed():
+    """Compare Images: the 16-bit image, the quantized one and their amplified difference in one
+    picture per batch item; the numbers are the images' (PSNR from their mean squared error); images
+    of different sizes are refused naming both."""
+    nodes = load_pack()
+    g = torch.Generator().manual_seed(0)
+    ref = torch.rand(2, 40, 48, 3, generator=g)
+    q = ref.clone()
+    q[1, 10:20, 10:20] = (q[1, 10:20, 10:20] + 0.2).clamp(0, 1)
+    pictures, summary = nodes.ModelOptCompareImages.execute(quantized=q, reference=ref).args
+    assert pictures.shape[0] == 2 and pictures.shape[2] == 3 * 48 + 2 * 8 and pictures.shape[-1] == 3
+    first, second = summary.splitlines()
+    assert "PSNR inf dB" in first and "0.00% of pixels" in first
+    psnr = 10 * torch.log10(1 / ((q[1].double() - ref[1].double()) ** 2).mean())
+    assert f"PSNR {float(psnr):.2f} dB" in second
+    # the difference panel (right) is dark outside the changed square and bright inside it
+    head = pictures.shape[1] - 40  # the images sit under the header
+    diff = pictures[1, head:, 2 * (48 + 8):]
+    assert diff[10:20, 10:20].mean() > 0.3 and diff[25:, 25:].max() == 0
+    with pytest.raises(nodes.NodeError, match=r"quantized \(1, 40, 48, 3\), 16-bit \(1, 32, 48, 3\)"):
+        nodes.ModelOptCompareImages.execute(quantized=q[:1], reference=ref[:1, :32])
 
 
 def test_calibration_covers_the_trajectory(env):
@@ -275,7 +296,7 @@ def test_budget_plans_mixed_precision_and_samples(env):
     formats = {getattr(m, "quant_format", None) for m in qmodel.model.diffusion_model.modules()} - {None}
     assert len(formats) > 1 and formats <= {"nvfp4", "float8_e4m3fn", "int8_tensorwise"}, formats
     # the report as an IMAGE (Preview Image shows it): one bar per layer coloured by its format
-    assert chart.shape == (1, 560, 1024, 3) and chart.dtype == torch.float32 and 0 <= chart.min() <= chart.max() <= 1
+    assert chart.shape == (1, 600, 1024, 3) and chart.dtype == torch.float32 and 0 <= chart.min() <= chart.max() <= 1
     colours = {tuple(int(round(float(v) * 255)) for v in px) for px in chart[0, 370, 64:1000]}
     from comfy_modelopt.formats import FORMATS
     assert len(colours & {FORMATS[f].colour for f in formats}) >= 2, colours

@@ -85,7 +85,8 @@ def test_nodes_registered(server):
     ours = {name for name, node in info.items() if node.get("category", "").startswith("modelopt")}
     # the old pack's ids (workflows built with it still open) plus ours, and nothing unlisted
     assert ours == {"ModelOptCalibrationHelper", "ModelOptQuantizeUNet", "ModelOptSaveQuantized",
-                    "ModelOptUNetLoader", "ModelOptLoadCalibration", "ModelOptCudaGraphs"}, sorted(ours)
+                    "ModelOptUNetLoader", "ModelOptLoadCalibration", "ModelOptCudaGraphs",
+                    "ModelOptCompareImages"}, sorted(ours)
     q = info["ModelOptQuantizeUNet"]["input"]
     assert "float8_e4m3fn" in json.dumps(q) and "calibration" in q.get("optional", {})
 
@@ -178,7 +179,7 @@ def test_shipped_workflow_runs_as_shipped(server, name):
         assert "no problem" in "".join(texts[0])
         return
     charts = [i for k, v in images.items() if by_type[k] == "PreviewImage" for i in v]
-    assert len(charts) == 1  # the report as a picture
+    assert len(charts) == 2  # the comparison (16-bit | quantized | difference) and the report as a picture
     path = server.models_dir / "diffusion_models" / (save_node["widgets_values"][0] + ".safetensors")
     info = inspect_file(str(path), verify_values=True)
     assert info.kind == "comfy_modelopt" and not info.problems
