@@ -1,5 +1,9 @@
 """Default calibration prompts: varied subjects, styles, compositions and lighting, so the
-activation statistics cover what users actually generate (portraits, text, scenes, styles)."""
+activation statistics cover what users actually generate (portraits, text, scenes, styles) - and
+how calibration samples them, declared once for Calibrate Model and the launcher."""
+from __future__ import annotations
+
+import dataclasses
 
 DEFAULT_PROMPTS = (
     "a portrait photo of an elderly woman with silver hair, soft window light, 85mm lens, shallow depth of field",
@@ -37,3 +41,63 @@ DEFAULT_PROMPTS = (
 )
 
 DEFAULT_NEGATIVE = "blurry, low quality, distorted, watermark"
+
+
+# ------------------------------------------------------------------ how calibration samples them
+@dataclasses.dataclass(frozen=True)
+class SamplingOption:
+    """One option of how calibration samples the prompts, declared once for Calibrate Model's input
+    (``name``; its tooltip ``help``) and the launcher's flag (``--flag``)."""
+    name: str
+    flag: str
+    default: object
+    help: str
+    bounds: tuple = ()  # (min, max, step) for numbers
+    choices: str = ""  # "samplers" / "schedulers": ComfyUI's lists (the node); free text for the flag
+    advanced: bool = False  # the node shows it among the advanced inputs
+
+
+SAMPLING_OPTIONS = (  # Calibrate Model's widget order: saved workflows keep their values
+    SamplingOption("num_prompts", "num-prompts", 16, "How many prompts to sample (more = better statistics, slower).",
+                   (1, 1024, 1)),
+    SamplingOption("steps", "steps", 20, "Sampling steps per prompt.", (1, 200, 1)),
+    SamplingOption("cfg", "cfg", 4.0, "CFG used while sampling (1.0 for guidance-distilled models like Flux-dev).",
+                   (0.0, 30.0, 0.1)),
+    SamplingOption("sampler_name", "sampler", "euler", "The sampler calibration samples with: the one your workflows "
+                   "use.", choices="samplers"),
+    SamplingOption("scheduler", "scheduler", "simple", "The scheduler calibration samples with: the one your "
+                   "workflows use.", choices="schedulers"),
+    SamplingOption("width", "width", 1024, "Image width while calibrating: the size you will generate at (the "
+                   "default runtime compiles for it).", (64, 8192, 8)),
+    SamplingOption("height", "height", 1024, "Image height while calibrating: the size you will generate at.",
+                   (64, 8192, 8)),
+    SamplingOption("seed", "seed", 0, "Noise seed of the first prompt (the next ones add 1 each).",
+                   (0, 0xFFFFFFFF, 1)),
+    SamplingOption("guidance", "guidance", 3.5, "Embedded guidance for guidance-distilled models (Flux); others "
+                   "ignore it. 0: none.", (0.0, 100.0, 0.1)),
+    SamplingOption("samples_mib_per_layer", "samples-mib-per-layer", 2.0,
+                   "Input rows kept per layer for the activation-aware searches and GPTQ (bf16: rows = MiB * 2^20 / "
+                   "(2 * the layer's inputs)). With fewer rows than a layer has inputs its GPTQ Hessian is "
+                   "rank-deficient: the report names such layers.", (0.0, 256.0, 0.5), advanced=True),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How each calibration prompt is sampled (ComfyUI's sampler, as KSampler): prompt ``i`` with
+    noise seed ``seed + i``; ``guidance`` None for models without embedded guidance."""
+    steps: int = 20
+    cfg: float = 4.0
+    sampler_name: str = "euler"
+    scheduler: str = "simple"
+    seed: int = 0
+    guidance: float | None = 3.5
+
+    @classmethod
+    def of(cls, values: dict) -> "Sampling":
+        """From the options' values by name (Calibrate Model's inputs, the launcher's arguments)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        out = {k: v for k, v in values.items() if k in fields}
+        if out.get("guidance") is not None and out["guidance"] <= 0:
+            out["guidance"] = None
+        return cls(**out)

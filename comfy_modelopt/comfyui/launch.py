@@ -45,19 +45,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="dtype of the diffusion model's weights while sampling")
     p.add_argument("--prompts", help="text file, one prompt per line (default: the built-in varied set)")
     p.add_argument("--negative", default=None, help="negative prompt (default: the built-in one)")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--cfg", type=float, default=4.0, help="1.0 for guidance-distilled models (Flux-dev)")
-    p.add_argument("--sampler", default="euler")
-    p.add_argument("--scheduler", default="simple")
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--height", type=int, default=1024)
+    from ..prompts import SAMPLING_OPTIONS
+    for o in SAMPLING_OPTIONS:  # Calibrate Model's inputs, as flags
+        p.add_argument(f"--{o.flag}", dest=o.name, type=type(o.default), default=o.default, help=o.help)
     p.add_argument("--frames", type=int, default=0,
                    help="video models (Wan 2.1, HunyuanVideo): frames of the empty video latent")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--guidance", type=float, default=3.5, help="embedded guidance (Flux); 0: none")
-    p.add_argument("--samples-mib-per-layer", type=float, default=2.0,
-                   help="input rows kept per layer for the activation-aware searches (bf16)")
     p.add_argument("-o", "--output", required=True,
                    help="statistics file; a bare name goes to ComfyUI's models/modelopt_calibration")
     p.add_argument("--overwrite", action="store_true", help="replace the output file(s) if they exist")
@@ -153,7 +145,7 @@ def main(argv=None) -> int:
 
     from ..calibrate import CalibrationOptions
     from ..distributed import Shard, calibrate_sharded, shard_prompts
-    from ..prompts import DEFAULT_NEGATIVE
+    from ..prompts import DEFAULT_NEGATIVE, Sampling
     from .sampling import empty_latent, encode, sample_prompt, sampling_info, without_cuda_graphs
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
@@ -172,7 +164,7 @@ def main(argv=None) -> int:
     recipe = _request(a, world) if model_out else None
     prompts = _prompts(a)
     negative = DEFAULT_NEGATIVE if a.negative is None else a.negative
-    guidance = a.guidance if a.guidance > 0 else None
+    how = Sampling.of(vars(a))
 
     model, clip = _load(a)
     if a.engine == "modelopt":
@@ -183,20 +175,19 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         # encoded before any statistics: the text encoder and the diffusion model may take turns in VRAM
         negative_cond = encode(clip, negative, None)
-        conds = {i: encode(clip, prompts[i], guidance) for i in mine}
+        conds = {i: encode(clip, prompts[i], how.guidance) for i in mine}
         if shard is not None:  # every rank loaded: the times below are sampling and merging alone
             dist.barrier()
         t0, done, sampled = time.perf_counter(), [0], [0.0]
 
         def run(_module, i):
-            sample_prompt(model, conds[i], negative_cond, latent, a.seed + i, a.steps, a.cfg, a.sampler,
-                          a.scheduler)
+            sample_prompt(model, conds[i], negative_cond, latent, i, how)
             done[0] += 1
             sampled[0] = spent = time.perf_counter() - t0
             if rank == 0:
                 logging.info(f"[comfy-modelopt] rank 0/{world}: prompt {done[0]}/{len(mine)} sampled "
                              f"({spent:.1f} s, ~{spent / done[0] * (len(mine) - done[0]):.0f} s left)")
-        info = sampling_info(model, len(prompts), a.steps, a.cfg, a.sampler, a.scheduler, latent, a.seed, guidance)
+        info = sampling_info(model, len(prompts), how, latent)
         info["ranks"] = world
         options = CalibrationOptions(reservoir_bytes=int(a.samples_mib_per_layer * 2**20), seed=a.seed)
         stats = calibrate_sharded(model.model.diffusion_model, list(range(len(prompts))), run, options, info=info,
@@ -215,8 +206,8 @@ def main(argv=None) -> int:
         if a.engine == "modelopt":
             from .sampling import modelopt_by_sampling
             with torch.inference_mode():
-                engine = modelopt_by_sampling(model, clip, prompts, negative, a.steps, a.cfg, a.sampler, a.scheduler,
-                                              latent, a.seed, guidance, recipe.format, a.modelopt_algorithm)
+                engine = modelopt_by_sampling(model, clip, prompts, negative, how, latent, recipe.format,
+                                              a.modelopt_algorithm)
             logging.info(f"[comfy-modelopt] {engine.note()}: {len(engine.layers)} Linear layers")
         _quantize(model, recipe, stats, engine, model_out, a.overwrite, shard, rank,
                   os.path.basename(a.unet or a.checkpoint))

@@ -21,7 +21,7 @@ from ..errors import ModelOptError, OutputExistsError, PlanError
 from ..modelopt_engine import ALGORITHMS as MODELOPT_ALGORITHMS, ENGINE_FORMATS, check_request
 from ..pipeline import DictSink, quantize
 from ..progress import Progress
-from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS
+from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS, SAMPLING_OPTIONS, Sampling, SamplingOption
 from ..recipe import recipe_from_values
 from ..safetensors_io import write_file
 from ..stats import ActivationStats
@@ -88,28 +88,7 @@ class ModelOptCalibrationHelper(io.ComfyNode):
                                 tooltip="One prompt per line; the first num_prompts are used."),
                 io.String.Input("negative_prompt", multiline=True, default=DEFAULT_NEGATIVE,
                                 tooltip="The negative prompt every calibration sample uses (as in your workflows)."),
-                io.Int.Input("num_prompts", default=16, min=1, max=1024,
-                             tooltip="How many prompts to sample (more = better statistics, slower)."),
-                io.Int.Input("steps", default=20, min=1, max=200, tooltip="Sampling steps per prompt."),
-                io.Float.Input("cfg", default=4.0, min=0.0, max=30.0, step=0.1,
-                               tooltip="CFG used while sampling (1.0 for guidance-distilled models like Flux-dev)."),
-                io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="euler",
-                               tooltip="The sampler calibration samples with: the one your workflows use."),
-                io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="simple",
-                               tooltip="The scheduler calibration samples with: the one your workflows use."),
-                io.Int.Input("width", default=1024, min=64, max=8192, step=8,
-                             tooltip="Image width while calibrating: the size you will generate at (the "
-                                     "default runtime compiles for it)."),
-                io.Int.Input("height", default=1024, min=64, max=8192, step=8,
-                             tooltip="Image height while calibrating: the size you will generate at."),
-                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF, control_after_generate=True,
-                             tooltip="Noise seed of the first prompt (the next ones add 1 each)."),
-                io.Float.Input("guidance", default=3.5, min=0.0, max=100.0, step=0.1,
-                               tooltip="Embedded guidance for guidance-distilled models (Flux); others ignore it."),
-                io.Float.Input("samples_mib_per_layer", default=2.0, min=0.0, max=256.0, step=0.5, advanced=True,
-                               tooltip="Input rows kept per layer for the activation-aware searches and GPTQ "
-                               "(bf16: rows = MiB * 2^20 / (2 * the layer's inputs)). With fewer rows than a layer has "
-                               "inputs its GPTQ Hessian is rank-deficient: the report names such layers."),
+                *map(_sampling_input, SAMPLING_OPTIONS),
                 io.String.Input("save_name", default="", tooltip="If set, also save the statistics as "
                                 "models/modelopt_calibration/<save_name>.safetensors (for the CLI's --stats)."),
                 io.Latent.Input("latent", optional=True, tooltip="Sample this latent instead of an empty "
@@ -136,10 +115,10 @@ class ModelOptCalibrationHelper(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, clip, prompts, negative_prompt, num_prompts, steps, cfg, sampler_name, scheduler,
-                width, height, seed, guidance, samples_mib_per_layer, save_name, latent=None, engine="own",
-                modelopt_algorithm="max", modelopt_format=ENGINE_FORMATS[0]) -> io.NodeOutput:
-        lines = [p.strip() for p in prompts.splitlines() if p.strip()][:num_prompts]
+    def execute(cls, model, clip, prompts, negative_prompt, save_name, latent=None, engine="own",
+                modelopt_algorithm="max", modelopt_format=ENGINE_FORMATS[0], **sampling) -> io.NodeOutput:
+        lines = [p.strip() for p in prompts.splitlines() if p.strip()][:sampling["num_prompts"]]
+        how = Sampling.of(sampling)
         if engine == "modelopt":  # what ModelOpt cannot do is refused before any sampling
             try:
                 check_request(modelopt_format, modelopt_algorithm, model.load_device)
@@ -148,17 +127,14 @@ class ModelOptCalibrationHelper(io.ComfyNode):
         if latent is not None:
             samples = _latent_samples(model, latent)
         else:
-            samples = empty_latent(model, width, height)
-        opts = CalibrationOptions(reservoir_bytes=int(samples_mib_per_layer * 2**20), seed=seed)
-        stats = calibrate_by_sampling(model, clip, lines, negative_prompt, steps, cfg, sampler_name, scheduler,
-                                      samples, seed, guidance if guidance > 0 else None, opts,
-                                      node_id=_node_id(cls))
+            samples = empty_latent(model, sampling["width"], sampling["height"])
+        opts = CalibrationOptions(reservoir_bytes=int(sampling["samples_mib_per_layer"] * 2**20), seed=how.seed)
+        stats = calibrate_by_sampling(model, clip, lines, negative_prompt, how, samples, opts, node_id=_node_id(cls))
         summary = _stats_text(stats)
         result = stats
         if engine == "modelopt":
             try:
-                found = modelopt_by_sampling(model, clip, lines, negative_prompt, steps, cfg, sampler_name, scheduler,
-                                             samples, seed, guidance if guidance > 0 else None, modelopt_format,
+                found = modelopt_by_sampling(model, clip, lines, negative_prompt, how, samples, modelopt_format,
                                              modelopt_algorithm, node_id=_node_id(cls))
             except ModelOptError as e:
                 raise NodeError(str(e)) from None
@@ -177,6 +153,22 @@ class ModelOptCalibrationHelper(io.ComfyNode):
             summary += f"\nsaved: {path}"
         log(summary)
         return io.NodeOutput(result, summary)
+
+
+def _sampling_input(o: SamplingOption):
+    """Calibrate Model's input for one of the calibration's sampling options (prompts.SAMPLING_OPTIONS)."""
+    if o.choices:
+        lists = {"samplers": comfy.samplers.KSampler.SAMPLERS, "schedulers": comfy.samplers.KSampler.SCHEDULERS}
+        return io.Combo.Input(o.name, options=lists[o.choices], default=o.default, tooltip=o.help)
+    lo, hi, step = o.bounds
+    kw = {"default": o.default, "min": lo, "max": hi, "tooltip": o.help, "advanced": o.advanced}
+    if isinstance(o.default, float):
+        return io.Float.Input(o.name, step=step, **kw)
+    if o.name == "seed":  # as KSampler's: fixed, or changed after each run
+        kw["control_after_generate"] = True
+    elif step > 1:
+        kw["step"] = step
+    return io.Int.Input(o.name, **kw)
 
 
 def _latent_samples(model, latent: dict) -> torch.Tensor:

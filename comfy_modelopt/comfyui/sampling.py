@@ -16,6 +16,7 @@ from comfy.patcher_extension import WrappersMP
 from ..calibrate import CalibrationOptions, calibrate
 from ..modelopt_engine import modelopt_calibrate
 from ..progress import Progress
+from ..prompts import Sampling
 from ..recipe import Recipe
 from ..stats import ActivationStats
 from .model import log
@@ -54,18 +55,17 @@ def without_cuda_graphs(model):
     return clone
 
 
-def _sampling_loop(model, clip, prompts: list[str], negative: str, steps: int, cfg: float, sampler_name: str,
-                   scheduler: str, latent: torch.Tensor, seed: int, guidance: float | None, node_id: str | None,
-                   prompt: list | None = None):
-    """A forward loop sampling each prompt (seed + i) through ComfyUI's sampler, with a progress bar;
-    ``prompt[0]``, when given, holds the index of the prompt being sampled."""
+def _sampling_loop(model, clip, prompts: list[str], negative: str, how: Sampling, latent: torch.Tensor,
+                   node_id: str | None, prompt: list | None = None):
+    """A forward loop sampling each prompt (``how``) through ComfyUI's sampler, with a progress
+    bar; ``prompt[0]``, when given, holds the index of the prompt being sampled."""
     if not prompts:
         raise ValueError("no calibration prompts: give at least one prompt (one per line)")
     if clip is None:
         raise ValueError("the CLIP input is empty: connect the text encoder that belongs to this model")
     negative_cond = encode(clip, negative, None)
-    conds = [encode(clip, p, guidance) for p in prompts]
-    total = len(prompts) * steps
+    conds = [encode(clip, p, how.guidance) for p in prompts]
+    total = len(prompts) * how.steps
     pbar = comfy.utils.ProgressBar(total, node_id=node_id)
     console = Progress("calibrating", write=log, unit="sampling steps")
 
@@ -75,51 +75,47 @@ def _sampling_loop(model, clip, prompts: list[str], negative: str, steps: int, c
             if prompt is not None:
                 prompt[0] = i
             comfy.model_management.throw_exception_if_processing_interrupted()
-            sample_prompt(model, cond, negative_cond, latent, seed + i, steps, cfg, sampler_name, scheduler,
+            sample_prompt(model, cond, negative_cond, latent, i, how,
                           callback=lambda step, x0, x, n, d=done, i=i: (
                               comfy.model_management.throw_exception_if_processing_interrupted(),  # Cancel: now
                               pbar.update_absolute(d + step + 1, total),
                               console(d + step + 1, total, f"prompt {i + 1}/{len(conds)}")))
-            done += steps
+            done += how.steps
             pbar.update_absolute(done, total)
     return forward_loop
 
 
-def sample_prompt(model, cond, negative_cond, latent: torch.Tensor, seed: int, steps: int, cfg: float,
-                  sampler_name: str, scheduler: str, callback=None):
-    """One calibration prompt: its noise from ``seed``, sampled by ComfyUI's sampler (as KSampler)."""
+def sample_prompt(model, cond, negative_cond, latent: torch.Tensor, index: int, how: Sampling, callback=None):
+    """Calibration prompt ``index``: its noise from ``how.seed + index``, sampled by ComfyUI's sampler
+    (as KSampler)."""
+    seed = how.seed + index
     noise = comfy.sample.prepare_noise(latent, seed)
-    return comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, cond, negative_cond, latent,
-                               seed=seed, disable_pbar=True, callback=callback)
+    return comfy.sample.sample(model, noise, how.steps, how.cfg, how.sampler_name, how.scheduler, cond,
+                               negative_cond, latent, seed=seed, disable_pbar=True, callback=callback)
 
 
-def sampling_info(model, prompts: int, steps: int, cfg: float, sampler_name: str, scheduler: str,
-                  latent: torch.Tensor, seed: int, guidance: float | None) -> dict:
+def sampling_info(model, prompts: int, how: Sampling, latent: torch.Tensor) -> dict:
     """What the statistics were sampled with (stored with them; the quantized file's report shows it)."""
-    sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), scheduler, steps)
-    return {"prompts": prompts, "steps": steps, "cfg": cfg, "sampler": sampler_name,
-            "scheduler": scheduler, "latent_shape": list(latent.shape), "seed": seed,
+    sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), how.scheduler, how.steps)
+    return {"prompts": prompts, "steps": how.steps, "cfg": how.cfg, "sampler": how.sampler_name,
+            "scheduler": how.scheduler, "latent_shape": list(latent.shape), "seed": how.seed,
             "sigmas": [round(float(s), 5) for s in sigmas], "model": type(model.model).__name__,
-            "guidance": guidance}
+            "guidance": how.guidance}
 
 
-def calibrate_by_sampling(model, clip, prompts: list[str], negative: str, steps: int, cfg: float,
-                          sampler_name: str, scheduler: str, latent: torch.Tensor, seed: int,
-                          guidance: float | None, options: CalibrationOptions,
-                          node_id: str | None = None) -> ActivationStats:
-    """Sample each prompt (seed + i) with statistics hooks on the diffusion model's Linears."""
+def calibrate_by_sampling(model, clip, prompts: list[str], negative: str, how: Sampling, latent: torch.Tensor,
+                          options: CalibrationOptions, node_id: str | None = None) -> ActivationStats:
+    """Sample each prompt with statistics hooks on the diffusion model's Linears."""
     model = without_cuda_graphs(model)
     prompt = [0]
-    forward_loop = _sampling_loop(model, clip, prompts, negative, steps, cfg, sampler_name, scheduler, latent,
-                                  seed, guidance, node_id, prompt)
-    info = sampling_info(model, len(prompts), steps, cfg, sampler_name, scheduler, latent, seed, guidance)
+    forward_loop = _sampling_loop(model, clip, prompts, negative, how, latent, node_id, prompt)
+    info = sampling_info(model, len(prompts), how, latent)
     # a prompt is one calibration group: searches are checked on prompts they were not fitted on
     return calibrate(model.model.diffusion_model, forward_loop, options, info=info, group=lambda: prompt[0])
 
 
-def modelopt_by_sampling(model, clip, prompts: list[str], negative: str, steps: int, cfg: float,
-                         sampler_name: str, scheduler: str, latent: torch.Tensor, seed: int,
-                         guidance: float | None, fmt: str, algorithm: str, node_id: str | None = None):
+def modelopt_by_sampling(model, clip, prompts: list[str], negative: str, how: Sampling, latent: torch.Tensor,
+                         fmt: str, algorithm: str, node_id: str | None = None):
     """NVIDIA ModelOpt's calibration (``modelopt_engine.modelopt_calibrate``) of the diffusion
     model, its forward loop the same sampling runs as ours: ModelOpt quantizes a copy of the
     diffusion model, and while its loop runs the copy stands in for the original inside the
@@ -130,8 +126,7 @@ def modelopt_by_sampling(model, clip, prompts: list[str], negative: str, steps: 
     comfy.model_management.load_models_gpu([model], force_full_load=True)
     base = model.model
     original = base.diffusion_model
-    loop = _sampling_loop(model, clip, prompts, negative, steps, cfg, sampler_name, scheduler, latent, seed,
-                          guidance, node_id)
+    loop = _sampling_loop(model, clip, prompts, negative, how, latent, node_id)
 
     def forward_loop(work):
         base.diffusion_model = work
