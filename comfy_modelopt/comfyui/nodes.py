@@ -10,7 +10,6 @@ import torch
 from typing_extensions import override
 
 import comfy.model_management
-import comfy.samplers
 import comfy.utils
 import folder_paths
 from comfy_api.latest import ComfyExtension, io
@@ -21,14 +20,14 @@ from ..errors import ModelOptError, OutputExistsError, PlanError
 from ..modelopt_engine import ALGORITHMS as MODELOPT_ALGORITHMS, ENGINE_FORMATS, check_request
 from ..pipeline import DictSink, quantize
 from ..progress import Progress
-from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS, SAMPLING_OPTIONS, Sampling, SamplingOption
+from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS, SAMPLING_OPTIONS, Sampling
 from ..recipe import recipe_from_values
 from ..safetensors_io import write_file
 from ..stats import ActivationStats
 from .compat import check_kitchen
 from .cuda_graphs import enable_cuda_graphs
 from .recipe_inputs import (QUANTIZE_INPUTS, QUANTIZE_INPUTS_AFTER_RUNTIME, QUANTIZE_INPUTS_BEFORE_CALIBRATION,
-                            recipe_input)
+                            recipe_input, sampling_input)
 from .runtime import (DEFAULT_RUNTIME, DEQUANT_CACHE_TOOLTIP, RUNTIMES, apply_runtime, first_call_of, gpu_note,
                       runtime_tooltip)
 from . import ownloader
@@ -88,7 +87,7 @@ class ModelOptCalibrationHelper(io.ComfyNode):
                                 tooltip="One prompt per line; the first num_prompts are used."),
                 io.String.Input("negative_prompt", multiline=True, default=DEFAULT_NEGATIVE,
                                 tooltip="The negative prompt every calibration sample uses (as in your workflows)."),
-                *map(_sampling_input, SAMPLING_OPTIONS),
+                *map(sampling_input, SAMPLING_OPTIONS),
                 io.String.Input("save_name", default="", tooltip="If set, also save the statistics as "
                                 "models/modelopt_calibration/<save_name>.safetensors (for the CLI's --stats)."),
                 io.Latent.Input("latent", optional=True, tooltip="Sample this latent instead of an empty "
@@ -153,22 +152,6 @@ class ModelOptCalibrationHelper(io.ComfyNode):
             summary += f"\nsaved: {path}"
         log(summary)
         return io.NodeOutput(result, summary)
-
-
-def _sampling_input(o: SamplingOption):
-    """Calibrate Model's input for one of the calibration's sampling options (prompts.SAMPLING_OPTIONS)."""
-    if o.choices:
-        lists = {"samplers": comfy.samplers.KSampler.SAMPLERS, "schedulers": comfy.samplers.KSampler.SCHEDULERS}
-        return io.Combo.Input(o.name, options=lists[o.choices], default=o.default, tooltip=o.help)
-    lo, hi, step = o.bounds
-    kw = {"default": o.default, "min": lo, "max": hi, "tooltip": o.help, "advanced": o.advanced}
-    if isinstance(o.default, float):
-        return io.Float.Input(o.name, step=step, **kw)
-    if o.name == "seed":  # as KSampler's: fixed, or changed after each run
-        kw["control_after_generate"] = True
-    elif step > 1:
-        kw["step"] = step
-    return io.Int.Input(o.name, **kw)
 
 
 def _latent_samples(model, latent: dict) -> torch.Tensor:
