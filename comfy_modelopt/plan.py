@@ -82,6 +82,7 @@ class Plan(Frozen):
     unmatched_patterns: list = field(default_factory=list)  # warnings: --keep / --weight-only patterns that matched nothing
     planner: dict | None = None  # the mixed-precision planner's summary (planner.plan_budget)
     engine: object = None        # modelopt_engine.EngineResult: ModelOpt's calibration choices
+    rotation: dict | None = None  # ConvRot chosen per layer (rotation.choose_rotations)
 
     def freeze(self) -> None:
         for part in self.layers + self.convs:

@@ -119,11 +119,13 @@ class Recipe:
                                          "part of quantizing's time, and the planner measures it anyway)")
     convrot: bool = _opt(True, optional=False,
                          help="int8_tensorwise: Hadamard-rotate weights and activations (ConvRot: outlier "
-                              "channels spread over a group); on by default (lower error for a few percent of "
-                              "speed, docs/algorithms.md); other formats ignore it",
+                              "channels spread over a group); on by default, and with a calibration kept per "
+                              "layer only where it lowers the layer's output error (docs/algorithms.md); other "
+                              "formats ignore it",
                          tooltip="int8_tensorwise only (other formats ignore it): Hadamard-rotate weights and "
-                                 "activations so outlier channels spread over a group - much lower error for a few "
-                                 "percent of speed. Figures: docs/algorithms.md#defaults.")
+                                 "activations so outlier channels spread over a group. With a calibration each "
+                                 "layer keeps it only where it lowers that layer's output error. "
+                                 "Figures: docs/algorithms.md#defaults.")
     convrot_groupsize: int = _opt(DEFAULT_CONVROT_GROUPSIZE, choices=CONVROT_GROUPSIZES, bounds=(16, 1024, 1),
                                   help="ConvRot rotation group: int8_tensorwise takes the largest of "
                                        "1024/256/64/16 up to this that divides each layer's in_features; "
