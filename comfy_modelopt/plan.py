@@ -83,6 +83,7 @@ class Plan(Frozen):
     planner: dict | None = None  # the mixed-precision planner's summary (planner.plan_budget)
     engine: object = None        # modelopt_engine.EngineResult: ModelOpt's calibration choices
     rotation: dict | None = None  # ConvRot chosen per layer (rotation.choose_rotations)
+    conv_ends: list = field(default_factory=list)  # convolutions kept as the network's input/output
 
     def freeze(self) -> None:
         for part in self.layers + self.convs:
@@ -126,12 +127,30 @@ class ConvPlan(Frozen):
         return self.shape[1] * self.shape[2] * self.shape[3]
 
 
-def _conv_plan(key: str, rel: str, dtype: str, shape: tuple, recipe: Recipe, family: Family) -> ConvPlan | None:
-    """An fp8 plan for a Conv2d weight, or None to keep it (too small a kernel, kept by rule)."""
+def network_ends(source: Mapping[str, tuple], prefix: str) -> set:
+    """The convolutions that read the network's input or write its output, by structure rather
+    than by name: those with the fewest input channels and those with the fewest output channels
+    (the latent's or the image's channels against the blocks' hundreds).  Empty where every
+    convolution has the same channels (no structure to read)."""
+    convs = {k[len(prefix):-7]: shape for k, (dtype, shape) in source.items()
+             if k.startswith(prefix) and k.endswith(".weight") and len(shape) == 4 and shape[2] * shape[3] > 1}
+    ends = set()
+    for axis in (0, 1):
+        counts = {name: shape[axis] for name, shape in convs.items()}
+        if counts and len(set(counts.values())) > 1:
+            ends |= {name for name, c in counts.items() if c == min(counts.values())}
+    return ends
+
+
+def _conv_plan(key: str, rel: str, dtype: str, shape: tuple, recipe: Recipe, family: Family,
+               ends: set) -> ConvPlan | None:
+    """An fp8 plan for a Conv2d weight, or None to keep it (too small a kernel, the network's input
+    or output, kept by rule)."""
     if recipe.conv == "none" or len(shape) != 4 or shape[2] * shape[3] < 2 or dtype not in FLOAT_DTYPES:
         return None
     name = rel[:-7]
-    if any(fnmatch.fnmatchcase(name, p) for p in CONV_KEEP + recipe.keep) or family.keep_reason(name):
+    if name in ends or any(fnmatch.fnmatchcase(name, p) for p in CONV_KEEP + recipe.keep) \
+            or family.keep_reason(name):
         return None
     conv = ConvPlan(key[:-7], name, tuple(shape), dtype, CONV_FP8.conf(shape))
     conv.tensors = {conv.name + suffix: entry for suffix, entry in CONV_FP8.planned(shape).items()}
@@ -158,7 +177,8 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
     prefix, family, recognised = _family_of(source, family, refuse_unknown)
     fmt = get_format(recipe.format)
     opts = recipe.format_options()
-    layers, passthrough, convs = _layers_of(source, prefix, family, fmt, recipe, opts, stats)
+    ends = network_ends(source, prefix) if recipe.conv != "none" else set()
+    layers, passthrough, convs = _layers_of(source, prefix, family, fmt, recipe, opts, stats, ends)
     if not layers:
         raise PlanError("no Linear weights found in the diffusion model")
     if not any(l.quantized for l in layers) and not convs:
@@ -170,7 +190,7 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
         raise PlanError(f"conv={recipe.conv}: this {family.name} model has no convolution to quantize "
                         f"(kernels larger than 1x1, outside {', '.join(CONV_KEEP)})")
     plan = Plan(recipe, family, prefix, layers, passthrough, convs, _odd_weights(layers, passthrough, prefix),
-                fmt, opts, recognised=recognised, engine=engine,
+                fmt, opts, recognised=recognised, engine=engine, conv_ends=sorted(ends),
                 unmatched_patterns=_unmatched("--keep", recipe.keep, layers + convs)
                 + _unmatched("--weight-only", recipe.weight_only, layers))
     if planner is not None:
@@ -203,7 +223,7 @@ def _family_of(source: Mapping[str, tuple], family: Family | None, refuse_unknow
 
 
 def _layers_of(source: Mapping[str, tuple], prefix: str, family: Family, fmt, recipe: Recipe, opts: dict,
-               stats) -> tuple:
+               stats, ends: set) -> tuple:
     """(Linear layer plans, tensors copied as they are, convolution plans) of ``source``."""
     layers, passthrough, convs = [], {}, []
     written = _written_dtype(source, recipe)
@@ -211,7 +231,7 @@ def _layers_of(source: Mapping[str, tuple], prefix: str, family: Family, fmt, re
         out = written.get(dtype, dtype)  # what a tensor left unquantized is written as
         rel = key[len(prefix):] if key.startswith(prefix) else None
         if rel is not None and rel.endswith(".weight") and len(shape) == 4:
-            conv = _conv_plan(key, rel, dtype, tuple(shape), recipe, family)
+            conv = _conv_plan(key, rel, dtype, tuple(shape), recipe, family, ends)
             if conv is not None:
                 convs.append(conv)
                 continue

@@ -335,6 +335,9 @@ def plan_notes(plan, report: QuantReport, stats, nbytes: dict) -> None:
         report.passthrough_bytes += written
         report.passthrough_bytes_16bit += numel * 2 if dtype in FLOAT_DTYPES else written
     fmt = plan.fmt  # the recipe's format (the planner's layers are checked per layer below)
+    if plan.conv_ends:
+        report.notes.append("convolutions kept 16-bit as the network's input and output (fewest channels): "
+                            + ", ".join(plan.conv_ends))
     if plan.family.name == "unknown":
         kept = [l.rel for l in plan.kept if "unknown rule" in l.reason]
         why = f" (a diffusion model by its structure: {plan.recognised})" if plan.recognised else ""

@@ -153,6 +153,22 @@ def test_fp8_convolutions(net_and_stats):
     assert sd["conv.weight"].shape == (8, 36) and sd["conv.weight_scale"].shape == (8,)
 
 
+def test_the_networks_input_and_output_convolutions_stay_16bit_whatever_their_names():
+    """The convolutions with the fewest input channels (the image's) and the fewest output channels
+    are the network's ends: kept 16-bit by structure, the report naming them; the rest fp8."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential()
+    net.add_module("stem", torch.nn.Conv2d(3, 32, 3, padding=1))
+    net.add_module("body", torch.nn.Sequential(torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.SiLU(),
+                                               torch.nn.Conv2d(32, 32, 3, padding=1)))
+    net.add_module("head", torch.nn.Conv2d(32, 3, 3, padding=1))
+    net.add_module("fc", torch.nn.Linear(16, 16))
+    q = quantize_module(net, Recipe(format="int8_tensorwise", conv="fp8"))
+    assert type(q.stem) is torch.nn.Conv2d and type(q.head) is torch.nn.Conv2d
+    assert isinstance(q.body[0], QuantConv2d) and isinstance(q.body[2], QuantConv2d)
+    assert any(n.endswith("input and output (fewest channels): head, stem") for n in module_report(q).notes)
+
+
 def test_quantized_layer_refuses_load_state_dict(net_and_stats):
     net, stats, _ = net_and_stats
     q = quantize_module(net, Recipe(), stats)
