@@ -23,14 +23,13 @@ import torch
 from ..formats import F8_E4M3_MAX
 from .compiled_blocks import block_independent, own
 
-# below this many query and key tokens the fp8 path leaves attention to ComfyUI (per call, H200,
-# Q/K/V quantized: cuDNN's FP8 SDPA 0.92x bf16 at 4,608 and 5,120 tokens; FlashAttention-3's
-# FP8 forward 1.04x at 16,896, 1.37x at 32,760 - benchmarks/attention8.py)
+# below this many query and key tokens the fp8 path leaves attention to ComfyUI: shorter, the
+# quantization of Q/K/V costs more than the FP8 kernel saves (docs/benchmarks.md#attention)
 FP8_MIN_TOKENS = 12288
 KERNEL_DEVICES = ("cuda",)  # where the fp8 path runs (tests add "cpu", with a reference kernel)
 HEAD_DIMS = (64, 96, 128, 192, 256)  # what fa3-fwd 0.0.3 is built for
-# FlashAttention-3's 16-bit forward where it measured faster than torch's SDPA (benchmarks/attention8.py,
-# H200): 128-wide heads from Flux 1024x1024's 4,608 tokens up; other widths and lengths not measured
+# FlashAttention-3's 16-bit forward where it measured faster than torch's SDPA (docs/benchmarks.md#attention):
+# 128-wide heads from Flux 1024x1024's token count up; other widths and lengths not measured
 FA3_16BIT_HEAD_DIMS = (128,)
 FA3_16BIT_MIN_TOKENS = 4608
 
@@ -186,8 +185,7 @@ def _with_override(patcher, override):
 
 
 # compute capability (major) -> why INT8 attention is not installed there
-SLOWER_ON = {9: "measured slower end to end on Hopper (H200, 20 steps: Flux 2.60 vs 2.36 s, SDXL 0.93 vs "
-                "0.82 s; cuDNN's flash attention wins)"}
+SLOWER_ON = {9: "measured slower end to end on Hopper (cuDNN's flash attention wins: docs/benchmarks.md#attention)"}
 
 
 def enable_int8_attention(patcher, force: bool = False):
