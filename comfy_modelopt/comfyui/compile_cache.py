@@ -5,8 +5,7 @@ loaded into them before the next compilation of the same model at the same shape
 
 Why: torch keeps those caches in a temporary folder (``/tmp/torchinductor_<user>`` on Linux),
 which a reboot or a fresh container empties; a server's first quantized prompt then compiles
-cold (Flux fp8 on an H200 with torch's caches emptied: first prompt 27.0 s, compiling 14.7 s;
-from the code kept here 10.8-14.4 s, compiling 2.4-3.4 s; the 16-bit model's 8.6-9.8 s).
+cold, its compilation several times longer than from the code kept here (docs/benchmarks.md, section 0).
 
 Trust: the artifacts hold compiled code and pickles, so they are read only from the pack's
 system-user folder under ComfyUI's user directory (``user/__comfy_modelopt``: ComfyUI gives HTTP

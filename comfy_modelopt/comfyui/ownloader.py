@@ -181,12 +181,12 @@ def resident_fits(nbytes: int, where: str = "the model", device=None) -> bool:
     Why: dynamic VRAM pages every layer's weights in through ComfyUI's cast path at call time, so
     none of this pack's direct kernels can run (lean, and the layers compiled blocks trace as
     operators): Flux fp8 in a server compiled 16 frames where the resident model compiles 2, and
-    no compile cache was shared between them (H200: 1.41-1.52x the 16-bit model per prompt in a
-    server against 1.60x through the nodes in one process).  A model that fits gains nothing from
+    no compile cache was shared between them (slower per prompt in a server than through the nodes
+    in one process: docs/benchmarks.md, section 0).  A model that fits gains nothing from
     paging; a larger one keeps dynamic VRAM, which streams it where it does not fit (a classic
     load would leave part of it on the CPU, run by the cast path anyway).  Half, because a
-    resident model is moved to the CPU when another model needs its room (H200 with 30 GiB left:
-    the switch to the 16-bit Flux took 15.0 s against 6.6-8.2 s where both fit) - the other half is
+    resident model is moved to the CPU when another model needs its room (switching models then
+    costs about twice what it costs where both fit) - the other half is
     for the workflow's text encoder, swapped in whenever the prompt changes, and the activations.
     ComfyUI's ``--disable-dynamic-vram`` makes every model resident; a rebuild that asks for a
     kind (``cached_patcher_init``) gets it."""

@@ -212,14 +212,14 @@ def borrowed_on(patcher, device):
     checked).  The model is moved as ComfyUI's load moves it (each layer's own ``_apply``, which
     for ComfyUI's quantized layers makes new parameters in the current inference mode - compiled
     code guards on that), a weight not on ``device`` becoming a ``placeholder_like`` instead of a
-    copy (Flux fp8: 11 GiB not read from a page-cached file and copied, 2.3 s on an H200); its own
+    copy (a whole model not read from a page-cached file and copied); its own
     tensors are put back after (the same objects and storage; nothing is copied back) and the
     placeholders freed.
 
     Why not ComfyUI's own load: a model ComfyUI holds loaded stays loaded with the weights of that
     moment, and a LoRA connected after the node makes the sampler unload it - moving every weight
-    back to the CPU (``unpatch_model``: Flux fp8 7.7 s on an H200) - before loading it again with
-    the LoRA (3 s); the LoRA's first image took 16.2 s against stock's 9.3 s.  Borrowed, the model
+    back to the CPU (``unpatch_model``) - before loading it again with the LoRA, and the LoRA's
+    first image cost far more than stock's (docs/benchmarks.md, section 0).  Borrowed, the model
     is loaded once, by the sampler, with whatever patches it then has.  Where the placeholders would
     not fit next to what ComfyUI keeps (or the model is ComfyUI's dynamic kind, streamed at run
     time), ComfyUI loads it as before (yields False: the real weights)."""
