@@ -22,7 +22,7 @@ import architectures as models  # noqa: E402
 
 if not models.COMFYUI_PATH:
     pytest.skip("COMFYUI_PATH is not set: ComfyUI contract tests SKIPPED (point it at a ComfyUI "
-                "v0.29+ tree to run them; see README 'Testing against ComfyUI')", allow_module_level=True)
+                "v0.29+ tree to run them; see README, 'Tests')", allow_module_level=True)
 
 models.setup_comfy()
 import comfy.model_management  # noqa: E402
