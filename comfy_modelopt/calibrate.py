@@ -52,7 +52,7 @@ class RecordedCall:
         mode, which is the process's: a ComfyUI server runs every node under inference mode, a
         script may not, and a file's calibration may have run elsewhere (a server loading a file
         calibrated in a script compiled every block twice; a script whose node ran with grad on
-        failed to compile ahead at all - H200)."""
+        failed to compile ahead at all)."""
         def back(stored):
             t, where = stored
             return t.to(device if where != "cpu" else "cpu", copy=True)
@@ -69,7 +69,7 @@ class RecordedCall:
         compiles ahead replays the calibration's call on a model of another compute dtype (ComfyUI
         runs a Wan fp8 file in fp16, the bf16 model it was calibrated on in bf16); compiled code
         guards on the dtypes, so a call left in the calibration's dtype compiles code the first
-        image never uses (H200: Wan 2.1 compiled again at its first image, 9 s)."""
+        image never uses (Wan 2.1 compiled again at its first image)."""
         def to(v):
             if isinstance(v, list):
                 return [to(x) for x in v]

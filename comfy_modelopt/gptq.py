@@ -94,7 +94,7 @@ def _gptq_batch(w: torch.Tensor, hs: list[torch.Tensor], quantize_columns, block
         if order is not None:
             h = h[order][:, order]
         # one factorisation per Hessian: batched Cholesky of large matrices is far slower on a
-        # GPU than one call each (measured on the H200: benchmarks/gptq_cost.py)
+        # GPU than one call each (benchmarks/gptq_cost.py)
         hinv[b] = _upper_inverse_factor(h)
         del h
     if order is not None:
@@ -186,13 +186,12 @@ def _columns(w1, hinv1, err1, q1, quantize_columns, i1: int, places) -> None:
 
 class _BlockGraph:
     """A block's column loop captured once as a CUDA graph and replayed for every full block of
-    the layer: on a GPU the loop is a few tiny kernels per column, launch-bound (~180 us per
-    column on the H200 eagerly).  Only for column rounders that ignore the column's index
+    the layer: on a GPU the loop is a few tiny kernels per column, launch-bound eagerly.  Only for column rounders that ignore the column's index
     (``index_free``: fp8's per-tensor, int8's per-row scales) - the others read per-block scales
     and anchors by index and stay eager; so does any layer whose capture fails.  The replays run
     the eager loop's kernels, but captured cuBLAS may sum a block's products in another order, so
-    a value on a rounding boundary can round the other way (bit-equal on 5 of 6 Flux shapes on the
-    H200; tests/test_lowrank_gptq.py bounds the differences)."""
+    a value on a rounding boundary can round the other way (tests/test_lowrank_gptq.py bounds the
+    differences)."""
 
     ENABLED = True
 

@@ -17,7 +17,7 @@ from .stats import hist_centers, hist_percentile
 SEARCH_ELEMENTS = 1 << 22
 # A candidate's passes run over row blocks of this many elements: on a CPU small enough to stay in
 # cache (the search is memory bound there); on a GPU large, since there every block is a dozen
-# kernel launches (Flux fp8 on an H200: 129,000 blocks = 28 s of its 78 s node in 2^18 blocks)
+# kernel launches (small blocks made a third of Flux's quantize time: docs/benchmarks.md, section 0)
 ROW_CHUNK_ELEMENTS = 1 << 18
 GPU_CHUNK_ELEMENTS = 1 << 24
 SEARCH_COLUMNS = 4096

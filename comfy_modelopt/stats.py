@@ -112,7 +112,7 @@ class LayerStats:
         later ones replace a slot where ``ReservoirChain`` says so (a handful per call once the
         reservoir is full).  Only those few indices travel to the GPU, through reused pinned
         memory: per-row random draws and a freshly pinned index tensor per call cost more than
-        the rest of the update (0.55-0.69 ms of ~1 ms per Linear per forward on an H200)."""
+        the rest of the update (docs/benchmarks.md, section 2)."""
         if self.capacity <= 0:
             return
         start, n = self.rows, x.shape[0]
@@ -191,8 +191,8 @@ def _bincount(index: torch.Tensor) -> torch.Tensor:
 
     On CUDA neither ``bincount`` (it sizes its output from max(input): a host synchronisation
     per call that stalls the forward pass) nor ``scatter_add_`` (millions of atomic adds on the
-    few bins real activations fall into: 3.7 ms for one Flux qkv input on an H200) but
-    ``histc`` on unit-wide bins, which counts in shared memory (0.24 ms).  Its float32 counts
+    few bins real activations fall into) but ``histc`` on unit-wide bins, which counts in shared
+    memory, an order of magnitude faster.  Its float32 counts
     are exact up to 2**24, hence the chunks."""
     index = index.reshape(-1)
     if index.device.type == "cpu":
