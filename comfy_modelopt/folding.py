@@ -170,8 +170,8 @@ def plan_folds(plan, source, stats, recipe, progress=None, given=None) -> Folds:
         first = g.consumers[0]
         # dividing a quantized producer's rows by s shrinks some rows far below the one
         # per-tensor fp8 scale they share, and the consumer's search cannot see that error
-        # (an SD block, tests/test_calibration.py: 1.28x the unsmoothed error with these
-        # folds, 0.88x without; full SDXL in docs/benchmarks.md)
+        # (an SD block had more error with these folds than unsmoothed, less without them:
+        # tests/test_smoothing.py; full SDXL in docs/benchmarks.md)
         fp8_producer = g.kind != "norm" and fmt.one_weight_scale and rel_layers[g.producer].quantized
         if given is not None:
             if not all(c in given for c in g.consumers) or fp8_producer:
