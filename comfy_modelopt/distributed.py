@@ -169,10 +169,9 @@ class Shard:
         """The order in which rank 0 handles the work items (indices): its own in their order,
         each other rank's when it should be ready - every owner encodes its share back to back,
         in order, at ``costs`` (as in ``assign``).  Rank 0 so keeps encoding while the others
-        work instead of waiting for each of their items in file order, which on two H200s left
-        both ranks waiting on each other (GPTQ: 1.42x on 2 GPUs; this schedule, simulated with
-        the measured layer times +-25% - benchmarks/shard_schedule.py - 2-7% above an even split
-        where file order was 11-17% on 2 ranks, 24-30% on 4).
+        work instead of waiting for each of their items in file order, which left both ranks
+        waiting on each other (benchmarks/shard_schedule.py simulates both; docs/benchmarks.md,
+        section 5).
         The writer takes tensors in any order; each owner's items keep their order (a pair's
         messages are matched in order)."""
         clock = [0.0] * self.world
@@ -254,8 +253,8 @@ def all_reduce_stats(stats: ActivationStats, shard: Shard | None = None) -> Acti
     not in a distributed job.  Collective: every rank calls it with statistics of the same model.
 
     The layers travel packed as bytes, many per collective (up to ``MERGE_CHUNK_BYTES`` a rank):
-    one all-gather per layer and field (Flux: 386 collectives, each waited on) took ~0.5 s on
-    two H200s, 9% of a 16-prompt calibration there (packed: 0.36 s, calibration 1.80x -> 1.85x)."""
+    one all-gather per layer and field (hundreds of collectives, each waited on) was a tenth of a
+    16-prompt calibration on two GPUs (docs/benchmarks.md, section 5)."""
     import torch.distributed as dist
     shard = shard or Shard.current()
     if shard is None or shard.world == 1:

@@ -4,9 +4,8 @@ A graph keeps the high-water mark of its private memory pool for as long as it l
 caching allocator grows that pool one ``cudaMalloc`` segment at a time, each sized to the
 request that found no free block big enough, and never merges segments: a forward whose
 temporaries grow and shrink layer by layer leaves the pool at several times what is ever in
-use at once (measured on an H200: Flux.1-dev's captured fp8 forward, 0.82 GiB of segments for
-0.39 GiB in use at once).  Expandable segments would avoid it, but the allocator does not use
-them for private pools.
+use at once (Flux.1-dev's captured fp8 forward about twice: docs/benchmarks.md, section 0c).
+Expandable segments would avoid it, but the allocator does not use them for private pools.
 
 So the forward is recorded once (the allocator's own alloc/free history, ``AllocationTrace``:
 its eager warm-up less what that keeps for good, ``without_unfreed``, or a capture), the

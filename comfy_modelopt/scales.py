@@ -182,12 +182,9 @@ def fp8_hist_error(values: torch.Tensor, counts: torch.Tensor, scale: float, fma
 # ====================================================================== nvfp4 block clipping
 # A block's bound x its max: below 1 the block is clipped (its scale set by a bound under its max),
 # above 1 its scale is raised (its max lands below 6 on the E2M1 grid, where the grid is finer).
-# Measured (docs/benchmarks.md 3a, "Raised nvfp4 block scales"): on the real-weights model,
-# computed dequantized, clipping alone 0.1906, raises alone 0.1887, both 0.1769 (absmax 0.2137);
-# but in whole sampling runs of full-size Flux and SDXL (H200) raises alone are best - Flux
-# final latent 0.110 (both 0.114, clipping alone not run, absmax 0.150), SDXL 0.0248 (both 0.0273,
-# clipping alone 0.0336, absmax 0.0250): a clipped block's error shrinks its largest weights, which
-# adds up over layers and steps.  So the default searches raises only; "both" and "clip" stay for
+# On the real-weights model both together measured best, but in whole sampling runs of Flux and
+# SDXL raises alone (docs/benchmarks.md 3a, "Raised nvfp4 block scales"): a clipped block's error
+# shrinks its largest weights, which adds up over layers and steps.  So the default searches raises only; "both" and "clip" stay for
 # the benchmarks (quality_real.py --block-search, block_scales_ab.py).
 _CLIPS, _RAISES = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7), (1.05, 1.1, 1.2, 1.3, 1.4, 1.5)
 BLOCK_CLIP_GRIDS = {"raise": (1.0,) + _RAISES, "both": (1.0,) + _CLIPS + _RAISES, "clip": (1.0,) + _CLIPS}

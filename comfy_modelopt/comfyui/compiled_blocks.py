@@ -343,9 +343,9 @@ class CompiledBlocks:
         evaluation, the model is not wholly on the GPU.  Then the second eager evaluation - the
         perturbed one the check needs anyway, made before compiling - must not copy weights from
         the CPU: a model that does not fit in the GPU's free memory streams its weights at every
-        evaluation, which no CUDA graph can capture, so compiling would only cost time (H200 with
-        12 GiB left to ComfyUI, Flux fp8: 13.7 s, then every capture failed).  Asked first because
-        the check costs a forward under a dispatch mode (Flux 1024x1024 on the H200: ~1.3 s).
+        evaluation, which no CUDA graph can capture, so compiling would only cost time (Flux fp8
+        with too little memory left to ComfyUI compiled, then every capture failed).  Asked first
+        because the check costs a forward under a dispatch mode.
 
         ``check=False`` (the weights are placeholders, ``runtime.borrowed_on``): compiled, not
         compared with eager - the first evaluation on the real weights checks them."""

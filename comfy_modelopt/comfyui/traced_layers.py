@@ -5,10 +5,9 @@ block's graph instead of a graph break.
 
 Why: a graph break splits a block into one compiled graph per stretch between layers, and every
 stretch resumes inside the previous one's frame, which keeps that frame's values alive until
-the block returns.  Measured on the H200 (eager warm-up before Flux's first capture, the
-allocator's history): the compiled double block held its attention's q/k/v, the QKV output and
-RoPE's output through the MLP - 456 MiB in use at once against the uncompiled forward's 433,
-and Wan 2.1's compiled blocks 578 MiB against 458 - memory a CUDA graph then keeps for good.
+the block returns.  In the allocator's history of Flux's warm-up the compiled double block held
+its attention's q/k/v, the QKV output and RoPE's output through the MLP - more in use at once
+than the uncompiled forward, as were Wan 2.1's blocks - memory a CUDA graph then keeps for good.
 With the layers as operators the block is one graph whose buffers Inductor frees at their last
 use.
 
