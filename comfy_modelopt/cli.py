@@ -25,7 +25,7 @@ def add_recipe_arguments(q: argparse.ArgumentParser) -> None:
     for f, o in recipe_options():
         default = recipe_default(f)
         flag = "--" + f.name.replace("_", "-")
-        text = o.help.replace("{stats}", STATS_HOW)
+        text = o.text(stats=STATS_HOW, with_stats="--stats", list="repeatable or comma-separated")
         if isinstance(default, bool):
             # --x and --no-x both, whatever the default: a script keeps working when a default turns
             q.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)

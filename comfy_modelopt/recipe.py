@@ -38,16 +38,20 @@ def convrot_formats() -> tuple:
 class Option:
     """How one recipe field is offered: a flag of the CLI (``--field-name``) and an input of the
     Quantize Model node, both made from this and the field's default (``cli.add_recipe_arguments``,
-    ``comfyui.recipe_inputs.recipe_input``), so that a new option is one field here.  ``help`` may hold
-    ``{stats}`` where the option needs activation statistics: the CLI says how to make them, the
-    node to connect a calibration."""
+    ``comfyui.recipe_inputs.recipe_input``), so that a new option is one field here.  ``help`` is
+    its one text, in each audience's words (``text``): ``{stats}`` where the option needs activation
+    statistics (the CLI says how to make them, the node to connect a calibration), ``{with_stats}``
+    for having them, ``{list}`` for how several patterns are given."""
     help: str
     choices: tuple = ()
     metavar: str | None = None
-    tooltip: str | None = None   # the node's text where it differs from the CLI's help
     advanced: bool = True        # node: under the advanced inputs
     optional: bool = True        # node: optional, so workflows saved before the input existed still validate
     bounds: tuple = ()           # node: (min, max, step) of a number
+
+    def text(self, stats: str, with_stats: str, list: str) -> str:  # noqa: A002 - the placeholder's name
+        out = self.help.replace("{stats}", stats).replace("{with_stats}", with_stats).replace("{list}", list)
+        return out if out.endswith(".") else out + "."
 
 
 FP32_TENSORS = ("16-bit", "keep")
@@ -59,58 +63,44 @@ def _opt(default, **kw):
     return field(default=default, metadata={"option": Option(**kw)})
 
 
-_FORMAT_HELP = ("fp8: Ada/Hopper+ (W8A8 with {calibration}, weight-only without); int8_tensorwise: Turing+; "
-                "nvfp4/mxfp8: native on Blackwell, stored smaller everywhere; convrot_w4a4: 4-bit int4 MMA")
-
-
 @dataclass(frozen=True)
 class Recipe:
     format: str = _opt(DEFAULT_FORMAT, choices=FORMAT_CHOICES, advanced=False, optional=False,
-                       help=_FORMAT_HELP.format(calibration="--stats"),
-                       tooltip=_FORMAT_HELP.format(calibration="calibration") + ".")
+                       help="fp8: Ada/Hopper+ (W8A8 with {with_stats}, weight-only without); int8_tensorwise: "
+                            "Turing+; nvfp4/mxfp8: native on Blackwell, stored smaller everywhere; convrot_w4a4: "
+                            "4-bit int4 MMA")
     weight_scale: str = _opt("mse", choices=WEIGHT_SCALE_METHODS, advanced=False, optional=False,
-                             help="absmax, or the MSE-optimal clipping search",
-                             tooltip="mse (default): search the clipping that minimises the error (on the layer's "
-                                     "outputs when calibrated) - the lower error on real weights; absmax: naive. "
-                                     "Figures: docs/algorithms.md#defaults.")
+                             help="mse (default): search the clipping that minimises the error (on the layer's "
+                                  "outputs when calibrated) - the lower error on real weights; absmax: naive. "
+                                  "Figures: docs/algorithms.md#defaults")
     input_scale: str = _opt("max", choices=INPUT_SCALE_METHODS, optional=False,
-                            help="with --stats: how static activation scales are chosen - the calibration's max "
-                                 "(default: with GPTQ never worse than the mse clip search; docs/algorithms.md), "
-                                 "a percentile or the mse clip search",
-                            tooltip="How calibrated static activation scales are chosen (fp8; nvfp4 with "
-                                    "static_nvfp4_input). max (default): with GPTQ never worse than the mse clip "
-                                    "search, and quicker. Figures: docs/algorithms.md#defaults.")
+                            help="How static activation scales are chosen with {with_stats} (fp8; nvfp4 with "
+                                 "static_nvfp4_input): max (default; with GPTQ never worse than the mse clip "
+                                 "search, and quicker), a percentile, or the mse clip search. "
+                                 "Figures: docs/algorithms.md#defaults")
     percentile: float = _opt(99.99, bounds=(0.01, 100.0, 0.001),
                              help="with input_scale percentile: which percentile of the activations")
     static_nvfp4_input: bool = _opt(False, optional=False,
                                     help="nvfp4: store a calibrated input_scale instead of dynamic activation "
                                          "amax ({stats})")
     smoothing: str = _opt("none", choices=SMOOTHING_METHODS, advanced=False, optional=False,
-                          help="SmoothQuant/AWQ where it folds exactly into the file; {stats}",
-                          tooltip="Needs calibration. Applied where it folds exactly into the stock file "
-                                  "(SD1.x/SDXL/Wan attention and FF layers; Flux, HunyuanVideo, SD3 and Qwen-Image "
-                                  "through their adaLN modulation; fp8: only into LayerNorm or 16-bit producers), "
-                                  "else skipped and reported.")
+                          help="SmoothQuant/AWQ ({stats}), applied where it folds exactly into the stock file "
+                               "(SD1.x/SDXL/Wan attention and FF layers; Flux, HunyuanVideo, SD3 and Qwen-Image "
+                               "through their adaLN modulation; fp8: only into LayerNorm or 16-bit producers), else "
+                               "skipped and reported")
     smooth_alpha: float = _opt(0.5, bounds=(0.0, 1.0, 0.05), help="SmoothQuant migration strength")
     lowrank: int = _opt(0, metavar="R", bounds=(0, 1024, 1),
-                        help="nvfp4/convrot_w4a4: rank-R 16-bit branch + quantized residual (file needs "
-                             "comfy-modelopt's loader; stock ComfyUI refuses it)",
-                        tooltip="nvfp4/convrot_w4a4: keep a rank-r 16-bit branch (SVDQuant-style) and quantize "
-                                "the residual. Files need this pack's loader (stock ComfyUI refuses them); "
-                                "smoothing then applies to every layer.")
+                        help="nvfp4/convrot_w4a4: keep a rank-R 16-bit branch (SVDQuant-style) and quantize the "
+                             "residual. Files need this pack's loader (stock ComfyUI refuses them); smoothing then "
+                             "applies to every layer")
     conv: str = _opt("none", choices=CONV_CHOICES,
-                     help="fp8: also store UNet convolutions (kernels > 1x1) as fp8 per output channel, "
-                          "dequantized at run time (file needs comfy-modelopt's loader)",
-                     tooltip="fp8: also store UNet convolutions (3x3 and larger) as fp8 with one scale per output "
-                             "channel, dequantized at run time (SDXL: about a fifth of the weights). Files need "
-                             "this pack's loader (stock ComfyUI refuses them).")
+                     help="fp8: also store UNet convolutions (3x3 and larger, not the network's first and last) as "
+                          "fp8 with one scale per output channel, dequantized at run time (SDXL: about a fifth of "
+                          "the weights). Files need this pack's loader (stock ComfyUI refuses them)")
     gptq: bool = _opt(True, optional=False,
-                      help="error-compensated rounding with activation statistics (every format), kept per "
-                           "layer where it beats plain rounding on held-out prompts; on by default (lower error, "
-                           "docs/algorithms.md); without statistics it is off and the report says so",
-                      tooltip="Error-compensated rounding (every format; needs calibration, else rounded to "
-                              "nearest and reported), kept per layer where it beats plain rounding on held-out "
-                              "prompts. On: lower error at the same speed. Figures: docs/algorithms.md#defaults.")
+                      help="Error-compensated rounding (every format; {stats}, else rounded to nearest and "
+                           "reported), kept per layer where it beats plain rounding on held-out prompts. On: lower "
+                           "error at the same speed. Figures: docs/algorithms.md#defaults")
     gptq_act_order: bool = _opt(True, help="with gptq: round each layer's columns by decreasing input energy "
                                            "(act-order) instead of in order (on by default: it won for fp8 and "
                                            "nvfp4 on real weights, at the same cost); ignored without gptq")
@@ -118,14 +108,10 @@ class Recipe:
                                          "format (the file report's per-layer sensitivity; off by default: a large "
                                          "part of quantizing's time, and the planner measures it anyway)")
     convrot: bool = _opt(True, optional=False,
-                         help="int8_tensorwise: Hadamard-rotate weights and activations (ConvRot: outlier "
-                              "channels spread over a group); on by default, and with a calibration kept per "
-                              "layer only where it lowers the layer's output error (docs/algorithms.md); other "
-                              "formats ignore it",
-                         tooltip="int8_tensorwise only (other formats ignore it): Hadamard-rotate weights and "
-                                 "activations so outlier channels spread over a group. With a calibration each "
-                                 "layer keeps it only where it lowers that layer's output error. "
-                                 "Figures: docs/algorithms.md#defaults.")
+                         help="int8_tensorwise only (other formats ignore it): Hadamard-rotate weights and "
+                              "activations so outlier channels spread over a group. With {with_stats} each layer "
+                              "keeps it only where it lowers that layer's output error. "
+                              "Figures: docs/algorithms.md#defaults")
     convrot_groupsize: int = _opt(DEFAULT_CONVROT_GROUPSIZE, choices=CONVROT_GROUPSIZES, bounds=(16, 1024, 1),
                                   help="ConvRot rotation group: int8_tensorwise takes the largest of "
                                        "1024/256/64/16 up to this that divides each layer's in_features; "
@@ -134,43 +120,29 @@ class Recipe:
                              help="convrot_w4a4: what its GEMM quantizes the (rotated) activations to - int4 "
                                   "(W4A4, the int4 tensor-core kernel) or int8 (W4A8: finer activations, int8 kernel)")
     keep: tuple[str, ...] = _opt((), metavar="PATTERN", advanced=False, optional=False,
-                                 help="glob of layer names (no .weight suffix) to keep 16-bit; repeatable or "
-                                      "comma-separated",
-                                 tooltip="Layer-name patterns to keep in 16-bit, one per line, e.g. *.img_mlp.*")
+                                 help="Layer-name patterns (globs, no .weight suffix) to keep in 16-bit, {list}, "
+                                      "e.g. *.img_mlp.*")
     weight_only: tuple[str, ...] = _opt((), metavar="PATTERN",
-                                        help="glob of layer names (no .weight suffix) to store quantized without a "
-                                             "static input scale, computed in 16-bit (weight-only; fp8 and formats "
-                                             "with a calibrated input scale): the layers whose activation rounding "
-                                             "costs most - the report names them, measured on held-out prompts; "
-                                             "repeatable or comma-separated",
-                                        tooltip="Layer-name patterns to store weight-only (no input scale: computed "
-                                                "in 16-bit, slower than W8A8), one per line - e.g. the layers the "
-                                                "report names as costing most in activation rounding.")
+                                        help="Layer-name patterns (globs) to store weight-only - no input scale, "
+                                             "computed in 16-bit, slower than W8A8 - {list}: e.g. the layers the "
+                                             "report names as costing most in activation rounding")
     budget: float = _opt(0.0, metavar="FRACTION", bounds=(0.0, 1.0, 0.01),
-                         help="mixed precision: each Linear layer gets the candidate format (or 16-bit) that buys "
-                              "the most accuracy per byte, all Linear weights within FRACTION x their 16-bit bytes "
-                              "(e.g. 0.35; 0: one format); {stats}",
-                         tooltip="Mixed precision (needs calibration): each Linear layer gets nvfp4, fp8, int8 or "
-                                 "16-bit - whichever buys the most accuracy per byte - with all Linear weights "
-                                 "within this fraction of their 16-bit size (e.g. 0.35). 0: the format above for "
-                                 "every layer.")
+                         help="Mixed precision ({stats}): each Linear layer gets one of the candidates or 16-bit - "
+                              "whichever buys the most accuracy per byte - with all Linear weights within this "
+                              "fraction of their 16-bit size (e.g. 0.35). 0: one format for every layer")
     candidates: tuple[str, ...] = _opt((), metavar="FMT,FMT",
                                        help="with budget / max_error: the formats to choose from (default: "
                                             "nvfp4,float8_e4m3fn,int8_tensorwise; convrot and gptq apply to each)")
     max_error: float = _opt(0.0, metavar="E", bounds=(0.0, 1000.0, 0.01),
-                            help="mixed precision the other way round: the smallest file whose summed predicted "
-                                 "relative output error over the planned layers stays within E; {stats}",
-                            tooltip="Mixed precision the other way round (needs calibration; instead of budget): "
-                                    "the smallest model whose summed predicted relative output error over its "
-                                    "Linear layers stays within this. 0: off.")
+                            help="Mixed precision the other way round ({stats}; instead of budget): the smallest "
+                                 "model whose summed predicted relative output error over its Linear layers stays "
+                                 "within this. 0: off")
     allow_nonfinite: bool = _opt(False, help="copy source tensors that hold NaN/Inf values as they are (noted in "
                                              "the report) instead of refusing the model")
     fp32_tensors: str = _opt("16-bit", choices=FP32_TENSORS,
-                             help="from an fp32 source, the tensors that stay unquantized (norms, biases, layers "
-                                  "kept 16-bit): 16-bit (default; the source's 16-bit dtype where it has one, "
-                                  "else bf16 - a quantized file is never larger than the 16-bit one) or keep (fp32)",
-                             tooltip="From an fp32 model: write the tensors that stay unquantized in 16-bit "
-                                     "(default) or keep them fp32. A model ComfyUI holds in 16-bit is saved so anyway.")
+                             help="From an fp32 model: the tensors that stay unquantized (norms, biases, layers "
+                                  "kept) in 16-bit (default: the source's 16-bit dtype, else bf16 - a quantized file "
+                                  "is never larger than the 16-bit one) or keep them fp32")
 
     def __post_init__(self):
         if self.format not in NAMES:

@@ -19,7 +19,7 @@ def recipe_input(name: str):
     a combo for choices, a toggle, a number with its bounds, or text for a list of names."""
     f, o = _RECIPE_OPTIONS[name]
     default = recipe_default(f)
-    kw = {"tooltip": o.tooltip or o.help.replace("{stats}", "needs calibration") + "."}
+    kw = {"tooltip": o.text(stats="needs calibration", with_stats="a calibration", list="one per line")}
     if o.advanced:
         kw["advanced"] = True
     if o.optional:
