@@ -22,7 +22,7 @@ from .plan import ConvPlan, Plan, make_plan
 from .planner import plan_budget
 from .layer import kept_report, quantize_conv, quantize_layer
 from .recipe import Recipe
-from .rotation import choose_rotations, rotation_note
+from .rotation import choose_rotations
 from .report import (LayerReport, QuantReport, gptq_rows_note, header_room, nonfinite_note, output_metadata, plan_notes,
                      planner_note)
 from .sources import DeviceSource, DictSink, DictSource, FileSink, FileSource, NullSink, check_memory, sha256_file
@@ -190,8 +190,6 @@ def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto
                      planner=checked)
     report = QuantReport(plan.family.name, recipe.to_dict(), [kept_report(l) for l in plan.layers])
     plan_notes(plan, report, stats, source.nbytes)
-    if plan.rotation:
-        report.notes.append(rotation_note(plan.rotation))
     return plan, report
 
 

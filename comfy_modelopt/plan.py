@@ -138,7 +138,8 @@ def network_ends(source: Mapping[str, tuple], prefix: str) -> set:
     for axis in (0, 1):
         counts = {name: shape[axis] for name, shape in convs.items()}
         if counts and len(set(counts.values())) > 1:
-            ends |= {name for name, c in counts.items() if c == min(counts.values())}
+            fewest = min(counts.values())
+            ends |= {name for name, c in counts.items() if c == fewest}
     return ends
 
 

@@ -85,13 +85,14 @@ SAMPLING_OPTIONS = (  # Calibrate Model's widget order: saved workflows keep the
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """How each calibration prompt is sampled (ComfyUI's sampler, as KSampler): prompt ``i`` with
-    noise seed ``seed + i``; ``guidance`` None for models without embedded guidance."""
-    steps: int = 20
-    cfg: float = 4.0
-    sampler_name: str = "euler"
-    scheduler: str = "simple"
-    seed: int = 0
-    guidance: float | None = 3.5
+    noise seed ``seed + i``; ``guidance`` None for models without embedded guidance.  Its values
+    come from SAMPLING_OPTIONS (their defaults are declared there only)."""
+    steps: int
+    cfg: float
+    sampler_name: str
+    scheduler: str
+    seed: int
+    guidance: float | None
 
     @classmethod
     def of(cls, values: dict) -> "Sampling":

@@ -324,11 +324,19 @@ def header_room(plan, report: QuantReport, calibrated: bool) -> int:
             + 1024 + NONFINITE_NOTE_ROOM)
 
 
+def rotation_note(chosen: dict) -> str:
+    """The report's line on the per-layer ConvRot choice (``rotation.choose_rotations``)."""
+    names = ", ".join(chosen["off_layers"]) + (", ..." if chosen["off"] > len(chosen["off_layers"]) else "")
+    return (f"ConvRot per layer: kept on {chosen['rotated']}, off on {chosen['off']} where it raised the layer's "
+            f"output error on the calibration rows (mean {chosen['mean_err_rotated']:.4f} all rotated -> "
+            f"{chosen['mean_err_chosen']:.4f} as chosen)" + (f": {names}" if chosen["off"] else ""))
+
+
 def plan_notes(plan, report: QuantReport, stats, nbytes: dict) -> None:
     """The report's bytes of copied tensors (as written; ``nbytes``: the source's, by key) and its notes on
     the plan: an unknown family's rules, fp8 without statistics, NaN/Inf statistics, layers
     calibration never reached, patterns that matched nothing, tensors named like weights that
-    are not 2-D."""
+    are not 2-D, the convolutions kept as the network's ends, the per-layer ConvRot choice."""
     for key, (dtype, shape) in plan.passthrough.items():  # as written (an fp32 source's in 16-bit)
         numel = math.prod(shape)
         written = numel * ITEMSIZE[dtype] if dtype in ITEMSIZE else nbytes[key]
@@ -362,3 +370,5 @@ def plan_notes(plan, report: QuantReport, stats, nbytes: dict) -> None:
         shown = ", ".join(f"{k} {list(sh)}" for k, sh in plan.odd[:3])
         report.notes.append(f"{len(plan.odd)} tensors named like Linear weights are not 2-D and were copied "
                             f"unchanged: {shown}{' ...' if len(plan.odd) > 3 else ''}")
+    if plan.rotation:
+        report.notes.append(rotation_note(plan.rotation))

@@ -55,10 +55,3 @@ def choose_rotations(plan, read, stats, progress=None) -> dict | None:
     return {"rotated": kept, "off": len(off), "off_layers": off[:8],
             "mean_err_rotated": sum(rotated_err) / len(layers), "mean_err_chosen": sum(chosen_err) / len(layers)}
 
-
-def rotation_note(chosen: dict) -> str:
-    """The report's line on the per-layer ConvRot choice."""
-    names = ", ".join(chosen["off_layers"]) + (", ..." if chosen["off"] > len(chosen["off_layers"]) else "")
-    return (f"ConvRot per layer: kept on {chosen['rotated']}, off on {chosen['off']} where it raised the layer's "
-            f"output error on the calibration rows (mean {chosen['mean_err_rotated']:.4f} all rotated -> "
-            f"{chosen['mean_err_chosen']:.4f} as chosen)" + (f": {names}" if chosen["off"] else ""))
