@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import uuid
 from dataclasses import dataclass
 from typing import Callable
@@ -26,6 +27,7 @@ class CalibrationOptions:
     seed: int = 0
     nonfinite: str = "error"           # "error": refuse NaN/Inf activations; "ignore": count them only
     cuda_graphs: bool = True           # replay the per-call statistics of CUDA inputs (same values)
+    check_calls: int = 4               # calls kept whole (host copies) for quantize_module's model-wide checks
 
 
 @dataclass(frozen=True)
@@ -264,10 +266,18 @@ def calibrate(module: torch.nn.Module, forward_loop: Callable[[torch.nn.Module],
         return hook
 
 
+    draw = random.Random(options.seed)
+
     def count(_module, args, kwargs):
         calls[0] += 1
         if stats.first_call is None:
             stats.first_call = RecordedCall.of(args, kwargs)
+        # a reservoir of whole calls: each call of the calibration equally likely to be kept
+        seen, kept = stats.forward_calls + calls[0], stats.check_calls
+        if len(kept) < options.check_calls:
+            kept.append(RecordedCall.of(args, kwargs))
+        elif options.check_calls and draw.random() < options.check_calls / seen:
+            kept[draw.randrange(options.check_calls)] = RecordedCall.of(args, kwargs)
         if calls[0] == 2 and options.nonfinite == "error":  # the first evaluation done: one read of its counts
             _first_nonfinite(stats, layers)
 

@@ -114,14 +114,23 @@ FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 CONV_STORED_MAX = FP8_MAX / 2
 
 
+def conv_fp8(w: torch.Tensor, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Conv2d weight [O, ...] as float8_e4m3fn [O, I*kh*kw] and its float32 scales [O]: each
+    output channel's absmax / 224, or (``per_tensor``) the weight's absmax / 224 for every
+    channel - the same stored layout.  Per-layer errors do not tell them apart where the model's
+    output does (docs/benchmarks.md#conv-unet): quantize_module chooses by the model's output
+    (model_checks.conv_per_tensor)."""
+    w2 = w.reshape(w.shape[0], -1).float()
+    peak = w2.abs().amax() if per_tensor else w2.abs().amax(dim=1)
+    scale = (peak / CONV_STORED_MAX).clamp_min(torch.finfo(torch.float32).tiny).expand(w2.shape[0]).contiguous()
+    return (w2 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
 def quantize_conv(w: torch.Tensor, conv) -> tuple[dict, LayerReport]:
     """A Conv2d weight [O, I, kh, kw] as float8_e4m3fn [O, I*kh*kw] with one float32 scale per
-    output channel (absmax / 224): weight-only, dequantized in the own loader's forward.
-    Per-channel, not per-tensor: a UNet's output channels differ in norm by 10x and more."""
-    o = w.shape[0]
-    w2 = w.reshape(o, -1).float()
-    scale = (w2.abs().amax(dim=1) / CONV_STORED_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    q = (w2 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    output channel (``conv_fp8``): weight-only, dequantized in the own loader's forward."""
+    w2 = w.reshape(w.shape[0], -1).float()
+    q, scale = conv_fp8(w2)
     deq = q.float() * scale[:, None]
     tensors = {conv.name + ".weight": q, conv.name + ".weight_scale": scale,
                conv.name + COMFY_QUANT: comfy_quant_tensor(conv.conf)}

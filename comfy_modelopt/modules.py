@@ -25,7 +25,9 @@ from comfy_kitchen.tensor import QuantizedTensor
 from .calibrate import is_linear
 from .errors import QuantizeError
 from .families import Family, literal_glob
-from .fileformat import COMFY_QUANT, CONV_FORMAT, SUFFIX_KEYS, comfy_quant_tensor, decode_comfy_quant, own_base
+from . import model_checks
+from .fileformat import (COMFY_QUANT, CONV_FORMAT, META_REPORT, QUANT_METADATA, SUFFIX_KEYS, comfy_quant_tensor,
+                         decode_comfy_quant, decode_quantization_metadata, encode_quantization_metadata, own_base)
 from .formats import FORMATS, Format
 from .pipeline import quantize
 from .recipe import Recipe
@@ -234,7 +236,11 @@ def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, fami
     prices = None
     if evaluate is not None:
         prices = price_end_to_end(module, recipe, stats, evaluate, family=family, native=native, progress=progress)
+    checks = list(getattr(stats, "check_calls", None) or [])
+    wanted = len(checks) >= 2 and model_checks.wanted(stats, recipe)
+    refs = [model_checks.outputs(c.replay(module, model_checks.device_of(module))) for c in checks] if wanted else []
     target = module if inplace else copy.deepcopy(module)
+    originals = {n: m.weight for n, m in target.named_modules() if isinstance(m, torch.nn.Conv2d)}
     # integer and boolean tensors (a BatchNorm's count, a converted graph's index tables) are the
     # module's own: they stay as they are, outside what the pipeline plans and checks
     sd = {k: v.detach() for k, v in target.state_dict().items() if v.is_floating_point()}
@@ -255,6 +261,15 @@ def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, fami
     # the module keeps its dtypes; the file holds some tensors in another (an fp32 module's
     # unquantized tensors in 16-bit, recipe.fp32_tensors): the export writes them as the file does
     setattr(target, _WRITTEN, {k: v.dtype for k, v in rest.items() if v.dtype != dtype_of[k]})
+    if refs:  # choices checked on the model's own output (model_checks.py)
+        reports, confs = {l.name: l for l in report.layers}, decode_quantization_metadata(metadata[QUANT_METADATA], "plan")
+        mods = dict(target.named_modules())
+        alternatives = [model_checks.per_sample({n: m for n, m in mods.items() if isinstance(m, QuantLinear)}, stats,
+                                                reports, confs),
+                        model_checks.conv_per_tensor({n: m for n, m in mods.items() if isinstance(m, QuantConv2d)},
+                                                     originals, reports)]
+        model_checks.choose(target, checks, refs, [a for a in alternatives if a], report.notes)
+        metadata = {**metadata, QUANT_METADATA: encode_quantization_metadata(confs), META_REPORT: report.header_json()}
     setattr(target, _METADATA, dict(metadata))
     setattr(target, _REPORT, report)
     return target

@@ -356,6 +356,9 @@ class ActivationStats:
     # the calibrated module's first call (calibrate.RecordedCall): in memory only, never saved -
     # a runtime compiles for the shapes sampling will use from it before the first image
     first_call: object = field(default=None, repr=False, compare=False)
+    # a few of the module's calls (calibrate.RecordedCall), drawn evenly at random over the whole
+    # calibration: in memory only - quantize_module checks a model-wide choice on them
+    check_calls: list = field(default_factory=list, repr=False, compare=False)
 
     # ------------------------------------------------------------------ queries used by the planner
     def has(self, name: str) -> bool:

@@ -8,13 +8,15 @@ no_grad and inference_mode.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
 from comfy_modelopt import Recipe, quantize_file
-from comfy_modelopt.calibrate import calibrate
+from comfy_modelopt.calibrate import CalibrationOptions, calibrate
 from comfy_modelopt.errors import QuantizeError
+from comfy_modelopt.layer import conv_fp8
 from comfy_modelopt.modules import (QuantConv2d, QuantLinear, export_file, export_state_dict, module_family,
                                     module_report, quantize_module, quantized_layers)
 from comfy_modelopt.safetensors_io import SafetensorsFile, write_file
@@ -167,6 +169,111 @@ def test_the_networks_input_and_output_convolutions_stay_16bit_whatever_their_na
     assert type(q.stem) is torch.nn.Conv2d and type(q.head) is torch.nn.Conv2d
     assert isinstance(q.body[0], QuantConv2d) and isinstance(q.body[2], QuantConv2d)
     assert any(n.endswith("input and output (fewest channels): head, stem") for n in module_report(q).notes)
+
+
+class _ConvNet(torch.nn.Module):
+    def __init__(self, channel_gain: float = 1.0):
+        super().__init__()
+        self.stem, self.head = torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.Conv2d(32, 3, 3, padding=1)
+        self.body = torch.nn.ModuleList(torch.nn.Conv2d(32, 32, 3, padding=1) for _ in range(3))
+        self.norm = torch.nn.InstanceNorm2d(32)  # each channel scaled back to unit norm
+        self.fc = torch.nn.Linear(32, 32)
+        with torch.no_grad():  # output channels whose norms differ by ``channel_gain`` overall
+            for c in self.body:
+                c.weight.mul_(torch.logspace(0, math.log10(channel_gain), 32).view(-1, 1, 1, 1))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for c in self.body:
+            x = x + torch.nn.functional.silu(self.norm(c(x)))
+        return self.head(x + self.fc(x.mean(dim=(2, 3)))[:, :, None, None])
+
+
+def _model_error(q, net, calls) -> float:
+    with torch.no_grad():
+        outs = [(q(x), net(x)) for x in calls]
+    return math.sqrt(sum(float((a - b).pow(2).sum()) for a, b in outs) / sum(float(b.pow(2).sum()) for _, b in outs))
+
+
+@pytest.mark.parametrize("gain", [1.0, 1e6])
+def test_the_convolutions_scale_layout_is_the_one_the_models_output_prefers(gain):
+    """With calibration calls kept (CalibrationOptions.check_calls), quantize_module runs the
+    model with its fp8 convolutions scaled per output channel and per weight tensor and keeps the
+    layout with the smaller output error there; the report says which and both errors, and the
+    exported file stores the kept scales.  Channels 10^6 apart, each normalised after the
+    convolution, lose the small ones to e4m3's subnormals under one shared scale: per channel
+    must win there."""
+    torch.manual_seed(0)
+    net = _ConvNet(gain).eval()
+    calls = [torch.randn(1, 3, 12, 12) for _ in range(6)]
+    with torch.no_grad():
+        stats = calibrate(net, lambda m: [m(x) for x in calls])
+    assert len(stats.check_calls) == 4
+    q = quantize_module(net, Recipe(format="float8_e4m3fn", conv="fp8"), stats)
+    note = [n for n in module_report(q).notes if n.startswith("fp8 convolutions: ")]
+    assert len(note) == 1 and "4 calibration calls" in note[0]
+    per_tensor = note[0].startswith("fp8 convolutions: one scale per weight tensor, chosen")
+    scales = [c.weight_scale for c in q.body]
+    assert all(bool((s == s[0]).all()) == per_tensor for s in scales)
+    sd, _ = export_state_dict(q)
+    assert torch.equal(sd["body.0.weight_scale"], q.body[0].weight_scale)
+    # the layout kept is the better one on the checked calls
+    checked = [c.args[0][0] for c in stats.check_calls]  # (host copy, device it came from)
+    kept = _model_error(q, net, checked)
+    for c, src in zip(q.body, net.body):
+        w, sc = conv_fp8(src.weight.detach(), per_tensor=not per_tensor)
+        c.weight, c.weight_scale = torch.nn.Parameter(w.view(c.weight.shape), requires_grad=False), sc
+    assert kept <= _model_error(q, net, checked)
+    if gain > 1e5:
+        assert not per_tensor
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8_tensorwise", "nvfp4"])
+def test_per_sample_layers_are_computed_weight_only_where_the_models_output_says_so(fmt):
+    """A Linear layer with one input row per sample (an embedding path: ``fc`` here) is checked
+    on the model's output: quantized inputs or weight-only (full_precision_matrix_mult, the
+    stored weight unchanged) - the better one kept, the layer's config, the header's
+    quantization map and the report agreeing; a model without such layers runs no check, nor
+    a format whose layout quantizes the activations itself (int8)."""
+    torch.manual_seed(0)
+    net = _ConvNet().eval()
+    calls = [torch.randn(1, 3, 12, 12) for _ in range(6)]
+    with torch.no_grad():
+        stats = calibrate(net, lambda m: [m(x) for x in calls])
+    q = quantize_module(net, Recipe(format=fmt), stats, native=True)
+    note = [n for n in module_report(q).notes if "per-sample layers: " in n]
+    if fmt == "int8_tensorwise":  # its layout quantizes the activations inside its linear: no such choice
+        assert note == [] and not q.fc.full_precision
+        return
+    assert len(note) == 1 and note[0].startswith("1 per-sample layers: ")
+    weight_only = note[0].startswith("1 per-sample layers: weight-only (16-bit inputs), chosen")
+    assert q.fc.full_precision == weight_only and (q.fc.input_scale is None or not weight_only)
+    sd, meta = export_state_dict(q)
+    stored = json.loads(bytes(sd["fc.comfy_quant"].tolist()))
+    assert stored.get("full_precision_matrix_mult", False) == weight_only
+    assert json.loads(meta["_quantization_metadata"])["layers"]["fc"] == stored
+    assert [l.weight_only for l in module_report(q).layers if l.name == "fc"] == [weight_only]
+    checked = [c.args[0][0] for c in stats.check_calls]
+    kept = _model_error(q, net, checked)
+    q.fc.full_precision = not weight_only
+    assert kept <= _model_error(q, net, checked)
+
+    tokens = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    with torch.no_grad():
+        stats = calibrate(tokens, lambda m: [m(torch.randn(64, 32)) for _ in range(4)])
+    assert not [n for n in module_report(quantize_module(tokens, Recipe(format=fmt), stats)).notes if "chosen by" in n]
+
+
+def test_calibration_keeps_calls_drawn_over_the_whole_run():
+    """check_calls is a reservoir over every call (not the first few), seeded; 0 keeps none."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    calls = [torch.full((1, 4), float(i)) for i in range(200)]
+    with torch.no_grad():
+        kept = calibrate(net, lambda m: [m(x) for x in calls]).check_calls
+        again = calibrate(net, lambda m: [m(x) for x in calls]).check_calls
+        none = calibrate(net, lambda m: [m(x) for x in calls], CalibrationOptions(check_calls=0)).check_calls
+    index = [int(c.args[0][0][0, 0]) for c in kept]
+    assert len(index) == 4 and max(index) >= 50 and index == [int(c.args[0][0][0, 0]) for c in again] and none == []
 
 
 def test_quantized_layer_refuses_load_state_dict(net_and_stats):

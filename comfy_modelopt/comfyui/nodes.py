@@ -127,7 +127,8 @@ class ModelOptCalibrationHelper(io.ComfyNode):
             samples = _latent_samples(model, latent)
         else:
             samples = empty_latent(model, sampling["width"], sampling["height"])
-        opts = CalibrationOptions(reservoir_bytes=int(sampling["samples_mib_per_layer"] * 2**20), seed=how.seed)
+        opts = CalibrationOptions(reservoir_bytes=int(sampling["samples_mib_per_layer"] * 2**20), seed=how.seed,
+                                  check_calls=0)  # only quantize_module reads them
         stats = calibrate_by_sampling(model, clip, lines, negative_prompt, how, samples, opts, node_id=_node_id(cls))
         summary = _stats_text(stats)
         result = stats

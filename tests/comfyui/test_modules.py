@@ -28,6 +28,7 @@ from comfy.quant_ops import QUANT_ALGOS  # noqa: E402
 from comfy_modelopt import Recipe  # noqa: E402
 from comfy_modelopt.calibrate import calibrate  # noqa: E402
 from comfy_modelopt.formats import FORMATS  # noqa: E402
+from comfy_modelopt.model_checks import compute_weight_only  # noqa: E402
 from comfy_modelopt.modules import export_state_dict, quantize_module, quantized_layers  # noqa: E402
 
 DEVICE = comfy.model_management.get_torch_device()
@@ -44,6 +45,10 @@ VARIANTS = {
     "convrot_w4a4-int8-activations": Recipe(format="convrot_w4a4", convrot_groupsize=64, linear_dtype="int8"),
     # group 1024 divides none of these widths: each layer takes the largest group that does
     "convrot_w4a4-fitted-group": Recipe(format="convrot_w4a4", convrot_groupsize=1024),
+    # quantize_module's per-sample layers (model_checks.compute_weight_only): every layer here
+    "float8_e4m3fn-full-precision": Recipe(format="float8_e4m3fn"),
+    "mxfp8-full-precision": Recipe(format="mxfp8"),
+    "nvfp4-full-precision": Recipe(format="nvfp4"),
 }
 
 
@@ -80,6 +85,9 @@ def test_quantized_module_computes_what_comfyui_computes(model_and_stats, varian
     q = quantize_module(model, recipe, None if variant.endswith("weight-only") else stats)
     layers = quantized_layers(q)
     assert set(layers) == {"0", "2", "4"}, layers
+    if variant.endswith("full-precision"):
+        for layer in layers.values():
+            compute_weight_only(layer)
     sd, _meta = export_state_dict(q)
     ops = comfy_ops(torch.bfloat16)
     x = torch.randn(3, 5, 256, device=DEVICE, dtype=torch.bfloat16)
