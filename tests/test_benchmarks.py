@@ -141,15 +141,19 @@ def test_quality_real_planner_floor_honours_its_budget():
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
     inputs = {f"p{i}": torch.randn(8, 64) * (1 + 8 * (torch.rand(64) > 0.9)) for i in range(6)}
 
-    class Tok:  # a "prompt" names its input rows
-        def batch(self, texts):
-            return [torch.cat([inputs[t] for t in texts])]
+    class Subject:  # as quality_real's Text and UNet: a "prompt" names its input rows
+        calib, held_out, kinds = list(inputs)[:3], list(inputs)[3:], {}
+
+        def __init__(self):
+            self.model = model
+
+        def out(self, m, names):
+            return m(torch.cat([inputs[t] for t in names]))
     with torch.no_grad():
         stats = calibrate(model, lambda m: [m(x) for x in inputs.values()])
-        calib, held = list(inputs)[:3], list(inputs)[3:]
-        full = mod.planner_floor(model, Tok(), stats, calib, held, budget=1.0)
-        low = mod.planner_floor(model, Tok(), stats, calib, held, budget=0.28125)
-        mid = mod.planner_floor(model, Tok(), stats, calib, held, budget=0.4)
+        full = mod.planner_floor(Subject(), stats, budget=1.0)
+        low = mod.planner_floor(Subject(), stats, budget=0.28125)
+        mid = mod.planner_floor(Subject(), stats, budget=0.4)
     assert low["layers_by_format"] == {"nvfp4": 2} and low["rel_err"] > 0.05
     assert full["rel_err"] < 0.1 * low["rel_err"] and "nvfp4" not in full["layers_by_format"]
     assert mid["bytes"] <= 0.4 and mid["layers_by_format"] == {"nvfp4": 1, "int8_tensorwise": 1}
