@@ -170,7 +170,7 @@ class Shard:
         each other rank's when it should be ready - every owner encodes its share back to back,
         in order, at ``costs`` (as in ``assign``).  Rank 0 so keeps encoding while the others
         work instead of waiting for each of their items in file order, which left both ranks
-        waiting on each other (benchmarks/shard_schedule.py simulates both; docs/benchmarks.md,
+        waiting on each other (a simulation of both: docs/benchmarks.md,
         section 5).
         The writer takes tensors in any order; each owner's items keep their order (a pair's
         messages are matched in order)."""

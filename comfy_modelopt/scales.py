@@ -185,7 +185,7 @@ def fp8_hist_error(values: torch.Tensor, counts: torch.Tensor, scale: float, fma
 # On the real-weights model both together measured best, but in whole sampling runs of Flux and
 # SDXL raises alone (docs/benchmarks.md 3a, "Raised nvfp4 block scales"): a clipped block's error
 # shrinks its largest weights, which adds up over layers and steps.  So the default searches raises only; "both" and "clip" stay for
-# the benchmarks (quality_real.py --block-search, block_scales_ab.py).
+# the benchmarks (quality_real.py --block-search).
 _CLIPS, _RAISES = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7), (1.05, 1.1, 1.2, 1.3, 1.4, 1.5)
 BLOCK_CLIP_GRIDS = {"raise": (1.0,) + _RAISES, "both": (1.0,) + _CLIPS + _RAISES, "clip": (1.0,) + _CLIPS}
 BLOCK_CLIP_GRID = BLOCK_CLIP_GRIDS["raise"]

@@ -36,34 +36,12 @@ def test_quantize_cost_reduced(tmp_path):
     assert all(r["peak_rss_gib"] > 0 for r in doc["rows"])
 
 
-def test_shard_schedule(tmp_path):
-    run("shard_schedule.py", "--seeds", "1", "--out", str(tmp_path))
-    rows = json.load(open(tmp_path / "shard_schedule.json"))["rows"]
-    assert [r["ranks"] for r in rows] == [2, 4]
-    assert all(r["even_split_s"] <= r["collect_order_s"] and r["even_split_s"] <= r["file_order_s"] for r in rows)
-
-
 def test_gptq_cost_reduced(tmp_path):
     run("gptq_cost.py", "--reduced", "--device", "cpu", "--out", str(tmp_path))
     rows = json.load(open(tmp_path / "gptq_cost.json"))["rows"]
     assert len(rows) == 8 and all(r["eager_s"] > 0 for r in rows)
     # without a GPU the kernel and the graph stand aside: every pass is the eager loop's
     assert all(r["kernel_s"] is None and r["graph_s"] is None and r["differ"] == 0 for r in rows)
-
-
-def test_block_clip_cost_reduced(tmp_path):
-    run("block_clip_cost.py", "--reduced", "--out", str(tmp_path))
-    rows = json.load(open(tmp_path / "block_clip_cost.json"))["rows"]
-    assert len(rows) == 2 and all(r["weight_clip_s"] > 0 for r in rows)
-    assert any(r["block_clip_chosen"] for r in rows)  # outlier columns: some block gains
-
-
-def test_graph_pool_replays_the_recorded_captures(tmp_path):
-    run("graph_pool.py", "--out", str(tmp_path))
-    rows = json.load(open(tmp_path / "graph_pool.json"))["rows"]
-    assert {r["capture"] for r in rows} == {"flux_lean_graphs", "wan_lean_graphs"}
-    for r in rows:
-        assert r["peak_mib"] <= r["fitted_mib"] <= r["single_mib"] <= r["grown_mib"]
 
 
 def test_attention8_needs_a_gpu_and_its_quantizer_saturates_nothing(tmp_path):
