@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from .heldout import rel
+
 PER_SAMPLE_ROWS = 8   # rows per call at most: a batch of samples (cfg x images), never a token grid
 
 
@@ -129,7 +131,7 @@ def conv_per_tensor(convs: dict, originals: dict, reports: dict) -> Alternative 
             m.weight = torch.nn.Parameter(q.view(m.conf["shape"]).to(m.weight.device), requires_grad=False)
             m.weight_scale = scale.to(m.weight_scale.device)
             w2 = w.float().reshape(q.shape).cpu()
-            reports[n].rel_err = float((q.float().cpu() * scale.cpu()[:, None] - w2).norm() / w2.norm().clamp_min(1e-30))
+            reports[n].rel_err = rel(q.float().cpu() * scale.cpu()[:, None] - w2, w2)
             reports[n].notes = reports[n].notes.replace("per output channel", "one scale per tensor")
 
     def undo():

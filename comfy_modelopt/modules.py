@@ -240,7 +240,8 @@ def quantize_module(module: torch.nn.Module, recipe: Recipe, stats=None, *, fami
     wanted = len(checks) >= 2 and model_checks.wanted(stats, recipe)
     refs = [model_checks.outputs(c.replay(module, model_checks.device_of(module))) for c in checks] if wanted else []
     target = module if inplace else copy.deepcopy(module)
-    originals = {n: m.weight for n, m in target.named_modules() if isinstance(m, torch.nn.Conv2d)}
+    # the source's convolution weights, for the checks to round again (the layers are replaced below)
+    originals = {n: m.weight for n, m in target.named_modules() if isinstance(m, torch.nn.Conv2d)} if refs else {}
     # integer and boolean tensors (a BatchNorm's count, a converted graph's index tables) are the
     # module's own: they stay as they are, outside what the pipeline plans and checks
     sd = {k: v.detach() for k, v in target.state_dict().items() if v.is_floating_point()}
