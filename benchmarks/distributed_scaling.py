@@ -38,7 +38,7 @@ from comfy_modelopt.calibrate import CalibrationOptions  # noqa: E402
 from comfy_modelopt.distributed import Shard, calibrate_sharded  # noqa: E402
 from comfy_modelopt.pipeline import DictSink, NullSink, quantize  # noqa: E402
 from comfy_modelopt.recipe import Recipe  # noqa: E402
-from comfy_modelopt.stats import ActivationStats  # noqa: E402
+from comfy_modelopt.statsfile import load_stats, save_stats  # noqa: E402
 
 
 def barrier_time(shard) -> float:
@@ -110,13 +110,13 @@ def main():
         row = {"gpus": world, "prompts": a.prompts, "steps": a.steps, "calibrate_s": round(t1 - t0, 2),
                "quantize_gptq_s": round(t3 - t2, 2), "layers": len(report.quantized) if report else 0, **calib_parts,
                "env": common.env_info()}
-        stats.save(os.path.join(a.out, f"stats_{world}gpu.safetensors"), overwrite=True)
+        save_stats(stats, os.path.join(a.out, f"stats_{world}gpu.safetensors"), overwrite=True)
         if world > 1 and os.path.exists(os.path.join(a.out, "scaling_1gpu.json")):
             one = json.load(open(os.path.join(a.out, "scaling_1gpu.json")))
             row["calibrate_speedup"] = round(one["calibrate_s"] / row["calibrate_s"], 2)
             if report:
                 row["quantize_speedup"] = round(one["quantize_gptq_s"] / row["quantize_gptq_s"], 2)
-            s1 = ActivationStats.load(os.path.join(a.out, "stats_1gpu.safetensors"))
+            s1 = load_stats(os.path.join(a.out, "stats_1gpu.safetensors"))
             row["exact_stats_equal"] = all(
                 torch.equal(s1.layers[n].channel_absmax, stats.layers[n].channel_absmax.cpu())
                 and torch.equal(s1.layers[n].hist, stats.layers[n].hist.cpu())

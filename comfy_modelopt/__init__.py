@@ -10,13 +10,15 @@ comfy-kitchen and never imports ComfyUI.
     inspect_file(path) -> InspectResult
     quantize_module(module, recipe, stats=None) -> module computing what ComfyUI computes
     export_state_dict(module) -> (state_dict, metadata): the file quantize_file would write
+    save_stats(stats, path) / load_stats(path): calibration statistics as a file
 """
 __version__ = "0.1.0"
 
 # imported on first use, so the command line (its --help) starts without torch
 _FROM = {"formats": ("FORMATS", "Format", "get_format"), "recipe": ("Recipe",),
          "pipeline": ("quantize", "quantize_file"), "checkpoint": ("inspect_file",),
-         "modules": ("export_file", "export_state_dict", "quantize_module")}
+         "modules": ("export_file", "export_state_dict", "quantize_module"),
+         "statsfile": ("load_stats", "save_stats")}
 
 
 from .lazy import exports  # noqa: E402

@@ -146,8 +146,8 @@ def _quantize(a, device, shard) -> int:
         check_output_path(a.report, a.overwrite)
     stats = None
     if a.stats:
-        from .stats import ActivationStats
-        stats = ActivationStats.load(a.stats)
+        from .statsfile import load_stats
+        stats = load_stats(a.stats)
     where = f"{device or 'cpu'}" + (f", {shard.world} processes" if shard is not None else "")
     report = quantize(a.src, recipe, stats, out=a.output, overwrite=a.overwrite, hash_source=a.hash,
                       progress=False if a.quiet or not lead else Progress(f"quantizing on {where}"),

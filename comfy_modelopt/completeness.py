@@ -1,13 +1,13 @@
 """Completeness: layers evidently missing from a model's keys - a layer with some of its tensors
 but no weight, a layer missing from one of a run of blocks that are otherwise the same - named
-as ``verify.Problem`` lines (verify.py runs it on every file it checks)."""
+as ``errors.Problem`` lines (verify.py runs it on every file it checks)."""
 from __future__ import annotations
 
 import fnmatch
 import re
 from collections import Counter, defaultdict
 
-from .verify import Problem
+from .errors import Problem
 
 _PART_RE = re.compile(r"^(.*)\.(weight|bias|weight_scale|weight_scale_2|input_scale|comfy_quant|lowrank_up|"
                       r"lowrank_down|smooth_scale)$")

@@ -14,7 +14,7 @@ def work_stream(device=None):
     """One stream per device for graph captures and the warm-ups before them, kept for the life
     of the process.  cuBLAS and cuBLASLt each keep a workspace (32 MiB on Hopper) per stream a
     matmul ever ran on, never freed: a fresh stream per warm-up or capture left 64 MiB behind
-    each time (measured on the H200), and a capture stream's first workspace, made inside a
+    each time, and a capture stream's first workspace, made inside a
     capture, pinned a segment of a graph pool that was meant to go."""
     index = torch.cuda.current_device() if device is None else torch.device(device).index
     if index is None:
@@ -47,8 +47,7 @@ def allocator_backend() -> str:
 def shared_graph_pool():
     """A memory pool several graphs can share (``torch.cuda.graph(..., pool=...)``), or None
     where the allocator has none: cudaMallocAsync refuses shared pools ("does not yet support
-    createOrIncrefPool") - every capture failed so inside a real ComfyUI server, measured on an
-    H200 - and gives each graph the driver's graph memory instead, which the device counts as
+    createOrIncrefPool") - every capture failed so inside a real ComfyUI server - and gives each graph the driver's graph memory instead, which the device counts as
     used (``torch.cuda.mem_get_info``, what ComfyUI reads)."""
     return None if allocator_backend() == "cudaMallocAsync" else torch.cuda.graph_pool_handle()
 

@@ -195,7 +195,7 @@ class Shard:
         """(the plan's layers and convolutions in the order this rank handles them, the owner rank
         of each quantized layer): rank 0 the copies first, then the quantized layers as they
         should be ready (``collect_order``)."""
-        # measured on an H200 (GPTQ, Flux widths): a layer's time grows like k (n + k) - GPTQ's
+        # GPTQ at Flux widths: a layer's time grows like k (n + k) - GPTQ's
         # column loop, launch-bound, runs k steps over n rows - not like its k^3 Cholesky
         quantized = plan.quantized
         costs = [l.k * (l.n + l.k) for l in quantized]

@@ -6,6 +6,8 @@ else escaping is a bug (the fuzz tests in ``tests/test_hostile_files.py`` hold e
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class ModelOptError(Exception):
     """Base of every deliberate comfy-modelopt error."""
@@ -38,3 +40,13 @@ class OutputExistsError(OutputError, FileExistsError):
 def one_line(text: str) -> str:
     """``text`` on one line (newlines and runs of spaces folded), for error messages."""
     return " ".join(str(text).split())
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One broken rule of a file, found by ``verify`` (not raised: a verification lists them all)."""
+    key: str
+    rule: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.rule}"

@@ -36,8 +36,8 @@ DAMPING = 0.1
 
 def gram(x: torch.Tensor) -> torch.Tensor:
     """X^T X / m in float32 (undamped).  float32 throughout, as GPTQ's reference code: the damped
-    Hessian is well conditioned, and float64 made a CPU's GPTQ 2x slower for no measured gain
-    (docs/algorithms.md, "Defaults")."""
+    Hessian is well conditioned, and float64 made a CPU's GPTQ slower for no gain (docs/algorithms.md,
+    "Defaults")."""
     x = x.float()
     with full_float32():
         return x.T @ x / max(x.shape[0], 1)
@@ -236,9 +236,8 @@ def _upper_inverse_factor(h: torch.Tensor) -> torch.Tensor:
     U^T U = P L^-T L^-1 P = (P H P)^-1 reversed = H^-1, and U is upper triangular) - a Cholesky
     and a triangular inverse instead of GPTQ's Cholesky, inverse and second Cholesky."""
     # on a CPU in float64: LAPACK's blocked float32 factorisation rounds differently with the
-    # thread count (2.4e-5 apart between 1 and 2 threads on a 256-wide layer), and GPTQ's rounding
-    # followed it - the same file differed between machines; float64's differences vanish in the
-    # cast back (3072 wide: 0.74 instead of 0.46 s on 2 cores; GPUs keep float32)
+    # thread count, and GPTQ's rounding followed it - the same file differed between machines;
+    # float64's differences vanish in the cast back (GPUs keep float32)
     dtype = h.dtype
     if h.device.type == "cpu":
         h = h.double()

@@ -154,7 +154,7 @@ def release_blas_workspaces() -> None:
     No-op under cudaMallocAsync (ComfyUI's default allocator on CUDA 13 torch): there a workspace
     made during a capture is a graph allocation, and freeing it outside the graph before the graph
     has run is invalid - cudaFreeAsync "invalid argument", raised in a destructor, aborted a
-    ComfyUI server at its first capture (H200, comfy-aimdo on).  There the workspace the warm-ups
+    ComfyUI server at its first capture (comfy-aimdo on).  There the workspace the warm-ups
     made on the capture's stream stays, and the capture uses it rather than making one."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None and torch.cuda.is_available() and allocator_backend() != "cudaMallocAsync":
@@ -188,10 +188,8 @@ def pool_need(events, extra_candidates: int = 10, max_extra: int = 3) -> PoolNee
     the peak and what the pool grows to).  Then, greedily, up to ``max_extra`` more segments,
     each the size of one of the ``extra_candidates`` largest requests, kept when the arena they
     leave plus themselves is smaller: a few big tensors that live across layers otherwise split
-    the arena where the others need it whole (measured on Flux.1-dev's captured fp8 forward:
-    one segment 526 MiB, with two more 442 MiB, for a peak in use of 399 MiB).  The searches stop
-    a replay at the first request the segments cannot serve (Flux's fit 0.19 -> 0.13 s, Wan's
-    0.07 -> 0.02 s on a 2-core CPU; ``benchmarks/graph_pool.py``).  A set of segments that serves
+    the arena where the others need it whole.  The searches stop a replay at the first request the
+    segments cannot serve.  A set of segments that serves
     everything leaves the pool at exactly those segments."""
     peak, requests = peak_in_use(events)
     grown = simulate_pool(events)

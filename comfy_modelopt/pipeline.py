@@ -28,7 +28,7 @@ from .report import (LayerReport, QuantReport, gptq_rows_note, header_room, nonf
 from .sources import DeviceSource, DictSink, DictSource, FileSink, FileSource, NullSink, check_memory, sha256_file
 from .publish import check_not_input, check_output_path
 from .safetensors_io import TORCH_DTYPES, SafetensorsFile
-from .stats import ActivationStats
+from .statsfile import load_stats
 from .verify import check_source
 
 Progress = Callable[[int, int, str], None]
@@ -263,7 +263,7 @@ def _encode(source, layer, plan: Plan, stats, folds: Folds) -> tuple[dict, Layer
 
 def _stats_of(stats):
     """``ActivationStats`` as given, or loaded from a statistics file's path."""
-    return ActivationStats.load(os.fspath(stats)) if isinstance(stats, (str, os.PathLike)) else stats
+    return load_stats(os.fspath(stats)) if isinstance(stats, (str, os.PathLike)) else stats
 
 
 __all__ = ["quantize", "quantize_file", "Quantized", "FileSource",

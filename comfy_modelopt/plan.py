@@ -186,7 +186,6 @@ def make_plan(source: Mapping[str, tuple], recipe: Recipe, stats=None,
         raise PlanError(f"nothing was quantized: all {len(layers)} Linear layers would stay 16-bit "
                         f"({kept_by_kind([l.reason for l in layers])}); see the keep patterns "
                         f"and the format's shape rules")
-    _check_collisions(layers + convs, source)
     if recipe.conv != "none" and not convs:
         raise PlanError(f"conv={recipe.conv}: this {family.name} model has no convolution to quantize "
                         f"(kernels larger than 1x1, outside {', '.join(CONV_KEEP)})")
@@ -275,19 +274,6 @@ def _unmatched(flag: str, patterns: tuple, planned: list) -> list[str]:
         example = planned[len(planned) // 2].rel if planned else ""
         out.append(f"warning: {flag} {pat} matched no layer{hint}; layer names look like {example}")
     return out
-
-
-def _check_collisions(planned: list, source: Mapping[str, tuple]) -> None:
-    """A quantized layer's new tensors must not exist in the source already (a half-converted or
-    hand-edited file): refuse rather than write one and silently drop the other."""
-    for layer in planned:
-        if not layer.conf:
-            continue
-        for key in layer.tensors:
-            if key in source and key != layer.name + ".weight":
-                raise PlanError(f"{key}: the source already has this tensor, which quantizing {layer.name} "
-                                f"would write (a partly quantized file?); quantize from the 16-bit model "
-                                f"or --keep this layer")
 
 
 def _odd_weights(layers: list, passthrough: dict, prefix: str) -> list:

@@ -353,10 +353,10 @@ class ActivationStats:
     fingerprint: dict[str, list] = field(default_factory=dict)   # layer -> [out_features, in_features]
     forward_calls: int = 0
     info: dict = field(default_factory=dict)   # timesteps/sigmas seen, prompts, steps, sampler...
-    # the calibrated module's first call (calibrate.RecordedCall): in memory only, never saved -
+    # the calibrated module's first call (calls.RecordedCall): in memory only, never saved -
     # a runtime compiles for the shapes sampling will use from it before the first image
     first_call: object = field(default=None, repr=False, compare=False)
-    # a few of the module's calls (calibrate.RecordedCall), drawn evenly at random over the whole
+    # a few of the module's calls (calls.RecordedCall), drawn evenly at random over the whole
     # calibration: in memory only - quantize_module checks a model-wide choice on them
     check_calls: list = field(default_factory=list, repr=False, compare=False)
 
@@ -429,18 +429,6 @@ class ActivationStats:
     def first_call_signature(self) -> dict | None:
         """The recorded first model call described for a file (``RecordedCall.signature``), or None."""
         return self.first_call.signature() if self.first_call is not None else None
-
-    # ------------------------------------------------------------------ file (statsfile.py)
-    def save(self, path: str, overwrite: bool = False) -> str:
-        """Write the statistics as a safetensors file (atomic; ``statsfile.save``)."""
-        from .statsfile import save
-        return save(self, path, overwrite)
-
-    @classmethod
-    def load(cls, path: str) -> "ActivationStats":
-        """Read statistics saved by ``save``, every value checked (``statsfile.load``)."""
-        from .statsfile import load
-        return load(path)
 
 
 def rows_for_budget(k: int, budget_bytes: int) -> int:

@@ -9,13 +9,14 @@ import json
 
 import torch
 
+from .calls import RecordedCall
 from .errors import CalibrationError, one_line
 from .fileformat import META_STATS
 from .safetensors_io import SafetensorsFile, is_int, write_file
 from .stats import FORMAT_VERSION, HIST_BINS, ActivationStats, LayerStats
 
 
-def save(stats: ActivationStats, path: str, overwrite: bool = False) -> str:
+def save_stats(stats: ActivationStats, path: str, overwrite: bool = False) -> str:
     """Write ``stats`` as a safetensors file (atomic)."""
     tensors = {}
     per_layer = {}
@@ -41,7 +42,7 @@ def save(stats: ActivationStats, path: str, overwrite: bool = False) -> str:
     return write_file(path, tensors, {META_STATS: json.dumps(doc, sort_keys=True)}, overwrite=overwrite)
 
 
-def load(path: str) -> ActivationStats:
+def load_stats(path: str) -> ActivationStats:
     """Read statistics saved by ``save``; every value is checked (types, shapes against the
     layer's width and the fingerprint, finite non-negative statistics), and a bad one is a
     CalibrationError naming the file and the layer."""
@@ -60,7 +61,6 @@ def load(path: str) -> ActivationStats:
                                    f"is not supported (expected {FORMAT_VERSION})")
         stats = _load_doc(f, doc)
         if "first_call" in doc:  # a call of the described shapes, made-up values (refused: none)
-            from .calibrate import RecordedCall
             stats.first_call = RecordedCall.read(doc["first_call"], f.name)
     if stats.forward_calls == 0:
         raise CalibrationError(f"{f.name}: the calibration recorded no forward calls")

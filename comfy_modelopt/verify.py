@@ -25,14 +25,16 @@ from typing import Callable, Mapping
 
 import torch
 
-from .errors import CheckpointError, PlanError
+from .completeness import missing_layers, structure_problems
+from .errors import CheckpointError, PlanError, Problem
 from .fileformat import (COMFY_QUANT, CONV_FORMAT, INPUT_SCALE, LOWRANK_DOWN, LOWRANK_UP, QUANT_METADATA, QUANT_PARTS,
-                         SMOOTH_SCALE, SUFFIX_KEYS, decode_comfy_quant, decode_quantization_metadata, own_base, stock_conf)
-from .families import detect_family
+                         SMOOTH_SCALE, SUFFIX_KEYS, decode_comfy_quant, decode_quantization_metadata, own_base,
+                         read_comfy_quant, stock_conf)
+from .families import GENERIC, detect_family, diffusion_prefix
 from .formats import FORMATS
 from .formats.base import positive_problem
 from .formats.conv_fp8 import CONV_FP8
-from .safetensors_io import FLOAT_DTYPES, ST_DTYPES, is_int
+from .safetensors_io import FLOAT_DTYPES, ST_DTYPES, SafetensorsFile, is_int
 
 Entries = Mapping[str, tuple]          # key -> (safetensors dtype, shape)
 Reader = Callable[[str], torch.Tensor]
@@ -42,15 +44,6 @@ PARTS = {key: suffix for suffix, key in SUFFIX_KEYS.items()}
 # a scale stored in one byte may be kept as its float8 type or as raw bytes (ComfyUI views both)
 _BYTE_SCALES = {"F8_E4M3": {"F8_E4M3", "U8"}, "U8": {"U8", "F8_E8M0"}}
 _LEGACY = ("scaled_fp8",)          # legacy scaled-fp8 files: ComfyUI converts them itself
-
-
-@dataclass(frozen=True)
-class Problem:
-    key: str
-    rule: str
-
-    def __str__(self) -> str:
-        return f"{self.key}: {self.rule}"
 
 
 @dataclass
@@ -357,11 +350,9 @@ def verify(entries: Entries, metadata: Mapping[str, str], read: Reader | None, r
                 problems.append(Problem(key, found))
     if complete:
         family = detect_family({k[len(prefix):]: tuple(s) for k, (_, s) in entries.items() if k.startswith(prefix)})
-        from .completeness import missing_layers, structure_problems
         problems += missing_layers(entries, prefix, family.optional)
         named = {p.key for p in problems}
         quantized = {n[len(prefix):] for n in confs if n.startswith(prefix)}
-        from .families import GENERIC
         problems += [p for p in structure_problems(entries, prefix, family.optional, quantized,
                                                    widths=family is not GENERIC) if p.key not in named]
     result.tensors = len(entries)
@@ -371,9 +362,6 @@ def verify(entries: Entries, metadata: Mapping[str, str], read: Reader | None, r
 
 def verify_file(path: str, values: bool = True, deep: bool = False, complete: bool = True) -> Verification:
     """``verify`` a .safetensors file, reading one tensor at a time (bounded memory)."""
-    from .families import diffusion_prefix
-    from .fileformat import read_comfy_quant
-    from .safetensors_io import SafetensorsFile
     with SafetensorsFile(path) as f:
         entries = {k: (t.dtype, t.shape) for k, t in f.tensors.items()}
         return verify(entries, f.metadata, f.read, lambda key: read_comfy_quant(f, key), diffusion_prefix(entries),

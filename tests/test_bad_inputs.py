@@ -10,6 +10,7 @@ import torch
 from comfy_modelopt import cli
 from comfy_modelopt.calibrate import calibrate
 from comfy_modelopt.safetensors_io import write_file
+from comfy_modelopt.statsfile import save_stats
 
 
 def _lora_kohya(path):
@@ -53,7 +54,7 @@ def _other_stats(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(64, 64))
     with torch.inference_mode():
         st = calibrate(model, lambda m: m(torch.randn(4, 64)))
-    return st.save(str(tmp_path / "other-stats.safetensors"))
+    return save_stats(st, str(tmp_path / "other-stats.safetensors"))
 
 
 # (name, make the source (or None: the Flux file), CLI arguments after "quantize SRC", exit code,

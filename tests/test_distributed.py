@@ -14,7 +14,8 @@ from comfy_modelopt.calibrate import CalibrationOptions, calibrate
 from comfy_modelopt.distributed import (Shard, all_reduce_stats, calibrate_sharded, merge_layer_stats,
                                         shard_prompts)
 from comfy_modelopt.safetensors_io import SafetensorsFile, write_file
-from comfy_modelopt.stats import ActivationStats, LayerStats
+from comfy_modelopt.stats import LayerStats
+from comfy_modelopt.statsfile import load_stats, save_stats
 
 WORLD = 2
 
@@ -63,7 +64,7 @@ def _worker(rank, tmp, src, results):
             m = merged.layers[name]
             assert torch.equal(s.reservoir, m.reservoir) and torch.equal(s.hist, m.hist) and s.groups == m.groups
             assert torch.equal(s.channel_abssum, m.channel_abssum) and (s.calls, s.rows) == (m.calls, m.rows)
-        merged.save(os.path.join(tmp, f"merged{rank}.safetensors"))
+        save_stats(merged, os.path.join(tmp, f"merged{rank}.safetensors"))
         with torch.no_grad():  # the one-call helper gives the same statistics
             again = calibrate_sharded(_model(), prompts, lambda m, x: m(x), options)
         for name, s in again.layers.items():
@@ -88,7 +89,7 @@ def test_merged_statistics_equal_one_process_on_every_exact_statistic(run):
     tmp, _ = run
     prompts = _prompts()
     single = _calibrate(_model(), prompts, list(range(len(prompts))), CalibrationOptions(reservoir_bytes=4096))
-    merged = [ActivationStats.load(os.path.join(tmp, f"merged{r}.safetensors")) for r in range(WORLD)]
+    merged = [load_stats(os.path.join(tmp, f"merged{r}.safetensors")) for r in range(WORLD)]
     for name, one in single.layers.items():
         a, b = merged[0].layers[name], merged[1].layers[name]
         assert (a.calls, a.rows, a.nonfinite) == (one.calls, one.rows, one.nonfinite)
@@ -104,7 +105,7 @@ def test_merged_statistics_equal_one_process_on_every_exact_statistic(run):
 
 def test_sharded_quantization_writes_the_one_process_file(run, tmp_path):
     tmp, src = run
-    stats = ActivationStats.load(os.path.join(tmp, "merged0.safetensors"))
+    stats = load_stats(os.path.join(tmp, "merged0.safetensors"))
     quantize_file(src, tmp_path / "one.safetensors", Recipe(format="int8_tensorwise", gptq=True), stats,
                   family="generic")
     with SafetensorsFile(os.path.join(tmp, "sharded.safetensors")) as f, \
@@ -199,7 +200,7 @@ def _quantize_worker(rank, world, tmp, src, stats_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous3", rank=rank, world_size=world)
     try:
         quantize_file(src, os.path.join(tmp, f"sharded{world}.safetensors"),
-                      Recipe(format="int8_tensorwise", gptq=True), ActivationStats.load(stats_path),
+                      Recipe(format="int8_tensorwise", gptq=True), load_stats(stats_path),
                       family="generic", shard=Shard.current())
     finally:
         dist.destroy_process_group()
@@ -211,5 +212,5 @@ def test_three_ranks_write_the_one_process_file(run, tmp_path):
     stats = os.path.join(tmp, "merged0.safetensors")
     mp.start_processes(_quantize_worker, args=(3, str(tmp_path), src, stats), nprocs=3, start_method="spawn")
     quantize_file(src, tmp_path / "one.safetensors", Recipe(format="int8_tensorwise", gptq=True),
-                  ActivationStats.load(stats), family="generic")
+                  load_stats(stats), family="generic")
     assert (tmp_path / "sharded3.safetensors").read_bytes() == (tmp_path / "one.safetensors").read_bytes()

@@ -225,34 +225,32 @@ def test_no_module_outside_the_formats_package_names_a_format():
     assert [f.split(":")[0] for f in found] == ["recipe.py"], found  # DEFAULT_FORMAT
 
 
-def test_a_format_is_its_file_and_its_name(tmp_path, monkeypatch):
-    """A new format is its file: the names the package's files declare are read from their source
-    without importing them (``NAMES``, which the command line's help lists without torch), placed by
-    each file's ``ORDER``, and the table is built from the Format instances the files define - a
-    file (here in a folder added to the package's path) is all it takes.  A file that declares a
-    format without an ORDER, or defines one whose name is not written out, is refused, named."""
+def test_a_format_is_its_file_and_its_line(tmp_path, monkeypatch):
+    """A new format is its file and its line in ``formats.TABLE`` (name -> file, in the order the
+    command line and the node list them; ``NAMES`` is read from it without torch).  Every format
+    the package's files define is in the table, under its file; a line whose file defines no such
+    format is refused, naming the file."""
+    import importlib
+    import pkgutil
     import sys
 
     import comfy_modelopt.formats as formats
+    from comfy_modelopt.formats.base import Format
 
-    assert formats._declared(*formats.__path__) == formats.NAMES == tuple(formats.FORMATS)
+    defined = {}
+    for info in pkgutil.iter_modules(formats.__path__):
+        module = importlib.import_module(f"comfy_modelopt.formats.{info.name}")
+        defined.update({v.name: info.name for v in vars(module).values() if isinstance(v, Format)})
+    assert defined == formats.TABLE and formats.NAMES == tuple(formats.FORMATS)
     (tmp_path / "e4m3_copy.py").write_text(
         "from comfy_modelopt.formats.fp8 import _FP8_KW, Fp8Format\n"
         "E4M3_COPY = Fp8Format(name='e4m3_copy', **_FP8_KW)\n")
     monkeypatch.setattr(formats, "__path__", [*formats.__path__, str(tmp_path)])
-    with pytest.raises(ImportError, match=r"formats/e4m3_copy.py: declares e4m3_copy without an ORDER"):
-        formats._declared(*formats.__path__)
-    (tmp_path / "e4m3_copy.py").write_text(
-        "from comfy_modelopt.formats.fp8 import _FP8_KW, Fp8Format\n"
-        "ORDER = 1.5\n"
-        "E4M3_COPY = Fp8Format(name='e4m3_copy', **_FP8_KW)\n")
-    names = formats._declared(*formats.__path__)
-    assert names == ("float8_e4m3fn", "float8_e5m2", "e4m3_copy", *formats.NAMES[2:])
-    monkeypatch.delitem(sys.modules, "comfy_modelopt.formats.e4m3_copy", raising=False)
-    with pytest.raises(ImportError, match=r"e4m3_copy \(formats/e4m3_copy.py\)"):
-        formats._discover()  # NAMES as the package was imported: the new file's format is not in it
-    monkeypatch.setattr(formats, "NAMES", names)
+    monkeypatch.setattr(formats, "TABLE", {**formats.TABLE, "e4m3_copy": "e4m3_copy", "e4m3_other": "e4m3_copy"})
+    with pytest.raises(ImportError, match=r"formats/e4m3_copy.py: defines no format named 'e4m3_other'"):
+        formats._discover()
+    del formats.TABLE["e4m3_other"]
     table = formats._discover()
-    assert list(table) == list(names) and table["e4m3_copy"].layout == "TensorCoreFP8Layout"
+    assert list(table) == [*formats.NAMES, "e4m3_copy"] and table["e4m3_copy"].layout == "TensorCoreFP8Layout"
     assert table["float8_e4m3fn"] is formats.FORMATS["float8_e4m3fn"]
     sys.modules.pop("comfy_modelopt.formats.e4m3_copy", None)

@@ -7,7 +7,7 @@ import torch
 from comfy_modelopt import Recipe, quantize
 from comfy_modelopt.calibrate import calibrate
 from comfy_modelopt.formats import FORMATS
-from comfy_modelopt.stats import ActivationStats
+from comfy_modelopt.statsfile import load_stats, save_stats
 
 
 def _model():
@@ -32,8 +32,8 @@ def test_rows_remember_their_prompt_and_the_split_holds_out_whole_prompts(tmp_pa
     fit, held = s.held_out_split()
     held_groups = {g for g, h in zip(s.groups, held.tolist()) if h}
     assert held_groups == {3, 7} and not (fit & held).any() and bool((fit | held).all())
-    stats.save(str(tmp_path / "s.safetensors"))
-    again = ActivationStats.load(str(tmp_path / "s.safetensors")).layer("0")
+    save_stats(stats, str(tmp_path / "s.safetensors"))
+    again = load_stats(str(tmp_path / "s.safetensors")).layer("0")
     assert again.groups == s.groups
 
 

@@ -10,6 +10,7 @@ from comfy_modelopt.calibrate import CalibrationOptions, calibrate
 from comfy_modelopt.plan import make_plan
 from comfy_modelopt.recipe import Recipe
 from comfy_modelopt.stats import ActivationStats, CalibrationError
+from comfy_modelopt.statsfile import load_stats, save_stats
 
 
 def mlp():
@@ -52,7 +53,7 @@ def test_reservoir_resumes_after_save_load(tmp_path):
     opts = CalibrationOptions(reservoir_bytes=64 * 2 * 16)  # 16 rows of layer 0, 8 of layer 2
     whole = calibrate(m, lambda mod: [mod(x) for x in xs], opts)
     part = calibrate(m, lambda mod: [mod(x) for x in xs[:2]], opts)
-    back = ActivationStats.load(part.save(str(tmp_path / "part.safetensors")))
+    back = load_stats(save_stats(part, str(tmp_path / "part.safetensors")))
     resumed = calibrate(m, lambda mod: [mod(x) for x in xs[2:]], opts, stats=back)
     for name in whole.layers:
         assert resumed.layers[name].rows == whole.layers[name].rows == 240
@@ -138,7 +139,7 @@ def test_first_call_recorded_and_replayed(tmp_path):
     assert torch.equal(call.replay(m, "cpu", lambda x: x * 0), m.lin(xs[0] * 0).detach() * 2.0 + 1.0)
     assert calibrate(m, lambda mod: mod(xs[1], 1.0, options={"key": "v", "t": t}), stats=st).first_call is call
     # a statistics file carries it described: loaded, a call of the same shapes and options
-    back = ActivationStats.load(st.save(str(tmp_path / "s.safetensors"))).first_call
+    back = load_stats(save_stats(st, str(tmp_path / "s.safetensors"))).first_call
     assert back.signature() == call.signature() and back.args[0][0].shape == call.args[0][0].shape
 
 
@@ -149,7 +150,7 @@ def test_first_call_described_for_a_file_and_rebuilt():
     refused (ValueError), an argument JSON cannot describe leaves no description."""
     import json
     import uuid
-    from comfy_modelopt.calibrate import MAX_SIGNATURE_ELEMENTS, RecordedCall
+    from comfy_modelopt.calls import MAX_SIGNATURE_ELEMENTS, RecordedCall
     options = {"wrappers": {}, "cond_or_uncond": [1, 0], "uuids": [uuid.uuid4()], "sigmas": torch.ones(1),
                "a_flag": True}
     call = RecordedCall.of((torch.randn(2, 4, 8, 8), torch.tensor([1.0, 2.0])),
@@ -210,8 +211,8 @@ def test_nonfinite_activations_stop_calibration_at_the_first_evaluation():
 def test_save_load_and_fingerprint(tmp_path):
     m = mlp()
     st = calibrate(m, lambda mod: mod(torch.randn(10, 64)), info={"steps": 3})
-    path = st.save(str(tmp_path / "s.safetensors"))
-    back = ActivationStats.load(path)
+    path = save_stats(st, str(tmp_path / "s.safetensors"))
+    back = load_stats(path)
     assert back.fingerprint == st.fingerprint and back.info == {"steps": 3}
     for n in st.layers:
         assert torch.equal(back.layers[n].hist, st.layers[n].hist)
@@ -226,7 +227,7 @@ def test_save_load_and_fingerprint(tmp_path):
     from safetensors.torch import save_file
     save_file({"x": torch.zeros(1)}, str(bad))
     with pytest.raises(CalibrationError, match="not a comfy-modelopt statistics file"):
-        ActivationStats.load(str(bad))
+        load_stats(str(bad))
 
 
 def test_layer_that_never_ran_is_weight_only_and_reported():
@@ -257,7 +258,7 @@ def test_cli_with_stats_writes_w8a8_and_sensitivity(flux_file, tmp_path):
     from helpers import LinearTree
     tree = LinearTree(flux_layout(**TINY_FLUX), scale_amax=10.0)
     st = calibrate(tree, lambda mod: [mod(i) for i in range(3)], info={"source": "synthetic"})
-    stats_path = st.save(str(tmp_path / "stats.safetensors"))
+    stats_path = save_stats(st, str(tmp_path / "stats.safetensors"))
     out = tmp_path / "w8a8.safetensors"
     assert cli.main(["quantize", flux_file, "-o", str(out), "--stats", stats_path, "-q", "--sensitivity"]) == 0
     with SafetensorsFile(str(out)) as f:
@@ -276,7 +277,7 @@ def test_cli_with_stats_writes_w8a8_and_sensitivity(flux_file, tmp_path):
 def test_cli_refuses_stats_of_another_model(flux_file, tmp_path, capsys):
     from comfy_modelopt import cli
     st = calibrate(mlp(), lambda mod: mod(torch.randn(4, 64)))
-    path = st.save(str(tmp_path / "other.safetensors"))
+    path = save_stats(st, str(tmp_path / "other.safetensors"))
     assert cli.main(["quantize", flux_file, "-o", str(tmp_path / "o.safetensors"), "--stats", path, "-q"]) == 2
     assert "statistics are from another model" in capsys.readouterr().err
     assert not (tmp_path / "o.safetensors").exists()

@@ -18,6 +18,7 @@ from comfy_modelopt.errors import ModelOptError, PlanError
 from comfy_modelopt.pipeline import quantize_file
 from comfy_modelopt.recipe import Recipe
 from comfy_modelopt.safetensors_io import SafetensorsFile, write_file
+from comfy_modelopt.statsfile import save_stats
 from comfy_modelopt.completeness import missing_layers
 from comfy_modelopt.verify import verify_file
 from mutations import mutate
@@ -39,7 +40,7 @@ def stats_file(folder, flux_file):
     from conftest import TINY_FLUX
     from helpers import LinearTree
     tree = LinearTree(flux_layout(**TINY_FLUX), scale_amax=10.0)
-    return calibrate(tree, lambda mod: [mod(i) for i in range(2)]).save(os.path.join(folder, "stats.safetensors"))
+    return save_stats(calibrate(tree, lambda mod: [mod(i) for i in range(2)]), os.path.join(folder, "stats.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -212,8 +213,8 @@ def test_quantize_refuses_a_relabelled_weight(written, tmp_path):
 
 
 def test_statistics_with_nonfinite_activations_warned_by_layer(written, tmp_path):
-    from comfy_modelopt.stats import ActivationStats
-    stats = ActivationStats.load(stats_file(str(tmp_path), written["bf16"]))
+    from comfy_modelopt.statsfile import load_stats
+    stats = load_stats(stats_file(str(tmp_path), written["bf16"]))
     name = sorted(stats.layers)[0]
     stats.layers[name].nonfinite = 7
     rep = quantize_file(written["bf16"], str(tmp_path / "o.safetensors"), Recipe("float8_e4m3fn", weight_scale="absmax"),

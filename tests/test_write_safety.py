@@ -17,6 +17,7 @@ from comfy_modelopt.pipeline import quantize_file
 from comfy_modelopt.recipe import Recipe
 from comfy_modelopt.publish import partials_of, remove_stale_partials
 from comfy_modelopt.safetensors_io import SafetensorsFile, StreamWriter, tensor_entry
+from comfy_modelopt.statsfile import save_stats
 from comfy_modelopt.synthetic import flux_layout, write_checkpoint
 
 
@@ -204,7 +205,7 @@ def test_same_bytes_with_statistics(tmp_path, flux_file):
     from conftest import TINY_FLUX
     from helpers import LinearTree
     tree = LinearTree(flux_layout(**TINY_FLUX), scale_amax=10.0)
-    stats = calibrate(tree, lambda mod: [mod(i) for i in range(2)]).save(str(tmp_path / "s.safetensors"))
+    stats = save_stats(calibrate(tree, lambda mod: [mod(i) for i in range(2)]), str(tmp_path / "s.safetensors"))
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     for p in (a, b):
         assert cli.main(["quantize", flux_file, "-o", str(p), "-q", "--stats", stats, "--smoothing", "smoothquant"]) == 0

@@ -23,8 +23,6 @@ import time
 import torch
 
 from ..device_constants import ConstantsOnDevice, HostCopies
-from .traced_layers import clear as clear_traced
-from .traced_layers import traced_forward
 
 
 def _rel_l2(a, b) -> float:
@@ -94,7 +92,7 @@ def _is_weight_layer(m) -> bool:
 # what a region is called without (unless the options carry patches or callables): the per-block
 # constants ComfyUI sets for patch lookups, and the sampler's whole sigma schedule - no block reads
 # it (the models that do read it at the top level), but compiled code guarded on its length, so
-# blocks compiled ahead from an 8-step calibration compiled again at a 20-step image (H200, Flux)
+# blocks compiled ahead from an 8-step calibration compiled again at a 20-step image
 _KEYS_LEFT_OUT = ("block", "block_index", "transformer_index", "sample_sigmas")
 
 
@@ -133,7 +131,10 @@ class CompiledBlocks:
 
     def __init__(self, diffusion_model, tol: float = 0.02, max_tol: float = 0.25, trace_layers: bool = True):
         self.tol, self.max_tol = tol, max_tol
-        self.trace_layers = trace_layers  # plain kernel calls as operators (traced_layers), not breaks
+        # plain kernel calls as operators, not breaks (traced_layers: ComfyUI's, imported here)
+        if trace_layers:
+            from . import traced_layers
+        self.traced = traced_layers if trace_layers else None
         # compile the regions for inputs they have no code for (False: such a region runs eagerly -
         # a new image size costs no compilation; compile_for compiles all the same)
         self.compile_new_shapes = True
@@ -257,12 +258,12 @@ class CompiledBlocks:
                 for m, f in zip(blocks.opaque, self.saved[len(blocks.regions):]):
                     opaque = blocks._opaque_forward(m, f)
                     # a plain kernel call is one operator in the block's graph, not a break
-                    m.forward = (traced_forward(m, opaque) if blocks.trace_layers else None) or opaque
+                    m.forward = (blocks.traced.traced_forward(m, opaque) if blocks.traced else None) or opaque
                 return self
 
             def __exit__(self, *exc):
-                for m in blocks.opaque:
-                    clear_traced(m)
+                for m in blocks.opaque if blocks.traced else ():
+                    blocks.traced.clear(m)
                 for m, f in zip(self.mods, self.saved):
                     if f is None:
                         del m.forward
@@ -331,7 +332,7 @@ class CompiledBlocks:
 
     def compile_for(self, call, diffusion_model, device, dtype=None, options=None, may_stream=None,
                     check: bool = True) -> bool:
-        """Compile the blocks for the shapes of ``call`` (``calibrate.RecordedCall``: the
+        """Compile the blocks for the shapes of ``call`` (``calls.RecordedCall``: the
         diffusion model's first call while calibrating, replayed on ``device``) and check them
         against eager, before any image: a later evaluation of the same shapes and options finds
         them compiled and only checks them again (a Dynamo cache hit, three forwards).  The call
@@ -443,7 +444,7 @@ def install_raw_pointer_launches() -> bool:
     capture is a graph allocation whose address is not mapped until the graph is launched, so
     that check fails ("invalid argument") for the first intermediate buffer, the capture is
     lost, and freeing what it had allocated then aborted the process (cudaFreeAsync "invalid
-    argument", measured on an H200 with torch 2.11).  Both launchers take a plain integer as a
+    argument" with torch 2.11).  Both launchers take a plain integer as a
     pointer without the check, so while ``raw_pointer_launches`` is on (this thread only) the
     CUDA tensor arguments of ``CachingAutotuner.run`` are handed over as their addresses - the
     same kernel on the same memory.  Installed once per process; False where this torch has no

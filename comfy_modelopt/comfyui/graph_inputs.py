@@ -20,7 +20,7 @@ import torch
 
 from comfy.patcher_extension import WrappersMP
 
-from ..calibrate import tree_map
+from ..calls import tree_map
 
 # transformer_options entries no model evaluation runs or reads, left out of the signature: new
 # uuids for every sampling run would make every run capture again

@@ -144,6 +144,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from ..calibrate import CalibrationOptions
+    from ..statsfile import save_stats
     from ..distributed import Shard, calibrate_sharded, shard_prompts
     from ..prompts import DEFAULT_NEGATIVE, Sampling
     from .sampling import empty_latent, encode, sample_prompt, sampling_info, without_cuda_graphs
@@ -195,7 +196,7 @@ def main(argv=None) -> int:
         merged = time.perf_counter() - t0
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        stats.save(out, overwrite=a.overwrite)
+        save_stats(stats, out, overwrite=a.overwrite)
         s = stats.summary()
         logging.info(f"[comfy-modelopt] calibrated {s['layers_with_data']}/{s['layers']} Linear layers over "
                      f"{s['forward_calls']} model calls ({len(prompts)} prompts x {a.steps} steps, {world} "

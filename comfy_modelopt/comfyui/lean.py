@@ -38,7 +38,6 @@ from comfy.patcher_extension import CallbacksMP
 
 from ..formats import CONVROT_GROUP_DEFAULT, FORMATS
 from .records import ATTR, layer_record, model_record
-from .traced_layers import fp8_round
 
 try:
     from comfy.quant_ops import QuantizedTensor
@@ -52,6 +51,14 @@ try:  # private in kitchen 0.2.x: the output-dtype code of its int8_linear op
     from comfy_kitchen.tensor.int8 import _dtype_code as dtype_code
 except ImportError:  # pragma: no cover - other kitchen versions: the public ck.int8_linear
     dtype_code = None
+
+
+def fp8_round(x, inverse, dtype):
+    """``x`` times ``inverse`` (1/scale in ``x``'s dtype) rounded to ``dtype``: kitchen's quantizer's
+    formula (``quantize_per_tensor_fp8``, its eager backend) in torch operations - fused by the
+    compiler in ``traced_layers``, three eager kernels here."""
+    bound = torch.finfo(dtype).max
+    return (x * inverse).clamp(-bound, bound).to(dtype)
 
 
 def native_formats(device) -> set:

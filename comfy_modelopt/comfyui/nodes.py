@@ -24,6 +24,7 @@ from ..prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS, SAMPLING_OPTIONS, Sampl
 from ..recipe import recipe_from_values
 from ..safetensors_io import write_file
 from ..stats import ActivationStats
+from ..statsfile import load_stats, save_stats
 from .compat import check_kitchen
 from .cuda_graphs import enable_cuda_graphs
 from .recipe_inputs import (QUANTIZE_INPUTS, QUANTIZE_INPUTS_AFTER_RUNTIME, QUANTIZE_INPUTS_BEFORE_CALIBRATION,
@@ -149,7 +150,7 @@ class ModelOptCalibrationHelper(io.ComfyNode):
             os.makedirs(folder, exist_ok=True)
             name = save_name.strip()
             path = os.path.join(folder, name if name.endswith(".safetensors") else name + ".safetensors")
-            stats.save(path, overwrite=True)
+            save_stats(stats, path, overwrite=True)
             summary += f"\nsaved: {path}"
         log(summary)
         return io.NodeOutput(result, summary)
@@ -195,7 +196,7 @@ class ModelOptLoadCalibration(io.ComfyNode):
 
     @classmethod
     def execute(cls, calibration_name) -> io.NodeOutput:
-        stats = ActivationStats.load(folder_paths.get_full_path_or_raise(CALIBRATION_FOLDER, calibration_name))
+        stats = load_stats(folder_paths.get_full_path_or_raise(CALIBRATION_FOLDER, calibration_name))
         return io.NodeOutput(stats, _stats_text(stats))
 
 

@@ -86,7 +86,7 @@ def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.
     """Install ``runtime`` on a model this pack created; returns (model, note).  The model is a
     clone where CUDA graphs or 8-bit attention need one; lean layers are rebound in place.
     INT8 attention is left out where it measured slower (``attention.SLOWER_ON``) unless
-    ``force_attention`` (benchmarks).  ``first_call`` (``calibrate.RecordedCall``, the
+    ``force_attention`` (benchmarks).  ``first_call`` (``calls.RecordedCall``, the
     calibration's first model call): compiled blocks are compiled for its shapes here, on a
     CUDA GPU, so that the first image at those shapes does not pay the compilation."""
     rt = runtime if isinstance(runtime, Runtime) else runtime_of(runtime)
@@ -132,14 +132,14 @@ def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.
 
 def first_call_of(info, name: str):
     """The calibration's first model call a comfy-modelopt file describes (``inspect_file``'s
-    ``ours``; ``calibrate.RecordedCall.read``): what Load Quantized Model compiles the blocks
+    ``ours``; ``calls.RecordedCall.read``): what Load Quantized Model compiles the blocks
     ahead for, as Quantize Model does from the calibration itself.  None without one, or for one
     this loader refuses (logged)."""
     calibration = info.ours.get("calibration")
     signature = calibration.get("first_call") if isinstance(calibration, dict) else None
     if signature is None:
         return None
-    from ..calibrate import RecordedCall
+    from ..calls import RecordedCall
     return RecordedCall.read(signature, name)
 
 

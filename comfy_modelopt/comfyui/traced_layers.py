@@ -32,35 +32,14 @@ import types
 
 import torch
 
+from . import lean
+from .lean import fp8_round
 from .records import layer_record
 
-_lean = None  # the lean module, imported at the first installation (it needs ComfyUI and kitchen)
-
-
-def _lean_module():
-    global _lean
-    if _lean is None:
-        from . import lean
-        _lean = lean
-    return _lean
-
-
-try:
-    from comfy.quant_ops import QuantizedTensor
-except ImportError:  # pragma: no cover
-    QuantizedTensor = ()
 
 def _plain(t):
     """A parameter as the plain tensor Dynamo lifts as a graph input."""
     return t.detach() if isinstance(t, torch.nn.Parameter) else t
-
-
-def fp8_round(x, inverse, dtype):
-    """``x`` times ``inverse`` (1/scale in ``x``'s dtype) rounded to ``dtype``: kitchen's quantizer's
-    formula (``quantize_per_tensor_fp8``, its eager backend) in torch operations - fused by the
-    compiler here, three eager kernels in ``lean``."""
-    bound = torch.finfo(dtype).max
-    return (x * inverse).clamp(-bound, bound).to(dtype)
 
 
 def _fp8_input(x, scale, dtype):
@@ -99,7 +78,7 @@ def _traced(self, input, *args, **kwargs):
     if kind == "int8":
         scale, convrot, group = extra
         return torch.ops.comfy_kitchen.int8_linear(input.contiguous(), weight, scale, bias,
-                                                   _lean.dtype_code(input.dtype), convrot, group)
+                                                   lean.dtype_code(input.dtype), convrot, group)
     if kind == "conv2d":
         return torch.nn.functional.conv2d(input, weight, bias, *extra)
     return torch.nn.functional.linear(input, weight, bias)
@@ -109,7 +88,6 @@ def traced_forward(m, untraced):
     """A forward for layer ``m`` that Dynamo traces as one operator, with what it reads in the
     layer's record (``records.LayerRecord.traced``) - or None where the layer must stay opaque.  ``untraced``: the
     opaque forward every other call takes (and a traced call whose input is on another device)."""
-    lean = _lean_module()
     w, b = getattr(m, "weight", None), getattr(m, "bias", None)
     rec = layer_record(m)
     # nothing a call could still route elsewhere (lean's fast-path check less what only the
@@ -120,7 +98,7 @@ def traced_forward(m, untraced):
         return None
     own = m.__dict__.get("forward")
     bias = _plain(b) if b is not None else None
-    if QuantizedTensor and isinstance(w, QuantizedTensor):
+    if lean.QuantizedTensor and isinstance(w, lean.QuantizedTensor):
         kind = rec.lean_kernel if rec is not None else None
         if kind is None or own is not None:
             return None  # no direct kernel, or a forward on top of the class's (a LoRA hook's)

@@ -1,45 +1,19 @@
 """Quantization formats, one per ComfyUI ``QUANT_ALGOS`` key, one file each (base.py holds the
-contract every format fulfils).  ``FORMATS`` is the one table of them, built from the ``Format``
-instances the files of this package define; no other module tests a format's name.  A new
-format is its file (with its ``ORDER``) and its test.
+contract every format fulfils).  ``FORMATS`` is the one table of them; no other module tests a
+format's name.  A new format is its file, its line in ``TABLE`` and its test.
 
 ``NAMES`` (and the ConvRot groups) are plain values, importable without torch - the command
-line's help lists them - read from the format files' source (``_declared``); everything else is
-imported from the format files on first use.
+line's help lists them; the formats themselves are imported from their files on first use.
 """
 from __future__ import annotations
 
-import ast
-import os
-
 from ..lazy import exports
 
-
-def _declared(*folders: str) -> tuple[str, ...]:
-    """The format names the files in ``folders`` declare, read from their source without importing
-    them (no torch): every top-level ``X = SomeFormat(name="...", ...)``, ordered by the file's
-    literal ``ORDER`` (then by place in the file).  An ImportError names a file that declares
-    formats without an ``ORDER``."""
-    found = []
-    for folder, file in sorted((d, f) for d in folders for f in os.listdir(d)):
-        if not file.endswith(".py") or file.startswith("_"):
-            continue
-        with open(os.path.join(folder, file), encoding="utf-8") as f:
-            body = ast.parse(f.read(), file).body
-        names = [kw.value.value for node in body if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
-                 for kw in node.value.keywords
-                 if kw.arg == "name" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str)]
-        order = [node.value for node in body if isinstance(node, ast.Assign)
-                 and any(isinstance(t, ast.Name) and t.id == "ORDER" for t in node.targets)]
-        if names and not order:
-            raise ImportError(f"formats/{file}: declares {', '.join(names)} without an ORDER (its place in the list)")
-        if names:
-            found.append((ast.literal_eval(order[0]), folder, file, names))
-    return tuple(n for *_where, names in sorted(found) for n in names)
-
-
-# the formats in the order FORMATS lists them (checked against it when it is built)
-NAMES = _declared(*__path__)
+# every format's name and the file of this package that defines it, in the order the command line
+# and the node list them
+TABLE = {"float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "int8_tensorwise": "int8", "mxfp8": "mxfp8",
+         "nvfp4": "nvfp4", "convrot_w4a4": "convrot_w4a4"}
+NAMES = tuple(TABLE)
 # the regular Hadamard sizes kitchen's ConvRot rotation takes, largest first
 CONVROT_GROUPS = (1024, 256, 64, 16)
 # the group ComfyUI (and kitchen) assume where a layer's config does not name one; the recipe's default
@@ -65,24 +39,18 @@ def __getattr__(name: str):
 
 
 def _discover() -> dict:
-    """Every ``Format`` instance defined at the top of a module of this package, in ``NAMES``'s
-    order (an ImportError naming the file where a format and ``NAMES`` disagree)."""
+    """``TABLE``'s formats, each the one ``Format`` of that name its file defines (an ImportError
+    names the file that lacks it)."""
     import importlib
-    import pkgutil
 
-    from .base import Format
-    found = {}
-    for info in pkgutil.iter_modules(__path__):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        for value in vars(module).values():
-            if isinstance(value, Format) and found.setdefault(value.name, (value, info.name))[0] is not value:
-                raise ImportError(f"formats/{info.name}.py: a second format named {value.name!r} "
-                                  f"(formats/{found[value.name][1]}.py has one)")
-    if set(found) != set(NAMES):
-        odd = [f"{n} (formats/{found[n][1]}.py)" for n in found if n not in NAMES] + \
-            [f"{n} (no file defines it)" for n in NAMES if n not in found]
-        raise ImportError(f"formats/__init__.py: NAMES {NAMES} and the formats defined disagree: {', '.join(odd)}")
-    return {n: found[n][0] for n in NAMES}
+    table = {}
+    for name, file in TABLE.items():
+        module = importlib.import_module(f"{__name__}.{file}")
+        found = [v for v in vars(module).values() if getattr(v, "name", None) == name and hasattr(v, "planned")]
+        if not found:
+            raise ImportError(f"formats/{file}.py: defines no format named {name!r} (formats.TABLE says it does)")
+        table[name] = found[0]
+    return table
 
 
 def get_format(name: str):

@@ -9,7 +9,6 @@ from . import CONVROT_GROUP_DEFAULT
 from .base import shown, option
 from .int8 import RowwiseIntFormat, anchored_rows, rotation_group
 
-ORDER = 5  # this file's place in formats.NAMES (the command line's and the node's lists)
 
 
 @dataclass(frozen=True)

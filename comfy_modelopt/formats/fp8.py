@@ -10,7 +10,6 @@ from .. import gptq
 from ..scales import histogram_errors
 from .base import E4M3_NAN, E5M2_NAN, Format, ModelOptQuantizers, nan_code_problem, tensor_scale
 
-ORDER = 1  # this file's place in formats.NAMES (the command line's and the node's lists)
 
 _FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
@@ -79,6 +78,6 @@ _FP8_KW = dict(layout="TensorCoreFP8Layout", native_sm=(8, 9), static_input_scal
 FLOAT8_E4M3FN = Fp8Format(name="float8_e4m3fn", **_FP8_KW, candidate=2, colour=(52, 120, 246), modelopt=ModelOptQuantizers(
     {"num_bits": (4, 3), "axis": None}, {"num_bits": (4, 3), "axis": None}))
 # fp8 E5M2: wider range, 2 mantissa bits; weight-only (an input_scale would make ComfyUI run an
-# e5m2 x e5m2 GEMM, which torch refuses on an H200: "Multiplication of two Float8_e5m2 matrices
+# e5m2 x e5m2 GEMM, which torch refuses: "Multiplication of two Float8_e5m2 matrices
 # is not supported")
 FLOAT8_E5M2 = Fp8Format(name="float8_e5m2", **_FP8_KW, w8a8_gemm=False, colour=(90, 160, 250))

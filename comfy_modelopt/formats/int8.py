@@ -11,7 +11,6 @@ from ..safetensors_io import is_int
 from . import CONVROT_GROUP_DEFAULT, CONVROT_GROUPS
 from .base import Format, ModelOptQuantizers, clip_rows, row_alpha, shown, option
 
-ORDER = 2  # this file's place in formats.NAMES (the command line's and the node's lists)
 
 
 def regular_hadamard(size: int, device="cpu", dtype=torch.float32) -> torch.Tensor:

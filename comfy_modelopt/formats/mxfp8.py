@@ -8,7 +8,6 @@ import torch
 from .. import gptq
 from .base import E4M3_NAN, E8M0_NAN, F8_E4M3_MAX, Format, nan_code_problem
 
-ORDER = 3  # this file's place in formats.NAMES (the command line's and the node's lists)
 
 
 def _mxfp8_block_scales(block_amax: torch.Tensor) -> torch.Tensor:

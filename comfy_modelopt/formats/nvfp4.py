@@ -12,7 +12,6 @@ from ..errors import QuantizeError
 from ..scales import sample_errors
 from .base import E4M3_NAN_OR_NEGATIVE, F4_E2M1_MAX, F8_E4M3_MAX, Format, ModelOptQuantizers, nan_code_problem, tensor_scale
 
-ORDER = 4  # this file's place in formats.NAMES (the command line's and the node's lists)
 
 
 def _round_e2m1(x: torch.Tensor) -> torch.Tensor:

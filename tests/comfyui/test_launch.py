@@ -29,7 +29,7 @@ import comfy.sd  # noqa: E402
 from comfy_modelopt import Recipe, quantize_file  # noqa: E402
 from comfy_modelopt.prompts import DEFAULT_NEGATIVE, DEFAULT_PROMPTS  # noqa: E402
 from comfy_modelopt.safetensors_io import SafetensorsFile  # noqa: E402
-from comfy_modelopt.stats import ActivationStats  # noqa: E402
+from comfy_modelopt.statsfile import load_stats  # noqa: E402
 from comfy.quant_ops import QuantizedTensor  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,7 +60,7 @@ def files(tmp_path_factory):
         p = launch(tmp, ranks, out, "--model-out", str(tmp / f"model{ranks}.safetensors"), "--format",
                    "float8_e4m3fn", "--weight-scale", "absmax", "--input-scale", "max", "--no-gptq")
         assert p.returncode == 0, p.stderr[-3000:]
-        runs[ranks] = ActivationStats.load(out)
+        runs[ranks] = load_stats(out)
     return tmp, runs
 
 
