@@ -55,7 +55,7 @@ import comfy.sd  # noqa: E402
 import attachments as att  # noqa: E402
 from comfy_modelopt.calibrate import CalibrationOptions, calibrate  # noqa: E402
 from comfy_modelopt.comfyui import nodes as N  # noqa: E402
-from comfy_modelopt.comfyui.cuda_graphs import graph_runner  # noqa: E402
+from comfy_modelopt.comfyui.runtime import graph_runner  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 SIZE = "small" if A.cpu_tiny else "full"

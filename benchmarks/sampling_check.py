@@ -41,7 +41,7 @@ import comfy.sample  # noqa: E402
 
 import common  # noqa: E402
 from comfy_modelopt.comfyui.compiled_blocks import rounding_noise  # noqa: E402
-from comfy_modelopt.comfyui.cuda_graphs import graph_runner  # noqa: E402
+from comfy_modelopt.comfyui.runtime import graph_runner  # noqa: E402
 from comfy_modelopt.comfyui.lean import make_lean  # noqa: E402
 from comfy_modelopt.comfyui.runtime import RUNTIMES, apply_runtime  # noqa: E402
 from comfy_modelopt.graph_memory import AllocationTrace  # noqa: E402

@@ -427,7 +427,7 @@ def main():
         rowq["vs_16bit_stock"] = round(row16["steady_s"] / rowq["steady_s"], 3)
         rowq["rel_vs_16bit"] = round(rel(latq, lat16), 5)
         rowq["quantize_s"] = round(t_q, 1)
-        from comfy_modelopt.comfyui.cuda_graphs import graph_runner
+        from comfy_modelopt.comfyui.runtime import graph_runner
         runner = graph_runner(qmodel)
         if runner is not None and hasattr(runner, "capture_seconds"):
             rowq["graphs"] = {"captures": runner.captures, "capture_s": runner.capture_seconds,
@@ -438,7 +438,7 @@ def main():
             (line for line in report.splitlines() if line.startswith("runtime")), None)
         log(RES["runtime_note"])
     for label in A.then_runtime:
-        from comfy_modelopt.comfyui.cuda_graphs import enable_cuda_graphs
+        from comfy_modelopt.comfyui.runtime import enable_cuda_graphs
         from comfy_modelopt.comfyui.runtime import runtime_of
         rt = runtime_of(label)
         assert rt.cuda_graphs and not rt.attention, f"--then-runtime takes a graph runtime, not {label!r}"

@@ -94,7 +94,7 @@ def _gptq_batch(w: torch.Tensor, hs: list[torch.Tensor], quantize_columns, block
         if order is not None:
             h = h[order][:, order]
         # one factorisation per Hessian: batched Cholesky of large matrices is far slower on a
-        # GPU than one call each (benchmarks/gptq_cost.py)
+        # GPU than one call each (benchmarks/cost.py gptq)
         hinv[b] = _upper_inverse_factor(h)
         del h
     if order is not None:

@@ -27,7 +27,7 @@ try:  # Triton comes with CUDA builds of torch on Linux; without it the eager lo
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-ENABLED = True  # benchmarks/gptq_cost.py switches it off to time the loops it replaces
+ENABLED = True  # benchmarks/cost.py gptq switches it off to time the loops it replaces
 TILE_ROWS = 32  # rows of W per program: 128 x 32 float32 in registers (32 per thread at 4 warps)
 _FP8 = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 _INT8, _GRID_INT, _GRID_E2M1 = 2, 3, 4

@@ -13,8 +13,6 @@ turns compilation off for the model, logged.
 from __future__ import annotations
 
 import collections
-import contextlib
-import functools
 import inspect
 import logging
 import threading
@@ -23,9 +21,10 @@ import time
 import torch
 
 from ..device_constants import ConstantsOnDevice, HostCopies
+from .patch_lookups import PATCH_KEYS, call_with, carried_patches, hits, leaves, watched
 
 
-def _rel_l2(a, b) -> float:
+def rel_l2(a, b) -> float:
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
@@ -176,7 +175,7 @@ class CompiledBlocks:
         ``_KEYS_LEFT_OUT`` - or its eager forward where a patch applies inside it.
 
         Patches: which of them a region's own code looks up is learnt from the region itself, at
-        its first call with patches (run eagerly, the patch dicts watched: ``_Lookups``) - a UNet
+        its first call with patches (run eagerly, the patch dicts watched: ``patch_lookups``) - a UNet
         transformer block looks up its attention patches and its own (block, index) replaces, a
         Flux block its attention patches, a ResBlock none.  A region none of whose lookups hits
         runs compiled, blind to the patches (a FreeU output-block patch or a Flux "dit" replace
@@ -215,24 +214,24 @@ class CompiledBlocks:
                 # never saw a kind (no "patches_replace" at all) recorded no lookup in it
                 where = (id(m), *(repr(dict.get(topts, k)) for k in _KEYS_LEFT_OUT[:3]),
                          *(tuple(sorted(map(str, dict.keys(v)))) if isinstance(v := dict.get(topts, k), dict) else None
-                           for k in _PATCH_KEYS))
+                           for k in PATCH_KEYS))
                 lookups = blocks._lookups.get(where)
                 if lookups is None:  # learnt at the region's first call with patches (here), run eagerly
                     seen = set()
-                    out = _call(eager, with_options(_watched(topts, seen)))
-                    blocks._lookups[where] = _leaves(seen)
+                    out = call_with(eager, with_options(watched(topts, seen)))
+                    blocks._lookups[where] = leaves(seen)
                     return out
-                if _hits(lookups, topts):
+                if hits(lookups, topts):
                     blocks.patched_calls += 1
                     return eager(*args, **kwargs)
-            drop = [k for k in (*_PATCH_KEYS, *_KEYS_LEFT_OUT) if k in topts]
+            drop = [k for k in (*PATCH_KEYS, *_KEYS_LEFT_OUT) if k in topts]
             if not drop:
                 return compiled(*args, **kwargs)
             if any(callable(v) and not getattr(v, "block_independent", False) for v in topts.values()):
                 # e.g. another pack's optimized_attention_override, which may read the block's
                 # index: compiled with the keys (one variant per block, but the same behaviour)
-                drop = [k for k in drop if k in _PATCH_KEYS]
-            return _call(compiled, with_options({k: v for k, v in topts.items() if k not in drop}))
+                drop = [k for k in drop if k in PATCH_KEYS]
+            return call_with(compiled, with_options({k: v for k, v in topts.items() if k not in drop}))
         return torch.compiler.disable(forward)
 
     def installed(self, compile_new_shapes: bool | None = None):
@@ -320,8 +319,8 @@ class CompiledBlocks:
         if ref is None:
             logging.info(f"{done} on placeholder weights (checked against eager at the first image)")
             return True
-        err = _rel_l2(out, ref)
-        noise = _rel_l2(perturbed(), ref) if perturbed is not None else 0.0
+        err = rel_l2(out, ref)
+        noise = rel_l2(perturbed(), ref) if perturbed is not None else 0.0
         limit = min(self.max_tol, max(self.tol, 3.0 * noise))
         check.update(rel_l2=err, eager_rounding_noise=noise, limit=limit)
         if not err <= limit:  # also catches NaN
@@ -431,144 +430,3 @@ def _without_capture_mode(compiled):
                 return compiled(*args, **kwargs)
         return compiled(*args, **kwargs)
     return call
-
-
-_RAW_POINTERS = threading.local()
-
-
-def install_raw_pointer_launches() -> bool:
-    """Let Inductor's Triton kernels be captured under cudaMallocAsync (``raw_pointer_launches``).
-
-    Both launchers Inductor uses - its static CUDA launcher and Triton's own - check every tensor
-    argument with ``cuPointerGetAttribute``.  Under cudaMallocAsync, memory allocated during a
-    capture is a graph allocation whose address is not mapped until the graph is launched, so
-    that check fails ("invalid argument") for the first intermediate buffer, the capture is
-    lost, and freeing what it had allocated then aborted the process (cudaFreeAsync "invalid
-    argument" with torch 2.11).  Both launchers take a plain integer as a
-    pointer without the check, so while ``raw_pointer_launches`` is on (this thread only) the
-    CUDA tensor arguments of ``CachingAutotuner.run`` are handed over as their addresses - the
-    same kernel on the same memory.  Installed once per process; False where this torch has no
-    such class (compiled blocks then stay off under cudaMallocAsync)."""
-    try:
-        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-    except Exception:  # pragma: no cover - a torch without Inductor's runtime
-        return False
-    original = CachingAutotuner.run
-    if getattr(original, "_comfy_modelopt_raw_pointers", False):
-        return True
-
-    @functools.wraps(original)
-    def run(self, *args, **kwargs):
-        if getattr(_RAW_POINTERS, "on", False):
-            args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) and a.device.type == "cuda" else a
-                         for a in args)
-        return original(self, *args, **kwargs)
-    run._comfy_modelopt_raw_pointers = True
-    CachingAutotuner.run = run
-    return True
-
-
-@contextlib.contextmanager
-def raw_pointer_launches():
-    """Inductor kernels launched by this thread get their CUDA tensors as raw addresses
-    (``install_raw_pointer_launches``, which must have succeeded)."""
-    previous = getattr(_RAW_POINTERS, "on", False)
-    _RAW_POINTERS.on = True
-    try:
-        yield
-    finally:
-        _RAW_POINTERS.on = previous
-
-
-_PATCH_KEYS = ("patches", "patches_replace")
-_ALL = object()  # a lookup that read every key (an iteration)
-
-
-class _Lookups(dict):
-    """A patch dict (or a nested one) that records which keys the code it is handed looks up:
-    (its path, the key) into each of ``seens`` - ``_ALL`` for an iteration; nested dicts (and a
-    dict default) are watched too.  A region called inside a region being learnt records into
-    both (``_watched``)."""
-
-    def __init__(self, d, seens: tuple, path: tuple):
-        super().__init__(dict.items(d))
-        self._seens, self._path = seens, path
-
-    def _saw(self, key):
-        for seen in self._seens:
-            seen.add((self._path, key))
-
-    def _got(self, key, value):
-        return _Lookups(value, self._seens, (*self._path, key)) if isinstance(value, dict) else value
-
-    def __contains__(self, key):
-        self._saw(key)
-        return super().__contains__(key)
-
-    def __getitem__(self, key):
-        self._saw(key)
-        return self._got(key, super().__getitem__(key))
-
-    def get(self, key, default=None):
-        self._saw(key)
-        return self._got(key, super().get(key, default))
-
-    def __iter__(self):
-        self._saw(_ALL)
-        return super().__iter__()
-
-    def keys(self):
-        self._saw(_ALL)
-        return super().keys()
-
-    def items(self):
-        self._saw(_ALL)
-        return ((k, self._got(k, v)) for k, v in dict.items(self))
-
-    def values(self):
-        self._saw(_ALL)
-        return (self._got(k, v) for k, v in dict.items(self))
-
-
-def _watched(topts: dict, seen: set) -> dict:
-    """``topts`` with its patch dicts watched (``_Lookups``) into ``seen`` - and into whatever
-    watched them already (an enclosing region being learnt)."""
-    return {k: _Lookups(v, getattr(v, "_seens", ()) + (seen,), (k,))
-            if k in _PATCH_KEYS and isinstance(v, dict) else v for k, v in dict.items(topts)}
-
-
-def _leaves(seen: set) -> frozenset:
-    """The lookups that decide: a key whose dict was looked into is decided by those lookups."""
-    inner = {path for path, _ in seen}
-    return frozenset((path, key) for path, key in seen if key is _ALL or (*path, key) not in inner)
-
-
-def _hits(lookups, topts: dict) -> bool:
-    """Whether any of a region's ``lookups`` finds a patch in ``topts`` (read without recording)."""
-    for path, key in lookups:
-        d = topts
-        for p in path:
-            d = dict.get(d, p) if isinstance(d, dict) else None
-        if not isinstance(d, dict):
-            continue
-        if nonempty(d) if key is _ALL else (dict.__contains__(d, key) and nonempty(dict.__getitem__(d, key))):
-            return True
-    return False
-
-
-def _call(fn, args_kwargs):
-    args, kwargs = args_kwargs
-    return fn(*args, **kwargs)
-
-
-def carried_patches(topts: dict) -> str | None:
-    """Which patch kind transformer_options carry, else None (read without recording)."""
-    return next((key for key in _PATCH_KEYS if nonempty(dict.get(topts, key))), None)
-
-
-def nonempty(v) -> bool:
-    if isinstance(v, dict):
-        return any(nonempty(x) for x in dict.values(v))
-    if isinstance(v, (list, tuple)):
-        return any(nonempty(x) for x in v) if v and isinstance(v[0], (dict, list, tuple)) else bool(v)
-    return bool(v)

@@ -3,22 +3,15 @@
 ``CudaGraphs`` (ComfyUI's APPLY_MODEL wrapper on a clone, so it works for 16-bit models too)
 captures each distinct input signature once and replays it; what it cannot capture runs eagerly
 with the reason logged.  With ``compile_blocks`` the graphs are captured over TorchInductor-
-compiled blocks (``compiled_blocks``), checked against eager at a signature's first capture,
-before anything is replayed - compiled there, or (``auto``) only ahead, for the calibration's
-shapes, so that another size runs its blocks uncompiled instead of compiling at its first image.
-(Compiling in a background thread while the first runs replayed was tried and removed: the
-sampler's thread starved it - docs/benchmarks.md section 0a.)
+compiled blocks (``compiled_blocks``), checked against eager at a signature's first capture -
+compiled there, or (``auto``) only ahead, for the calibration's shapes, so that another size runs
+its blocks uncompiled instead of compiling at its first image.
 
-The graphs stay while the model stays loaded: a second sampling run with the same shapes
-captures nothing.  Their memory is accounted the way ComfyUI counts memory in use (``GraphPool``:
-under the caching allocator the pool's idle blocks are held by placeholders, so ComfyUI's
-free-memory estimate does not count memory only the graphs can use; under cudaMallocAsync the
-graphs hold driver memory the device reports as used), and it goes back when ComfyUI unloads
-the model, partly or wholly: the graphs die with the model's residency.  A change of weights or
-weight patches (a LoRA) recaptures.  Under the caching allocator the pool is sized to the
-forward (``graph_memory``): the eager warm-up before a signature's first capture is recorded and
-the graph captured into segments fitted to it - left alone the pool grew to twice what the
-forward uses at once.
+The graphs stay while the model stays loaded and go when ComfyUI unloads it (wholly or partly) or
+the weights or weight patches change.  Their memory is accounted as ComfyUI counts memory in use
+(``GraphPool``), and under the caching allocator the pool is sized to the forward
+(``graph_memory``: the eager warm-up before a first capture is recorded and the graph captured
+into segments fitted to it).
 """
 from __future__ import annotations
 
@@ -29,17 +22,19 @@ import time
 
 import torch
 
-from comfy.patcher_extension import CallbacksMP, WrapperExecutor, WrappersMP
+from comfy.patcher_extension import WrapperExecutor
 
-from ..cuda_streams import allocator_backend, keep_forever, on_side_stream, trim_graph_memory, work_stream
+from ..cuda_streams import (allocator_backend, end_failed_capture, install_raw_pointer_launches, keep_forever,
+                            on_side_stream, raw_pointer_launches, trim_graph_memory, work_stream)
 from ..device_constants import ConstantsOnDevice, HostCopies
 from ..graph_memory import (ROUND_LARGE, AllocationTrace, large_events, peak_in_use, pool_need, release_blas_workspaces,
                             without_unfreed)
 from .compile_cache import key_of, kept
-from .compiled_blocks import CompiledBlocks, install_raw_pointer_launches, raw_pointer_launches, rounding_noise
-from .graph_inputs import ModelCall, foreign, kept_state, state_changes, tensors_of
+from .compiled_blocks import CompiledBlocks, rel_l2, rounding_noise
+from .graph_inputs import (STEP, ModelCall, NotCapturable, PerStep, foreign, kept_state, listed, named,
+                           state_changes, step_key, tensors_of)
 from .graph_pool import GraphPool, pool_accounting
-from .lean import dequant_cache_of, release_on_detach
+from .lean import dequant_cache_of
 
 
 _RESIZE_MIN_SAVING = 32 << 20  # a first capture whose pool grew this much (and 5%) past its fitted segment is redone
@@ -58,16 +53,13 @@ class CudaGraphs:
     may decide per call whether to evaluate at all); the weights' storage addresses are checked
     before each replay (a model unloaded and reloaded elsewhere is captured again).
 
-    A forward whose patches read the step's sigma on the host to decide (active over part of the
-    schedule) gets one graph per step: each step's sigmas are handed to it on the host, captured
-    at the step's first evaluation and replayed at the same step of the next image.
-
-    What a graph cannot hold runs eagerly, the reason logged once: a partially loaded model, a
-    forward that reads other GPU values on the host or draws random numbers there (a patch that
-    decides per call in Python), one whose patches keep tensors between calls (Self-Attention Guidance's
-    attention maps), one whose replay differs from eager at its first replay (checked once per
-    signature that holds other packs' callables), a failed capture.  Eagerly means over the
-    compiled blocks where they hold code for those shapes."""
+    A forward whose patches read the step's sigma on the host (active over part of the schedule)
+    gets one graph per step, captured at the step's first evaluation.  What a graph cannot hold
+    runs eagerly (over the compiled blocks where they hold code for those shapes), the reason
+    logged once: a partially loaded model, a forward that reads other GPU values on the host or
+    draws random numbers there, patches that keep tensors between calls (Self-Attention
+    Guidance), a replay that differs from eager at its first replay (checked once per signature
+    holding other packs' callables), a failed capture."""
 
     replays_skip_hooks = True  # module hooks (calibration statistics) run only while capturing
 
@@ -76,17 +68,15 @@ class CudaGraphs:
         self.patcher, self.max_graphs = patcher, max_graphs
         self.compile_seconds: list = []  # wall time of each compilation + check
         self.compiled = CompiledBlocks(patcher.model.diffusion_model) if compile_blocks else None
-        # cudaMallocAsync (ComfyUI's default allocator on CUDA 13 torch): captures need a quiet
-        # process (_quiet_for_capture), Inductor's kernels their pointers raw, and a failed
-        # capture's memory must never be freed
+        # cudaMallocAsync (ComfyUI's default on CUDA 13 torch): captures need a quiet process,
+        # Inductor's kernels raw pointers, and a failed capture's memory is never freed
         self.malloc_async = allocator_backend() == "cudaMallocAsync"
         if self.compiled is not None and self.compiled.enabled and self.malloc_async and not install_raw_pointer_launches():
             self.compiled.disable("this torch's Inductor kernels cannot be captured under cudaMallocAsync; "
                                    "start ComfyUI with --disable-cuda-malloc to use compiled blocks")
         self.graphs: dict = {}  # signature -> entry, least recently used first
         self.pool = None
-        # keep the graphs between sampling runs where their memory can be accounted (else they go
-        # back after every run, and each run captures again)
+        # graphs kept between sampling runs where their memory can be accounted
         self.persistent = pool_accounting() is not None if persistent is None else persistent
         self.warned: set = set()
         self.eager_calls = self.replays = self.captures = self.releases = self.evictions = 0
@@ -94,28 +84,20 @@ class CudaGraphs:
         self.warmed: set = set()  # signatures whose lazy inits/compilation already ran
         self.failed: dict = {}  # signature -> why it runs eagerly (not retried)
         # signature -> what reads the step's sigma on the host: its graphs are one per step, keyed
-        # by the sigmas (``_step_key``), up to ``max_step_graphs`` of them
+        # by the sigmas (``step_key``), up to ``max_step_graphs`` of them
         self.per_step: dict = {}
         self.max_step_graphs = max_step_graphs
         self.step_checked: set = set()  # per-step signatures whose first replay was checked
         self.validated: set = set()  # signatures whose compiled blocks matched eager
         self.graph_memory_trimmed = None  # cudaMallocAsync: whether the last release trimmed
-        # (signature, compiled) -> what its forward asks of the pool (graph_memory.PoolNeed),
-        # recorded at its first warm-up / capture into an empty pool
-        self.pool_needs: dict = {}
-        # per sized first capture, bytes: seeded from its warm-up (from_warm_up), or grown vs
-        # fitted where it was captured again
-        self.pool_sizing: list = []
+        self.pool_needs: dict = {}  # (signature, compiled) -> its forward's graph_memory.PoolNeed
+        self.pool_sizing: list = []  # per sized first capture: seeded from its warm-up, or grown vs fitted
         self.constants_rebuilt = 0  # CPU-built constants the last capture built on the GPU instead
 
     def release(self, *_args) -> None:
-        """Drop every captured graph and the memory pool they share.
-
-        Called when ComfyUI detaches the model from the GPU or unloads part of it (to make room
-        for another model, the VAE, ...), and when the weights change.  The next evaluation
-        captures again (about one forward per input signature; compilation and validation are not
-        repeated).  ComfyUI empties the allocator's cache after unloading, which returns the
-        pool's memory to the device."""
+        """Drop every captured graph and the memory pool they share: when ComfyUI detaches the model
+        or unloads part of it, and when the weights change.  The next evaluation captures again
+        (compilation and validation are not repeated)."""
         if self.graphs or self.pool is not None:
             self.graphs.clear()
             if self.pool is not None:
@@ -135,14 +117,17 @@ class CudaGraphs:
         """``apply_model`` on ``call``, logging ``reason`` once; ``compiled``: over the compiled
         blocks where they were checked on this GPU and hold code for these shapes (nothing is
         compiled here)."""
-        if reason not in self.warned:
-            self.warned.add(reason)
-            logging.info(f"[comfy-modelopt] CUDA graphs: running eagerly ({reason})")
+        self._say_once(f"CUDA graphs: running eagerly ({reason})", reason)
         self.eager_calls += 1
         if compiled and self.compiled is not None and self.compiled.enabled and self.validated:
             with self.compiled.installed(compile_new_shapes=False):
                 return call.run(apply_model)
         return call.run(apply_model)
+
+    def _say_once(self, text: str, key: str | None = None) -> None:
+        if (key or text) not in self.warned:
+            self.warned.add(key or text)
+            logging.info(f"[comfy-modelopt] {text}")
 
     def compute_dtype(self):
         model = self.patcher.model
@@ -190,9 +175,7 @@ class CudaGraphs:
             return self.evaluate(apply_model, call)
         reason = ("TorchCompileModel's compile is left out: this runtime compiles the model's blocks itself "
                   "(compiled blocks + CUDA graphs)")
-        if reason not in self.warned:
-            self.warned.add(reason)
-            logging.info(f"[comfy-modelopt] {reason}")
+        self._say_once(reason)
         model.diffusion_model = original
         try:
             return self.evaluate(apply_model, call)
@@ -209,7 +192,7 @@ class CudaGraphs:
             return self._eager(apply_model, call, f"unsupported argument type {e}")
         if sig in self.failed:  # a forward that cannot be captured: no retry per call
             return self._eager(apply_model, call, self.failed[sig], compiled=True)
-        key = _step_key(sig, call) if sig in self.per_step else sig
+        key = step_key(sig, call) if sig in self.per_step else sig
         weights = self._weights_key()
         entry = self.graphs.pop(key, None)
         if entry is not None and entry["weights"] != weights:
@@ -219,12 +202,12 @@ class CudaGraphs:
             self._evict(key is not sig)
             try:
                 entry = self._capture(apply_model, call, weights, sig, key)
-            except _PerStep as e:
+            except PerStep as e:
                 self.per_step[sig] = e.readers
                 return self._eager(apply_model, call, f"{e.readers} read the step's sigma on the host: one graph per "
                                    "step, captured at the step's first evaluation, replayed from the next image on",
                                    compiled=True)
-            except _NotCapturable as e:
+            except NotCapturable as e:
                 self.failed[sig] = str(e)
                 return self._eager(apply_model, call, self.failed[sig], compiled=True)
             except Exception as e:  # capture can fail on host syncs or unsupported ops
@@ -246,7 +229,7 @@ class CudaGraphs:
         if check:  # the first replay of a graph holding other packs' callables, against eager
             torch.cuda.set_rng_state(rng, call.args[0].device)  # the same random numbers as the replay drew
             ref = self._eager(apply_model, call, "checking a replay against eager", compiled=entry["compiled"])
-            err = _rel_l2(out, ref)
+            err = rel_l2(out, ref)
             if not err <= _CHECK_TOL:
                 del self.graphs[key]
                 self.failed[sig] = (f"its replay differs from eager by {err:.3g} (relative L2): {check} decide "
@@ -257,7 +240,7 @@ class CudaGraphs:
 
     def _evict(self, step: bool) -> None:
         """Room for one more graph: the least recently used one of its kind (per-step or not) goes."""
-        same = [k for k in self.graphs if (k[0] is _STEP) == step]
+        same = [k for k in self.graphs if (k[0] is STEP) == step]
         if len(same) >= (self.max_step_graphs if step else self.max_graphs):
             del self.graphs[same[0]]
             self.evictions += 1
@@ -266,10 +249,8 @@ class CudaGraphs:
         """A graph of ``call``'s evaluation (``key``: its signature ``sig``, or a step of a per-step
         signature - warmed up, compiled and checked once per signature)."""
         t0 = time.perf_counter()
-        # Conditioning can arrive on the CPU (SDXL's ADM vector and Flux's guidance are built
-        # there); apply_model would copy it to the GPU on every call, and a host-to-device copy
-        # cannot be captured.  apply_model moves every conditioning tensor to the input's device
-        # anyway, so the static copies live there; replays copy new values into them.
+        # conditioning built on the CPU (SDXL's ADM vector, Flux's guidance) would be copied to the
+        # GPU in every call, which a capture refuses: the static copies live on the input's device
         device = call.args[0].device
         static = call.static(device)
         step = key is not sig
@@ -281,9 +262,8 @@ class CudaGraphs:
         run = lambda: self._model_call(apply_model, static)  # noqa: E731
         first = lambda: self._model_call(apply_model, static, check=others, step=step)  # noqa: E731
         cache = dequant_cache_of(self.patcher.model)
-        # a graph that will get a pool of its own, not sized yet: its warm-up is recorded, and the
-        # pool seeded from that record, so the capture needs no second take into a fitted pool
-        # (the first capture ~20% shorter).  The capture is recorded too and checks the seeding
+        # a graph that will get a pool of its own, not sized yet: its warm-up is recorded and the
+        # pool seeded from it (no second take into a fitted pool); the capture checks the seeding
         fresh = not self.graphs or self.pool is None
         warm = {}  # (key, compiled) -> the PoolNeed of that warm-up
 
@@ -323,9 +303,8 @@ class CudaGraphs:
         elif cache is not None and cache.needs_fill():
             on_side_stream(run, device)  # refill the dequant cache (released on detach, or weights changed)
         self._quiet_for_capture()
-        # every capture runs on the stream its warm-ups above ran on (cuda_streams.work_stream):
-        # the allocator serves a request only from free blocks of its own stream, and a sized
-        # pool's segments are made on it
+        # captured on the warm-ups' stream (cuda_streams.work_stream): the allocator serves a request
+        # only from its own stream's free blocks, and a sized pool's segments are made on it
         stream = work_stream(device)
         need_key = (key, use_compiled)
         need = self.pool_needs.get(need_key)
@@ -367,7 +346,7 @@ class CudaGraphs:
         entry = {"graph": graph, "call": static, "static": static.tensors(), "out": out, "weights": weights,
                  "compiled": use_compiled}
         if others and sig not in self.step_checked:  # checked against eager at its first replay (evaluate)
-            entry["check"] = _named(others)
+            entry["check"] = named(others)
             if step:  # once per signature, not per step
                 self.step_checked.add(sig)
         return entry
@@ -417,7 +396,7 @@ class CudaGraphs:
                 with torch.cuda.graph(graph, pool=handle, stream=stream, capture_error_mode="thread_local"):
                     out = run()
             except BaseException:
-                if not _end_failed_capture(handle, stream.device, before):
+                if not end_failed_capture(handle, stream.device, before):
                     # the allocator may still route through this graph (its filter reads the
                     # graph object): it must outlive the process's allocations
                     keep_forever(graph)
@@ -440,16 +419,13 @@ class CudaGraphs:
             torch.cuda.synchronize()
 
     def _model_call(self, apply_model, call: ModelCall, check: list | None = None, step: bool = False):
-        """The model evaluation a capture and its warm-ups run: constants the forward builds on the
-        CPU and moves to the GPU are built on the GPU (``device_constants``: Wan 2.1's timestep
-        embedding - without it every Wan capture failed; compiled regions leave that mode, see
-        ``compiled_blocks``).  ``check`` (a signature's first warm-up: the foreign callables the
-        call holds): what a graph cannot hold fails the signature here, before any capture is
-        tried - a copy from the CPU, a GPU value read on the host or random numbers drawn there
-        (a decision made per call in Python), a callable that keeps a tensor it made.  Where the
-        only values read are the step's sigmas (``transformer_options["sigmas"]``: a patch active
-        over part of the schedule) and nothing else is amiss, the signature gets one graph per step
-        instead (``_PerStep``; ``step``: a step's warm-up, its sigmas already on the host)."""
+        """The model evaluation a capture and its warm-ups run, constants the forward builds on the
+        CPU built on the GPU (``device_constants``: Wan 2.1's timestep embedding).  ``check`` (a
+        signature's first warm-up: the foreign callables the call holds): what a graph cannot hold
+        fails the signature here, before any capture - a copy from the CPU, a GPU value read on the
+        host or random numbers drawn there, a callable that keeps a tensor it made; where the only
+        values read are the step's sigmas, one graph per step instead (``PerStep``; ``step``: a
+        step's warm-up, its sigmas already on the host)."""
         mode = ConstantsOnDevice()
         state = kept_state(check) if check else []
         with HostCopies() if check is not None else contextlib.nullcontext() as host, mode:
@@ -457,125 +433,17 @@ class CudaGraphs:
         self.constants_rebuilt = mode.rebuilt
         if host is not None:
             if host.ops:
-                raise _NotCapturable(f"the forward copies tensors from the CPU to the GPU ({_listed(host.ops)}), "
+                raise NotCapturable(f"the forward copies tensors from the CPU to the GPU ({listed(host.ops)}), "
                                      "which a CUDA graph cannot capture")
             kept = state_changes(state)
             if kept:
-                raise _NotCapturable(f"{', '.join(kept)} keeps tensors it made between calls, which a replay would "
+                raise NotCapturable(f"{', '.join(kept)} keeps tensors it made between calls, which a replay would "
                                      "not update")
             if check and (host.reads or host.random):  # the model's own code: a capture tells
                 if not host.random and not step and call.only_sigmas(host.values):
-                    raise _PerStep(_named(check))
+                    raise PerStep(named(check))
                 what = " and ".join(w for w, ops in (("reads GPU values on the host", host.reads),
                                                      ("draws random numbers on the host", host.random)) if ops)
-                raise _NotCapturable(f"the forward {what} ({_listed(host.reads + host.random)}): "
-                                     f"{_named(check)} decide per call in Python")
+                raise NotCapturable(f"the forward {what} ({listed(host.reads + host.random)}): "
+                                     f"{named(check)} decide per call in Python")
         return out
-
-
-def _end_failed_capture(pool, device, stream) -> bool:
-    """What a capture that failed inside leaves behind, undone; True where the allocator's routing
-    into ``pool`` was ended here or had been.  torch's ``capture_end`` raises on the invalidated
-    capture (``cudaStreamEndCapture``) before it ends that routing and before the graph context
-    gives the stream back: every later capture into the pool then fails ("beginAllocateToPool:
-    already recording to mempool_id") and work stays on the capture stream."""
-    torch.cuda.set_stream(stream)
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
-    said, ended = [], False
-    for name in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool"):  # torch's names over versions
-        end = getattr(torch._C, name, None)
-        if end is None:
-            continue
-        try:
-            end(index, pool)
-            said.append(f"{name}: ended")
-            ended = True
-            break
-        except RuntimeError as e:  # "not currently recording": capture_end got that far
-            said.append(f"{name}: {str(e).splitlines()[0][:120]}")
-            ended = ended or "not currently recording" in str(e)
-        except TypeError as e:  # another signature in this torch
-            said.append(f"{name}: {type(e).__name__}: {str(e)[:120]}")
-    logging.info(f"[comfy-modelopt] CUDA graphs: after a failed capture into pool {pool}: "
-                 f"{'; '.join(said) or 'no end call in this torch'}")
-    return ended
-
-
-class _NotCapturable(Exception):
-    """Why a signature's forward cannot be held by a graph (found before any capture)."""
-
-
-class _PerStep(_NotCapturable):
-    """A signature's forward reads the step's sigmas on the host, and nothing else a graph cannot
-    hold: ``readers`` decide per step (active over part of the schedule - IP-Adapter's and
-    ControlNet-like patches' start/end, Kohya deep shrink), the same way at the same sigma."""
-
-    def __init__(self, readers: str):
-        super().__init__(readers)
-        self.readers = readers
-
-
-_STEP = "per-step"  # first item of a per-step graph's key (a signature's first item is a tuple)
-
-
-def _step_key(sig, call: ModelCall) -> tuple:
-    """The graph key of a per-step signature's call: its step's sigmas, read on the host (one sync
-    per evaluation)."""
-    return (_STEP, sig, call.step_sigmas())
-
-
-def _listed(ops) -> str:
-    return ", ".join(sorted(set(ops))[:4])
-
-
-def _named(objects) -> str:
-    names = sorted({getattr(o, "__qualname__", type(o).__qualname__) for o in objects})
-    return ("the callables " if len(names) > 1 else "") + ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
-
-
-def _rel_l2(a, b) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
-KEY = "comfy_modelopt_cuda_graphs"  # the APPLY_MODEL wrapper and patcher callbacks a runner installs
-
-
-def enable_cuda_graphs(patcher, compile_blocks: bool = False):
-    """A clone of ``patcher`` whose model evaluations are captured and replayed (over
-    Inductor-compiled blocks with ``compile_blocks``, validated against eager), through ComfyUI's
-    wrapper registry: other packs' wrappers - and a model function wrapper - keep working around
-    it.  A MODEL that already replays through this runtime (Quantize Model's default) gets a fresh
-    runner with these options in place of its own."""
-    clone = patcher.clone()
-    clone.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
-    for call_type in (CallbacksMP.ON_CLEANUP, CallbacksMP.ON_DETACH):
-        clone.remove_callbacks_with_key(call_type, KEY)
-    runner = CudaGraphs(clone, compile_blocks=compile_blocks)
-    clone.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, runner)
-    clone.add_callback_with_key(CallbacksMP.ON_CLEANUP, KEY, runner.end_run)
-    # a clone's detach without unpatching keeps the graphs: the weights' addresses and patches are
-    # checked before every replay anyway
-    clone.add_callback_with_key(CallbacksMP.ON_DETACH, KEY, release_on_detach(runner.release))
-    _release_on_partial_unload(clone, runner)
-    return clone, runner
-
-
-def graph_runner(patcher):
-    """The ``CudaGraphs`` runner of a MODEL (this pack's graph runtime), or None."""
-    return next(iter(patcher.get_wrappers(WrappersMP.APPLY_MODEL, KEY)), None)
-
-
-def _release_on_partial_unload(patcher, runner) -> None:
-    """ComfyUI frees VRAM for another model by unloading part of this one
-    (``LoadedModel.model_unload`` -> ``partially_unload``), with no callback for it: the graphs
-    (captured over the weights' addresses, useless once they move) go first, so their pool is
-    what is freed.  A clone made later from this patcher has no such hook: its evaluations find
-    the model partially loaded and release the graphs then."""
-    unload = patcher.partially_unload
-
-    def partially_unload(*args, **kwargs):
-        runner.release()
-        return unload(*args, **kwargs)
-    patcher.partially_unload = partially_unload

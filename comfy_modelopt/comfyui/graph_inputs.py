@@ -193,3 +193,35 @@ def _holds_tensor(v, depth: int = 2) -> bool:
     if depth and isinstance(v, dict):
         return any(_holds_tensor(x, depth - 1) for x in v.values())
     return False
+
+
+class NotCapturable(Exception):
+    """Why a signature's forward cannot be held by a graph (found before any capture)."""
+
+
+class PerStep(NotCapturable):
+    """A signature's forward reads the step's sigmas on the host, and nothing else a graph cannot
+    hold: ``readers`` decide per step (active over part of the schedule - IP-Adapter's and
+    ControlNet-like patches' start/end, Kohya deep shrink), the same way at the same sigma."""
+
+    def __init__(self, readers: str):
+        super().__init__(readers)
+        self.readers = readers
+
+
+STEP = "per-step"  # first item of a per-step graph's key (a signature's first item is a tuple)
+
+
+def step_key(sig, call: ModelCall) -> tuple:
+    """The graph key of a per-step signature's call: its step's sigmas, read on the host (one sync
+    per evaluation)."""
+    return (STEP, sig, call.step_sigmas())
+
+
+def listed(ops) -> str:
+    return ", ".join(sorted(set(ops))[:4])
+
+
+def named(objects) -> str:
+    names = sorted({getattr(o, "__qualname__", type(o).__qualname__) for o in objects})
+    return ("the callables " if len(names) > 1 else "") + ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")

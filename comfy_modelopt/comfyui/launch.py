@@ -153,7 +153,7 @@ def main(argv=None) -> int:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     shard = Shard.current()
     rank, world = (shard.rank, shard.world) if shard else (0, 1)
-    from .nodes import CALIBRATION_FOLDER  # the folder Load Calibration lists
+    from .folders import CALIBRATION_FOLDER  # the folder Load Calibration lists
     out = _output_path(a.output, CALIBRATION_FOLDER)
     model_out = _output_path(a.model_out, "diffusion_models") if a.model_out else None
     for path in filter(None, (out, model_out)):  # every rank checks: none samples for nothing

@@ -26,29 +26,20 @@ from ..safetensors_io import write_file
 from ..stats import ActivationStats
 from ..statsfile import load_stats, save_stats
 from .compat import check_kitchen
-from .cuda_graphs import enable_cuda_graphs
+from .runtime import enable_cuda_graphs
 from .recipe_inputs import (QUANTIZE_INPUTS, QUANTIZE_INPUTS_AFTER_RUNTIME, QUANTIZE_INPUTS_BEFORE_CALIBRATION,
                             recipe_input, sampling_input)
 from .runtime import (DEFAULT_RUNTIME, DEQUANT_CACHE_TOOLTIP, RUNTIMES, apply_runtime, first_call_of, gpu_note,
                       runtime_tooltip)
 from . import ownloader
 from .report_image import compare as compare_images, render as render_report
+from .folders import (CALIBRATION_FOLDER, OLD_UNET_FOLDER, free_path, register_folders, save_folder,  # noqa: F401
+                      save_path, unet_files)
 from .model import NodeError, PatcherSource, artifact_of, build_quantized_model, compute_device, log
 from .sampling import calibrate_by_sampling, empty_latent, modelopt_by_sampling
 
 CALIBRATION = io.Custom("MODELOPT_CALIBRATION")
 CATEGORY = "modelopt"
-CALIBRATION_FOLDER = "modelopt_calibration"
-OLD_UNET_FOLDER = "modelopt_unet"
-
-
-def register_folders() -> None:
-    for name in (CALIBRATION_FOLDER, OLD_UNET_FOLDER):
-        if name not in folder_paths.folder_names_and_paths:
-            folder_paths.folder_names_and_paths[name] = (
-                [os.path.join(folder_paths.models_dir, name)], {".safetensors"})
-
-
 def _node_id(cls) -> str | None:
     return getattr(cls.hidden, "unique_id", None) if cls.hidden is not None else None
 
@@ -298,7 +289,7 @@ class ModelOptSaveQuantized(io.ComfyNode):
         if not isinstance(filename, str):  # linked from another node: checked when it runs
             return True
         try:
-            _save_path(filename)
+            save_path(filename)
         except NodeError as e:
             return str(e)
         return True
@@ -309,7 +300,7 @@ class ModelOptSaveQuantized(io.ComfyNode):
         if art is None:
             raise NodeError("this MODEL was not made by Quantize Model: connect its MODEL output "
                             "(stock files from disk are already saved)")
-        asked = _save_path(filename)
+        asked = save_path(filename)
         os.makedirs(os.path.dirname(asked), exist_ok=True)
         pbar = comfy.utils.ProgressBar(len(art.state_dict))
         console = Progress("saving", write=log, unit="tensors")
@@ -319,7 +310,7 @@ class ModelOptSaveQuantized(io.ComfyNode):
             console(i + 1, len(art.state_dict), "")
             comfy.model_management.throw_exception_if_processing_interrupted()
         for attempt in range(3):
-            path = asked if overwrite else _free_path(asked)
+            path = asked if overwrite else free_path(asked)
             log(f"saving {path}")
             try:
                 write_file(path, art.state_dict, art.metadata, overwrite=overwrite, on_tensor=each)
@@ -335,44 +326,6 @@ class ModelOptSaveQuantized(io.ComfyNode):
         return io.NodeOutput(path, ui={"text": [text]})
 
 
-def save_folder() -> str:
-    """Where Save Quantized Model writes: the first configured diffusion_models folder that is not
-    ComfyUI's legacy models/unet (which ComfyUI 0.29 lists first for the key)."""
-    folders = folder_paths.get_folder_paths("diffusion_models")
-    legacy = os.path.abspath(os.path.join(folder_paths.models_dir, "unet"))
-    return next((f for f in folders if os.path.abspath(f) != legacy), folders[0])
-
-
-def _save_path(filename: str) -> str:
-    folder = save_folder()
-    name = filename.strip().lstrip("/\\")
-    if not name:
-        raise NodeError("filename is empty")
-    path = os.path.abspath(os.path.join(folder, name if name.endswith(".safetensors") else name + ".safetensors"))
-    if not path.startswith(os.path.abspath(folder) + os.sep):
-        raise NodeError(f"filename must stay inside {folder}")
-    if os.path.isdir(path):
-        raise NodeError(f"{path} is a folder; give a file name")
-    return path
-
-
-def _free_path(path: str) -> str:
-    """``path``, or where it exists the first free ``<name>_00001.safetensors``, ... (the counter
-    ComfyUI's savers add)."""
-    stem, n = path[:-len(".safetensors")], 0
-    while os.path.lexists(path):
-        n += 1
-        path = f"{stem}_{n:05d}.safetensors"
-    return path
-
-
-def _unet_files() -> list[str]:
-    register_folders()
-    names = list(folder_paths.get_filename_list("diffusion_models"))
-    names += [n for n in folder_paths.get_filename_list(OLD_UNET_FOLDER) if n not in names]
-    return names
-
-
 class ModelOptUNetLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -384,7 +337,7 @@ class ModelOptUNetLoader(io.ComfyNode):
                         "folder) after checking it: every layer against its format (tensors, dtypes, "
                         "shapes, scales finite and > 0), every 16-bit value finite, no layer missing; "
                         "a damaged file is refused naming the key at fault. Shows its report.",
-            inputs=[io.Combo.Input("unet_name", options=_unet_files(),
+            inputs=[io.Combo.Input("unet_name", options=unet_files(),
                                    tooltip="A quantized file in models/diffusion_models/ (any maker's); "
                                            "checked layer by layer before ComfyUI sees it."),
                     io.Combo.Input("runtime", options=list(RUNTIMES), default=DEFAULT_RUNTIME, tooltip=runtime_tooltip()),

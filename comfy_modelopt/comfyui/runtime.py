@@ -15,13 +15,14 @@ import torch
 
 import comfy.model_management
 import comfy.model_patcher
+from comfy.patcher_extension import CallbacksMP, WrappersMP
 
 from ..formats import FORMATS
 from . import compile_cache
 from .attention import ATTENTIONS
 from .compiled_blocks import STREAMED_BYTES
-from .cuda_graphs import enable_cuda_graphs
-from .lean import dequant_cache_of, make_lean, native_formats
+from .cuda_graphs import CudaGraphs
+from .lean import dequant_cache_of, make_lean, native_formats, release_on_detach
 from .model import compute_device
 
 
@@ -295,3 +296,45 @@ def gpu_note(fmt_name: str) -> str:
         return f"{fmt_name}: runs natively on this GPU (SM {sm[0]}.{sm[1]})"
     return (f"{fmt_name}: needs SM {fmt.native_sm[0]}.{fmt.native_sm[1]}+ to run natively; on this GPU "
             f"(SM {sm[0]}.{sm[1]}) ComfyUI dequantizes it on every step: smaller, not faster")
+
+
+KEY = "comfy_modelopt_cuda_graphs"  # the APPLY_MODEL wrapper and patcher callbacks a runner installs
+
+
+def enable_cuda_graphs(patcher, compile_blocks: bool = False):
+    """A clone of ``patcher`` whose model evaluations are captured and replayed (over
+    Inductor-compiled blocks with ``compile_blocks``, validated against eager), through ComfyUI's
+    wrapper registry: other packs' wrappers - and a model function wrapper - keep working around
+    it.  A MODEL that already replays through this runtime (Quantize Model's default) gets a fresh
+    runner with these options in place of its own."""
+    clone = patcher.clone()
+    clone.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
+    for call_type in (CallbacksMP.ON_CLEANUP, CallbacksMP.ON_DETACH):
+        clone.remove_callbacks_with_key(call_type, KEY)
+    runner = CudaGraphs(clone, compile_blocks=compile_blocks)
+    clone.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, runner)
+    clone.add_callback_with_key(CallbacksMP.ON_CLEANUP, KEY, runner.end_run)
+    # a clone's detach without unpatching keeps the graphs: the weights' addresses and patches are
+    # checked before every replay anyway
+    clone.add_callback_with_key(CallbacksMP.ON_DETACH, KEY, release_on_detach(runner.release))
+    _release_on_partial_unload(clone, runner)
+    return clone, runner
+
+
+def graph_runner(patcher):
+    """The ``CudaGraphs`` runner of a MODEL (this pack's graph runtime), or None."""
+    return next(iter(patcher.get_wrappers(WrappersMP.APPLY_MODEL, KEY)), None)
+
+
+def _release_on_partial_unload(patcher, runner) -> None:
+    """ComfyUI frees VRAM for another model by unloading part of this one
+    (``LoadedModel.model_unload`` -> ``partially_unload``), with no callback for it: the graphs
+    (captured over the weights' addresses, useless once they move) go first, so their pool is
+    what is freed.  A clone made later from this patcher has no such hook: its evaluations find
+    the model partially loaded and release the graphs then."""
+    unload = patcher.partially_unload
+
+    def partially_unload(*args, **kwargs):
+        runner.release()
+        return unload(*args, **kwargs)
+    patcher.partially_unload = partially_unload

@@ -44,7 +44,7 @@ def without_cuda_graphs(model):
     """``model``, or a clone without this pack's CUDA-graph runtime: the statistics hooks run in
     Python, and a graph replay would skip them (only the captured call of each input shape
     would be counted)."""
-    from .cuda_graphs import KEY, graph_runner
+    from .runtime import KEY, graph_runner
     # by marker, not class: the pack may be imported under more than one module name
     if not getattr(graph_runner(model), "replays_skip_hooks", False):
         return model

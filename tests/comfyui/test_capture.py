@@ -69,7 +69,7 @@ def test_wan_copies_a_constant_without_the_mode():
 _ASYNC_CAPTURE = r"""
 import contextlib, sys
 import torch
-from comfy_modelopt.comfyui.compiled_blocks import install_raw_pointer_launches, raw_pointer_launches
+from comfy_modelopt.cuda_streams import install_raw_pointer_launches, raw_pointer_launches
 from comfy_modelopt.cuda_streams import keep_forever
 assert torch.cuda.get_allocator_backend() == "cudaMallocAsync"
 raw = sys.argv[1] == "raw"
@@ -135,7 +135,7 @@ def test_raw_pointer_launches_install_once_and_per_thread():
 
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
-    from comfy_modelopt.comfyui import compiled_blocks as cb
+    from comfy_modelopt import cuda_streams as cb
     assert cb.install_raw_pointer_launches()
     wrapped = CachingAutotuner.run
     assert getattr(wrapped, "_comfy_modelopt_raw_pointers", False)

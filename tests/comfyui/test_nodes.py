@@ -651,7 +651,7 @@ def test_cuda_graph_capture_builds_cpu_constants_on_the_device(env):
     graphs = sys.modules[type(runner).__module__]
     out = runner._model_call(lambda x, t, *a, **c: torch.arange(8).to(x), call, check=[])
     assert out.device.type == "meta" and runner.constants_rebuilt == 1
-    with pytest.raises(graphs._NotCapturable, match="copies tensors from the CPU to the GPU"):
+    with pytest.raises(graphs.NotCapturable, match="copies tensors from the CPU to the GPU"):
         runner._model_call(lambda x, t, *a, **c: torch.randn(8).to(x), call, check=[])
     runner._model_call(lambda x, t, *a, **c: torch.randn(8).to(x), call)  # only the first warm-up checks
 
@@ -672,10 +672,10 @@ def test_cuda_graphs_per_step_keys(env):
     graphs = sys.modules[type(runner).__module__]
     runner.max_graphs, runner.max_step_graphs = 2, 3
     for i in range(3):
-        runner.graphs[(graphs._STEP, ("sig",), (float(i),))] = {}
+        runner.graphs[(graphs.STEP, ("sig",), (float(i),))] = {}
     runner.graphs[("sig",)] = runner.graphs[("other",)] = {}
     runner._evict(step=True)
-    assert (graphs._STEP, ("sig",), (0.0,)) not in runner.graphs and len(runner.graphs) == 4
+    assert (graphs.STEP, ("sig",), (0.0,)) not in runner.graphs and len(runner.graphs) == 4
     runner._evict(step=False)
     assert ("sig",) not in runner.graphs and ("other",) in runner.graphs and len(runner.graphs) == 3
     runner.graphs.clear()
@@ -846,9 +846,9 @@ def compile_ahead_and_sample(env, patcher, call, steps=3) -> tuple:
     ``steps`` with them installed; returns the frames that run compiled (0 expected), the
     sampled latent and the compiled blocks."""
     import torch._dynamo.utils
-    runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
+    runtime = pack_module("runtime")
     torch._dynamo.reset()
-    clone, runner = graphs.enable_cuda_graphs(patcher, compile_blocks=True)
+    clone, runner = runtime.enable_cuda_graphs(patcher, compile_blocks=True)
     note = runtime._compile_ahead(clone, runner, call)
     assert "blocks compiled for the calibration's shapes" in note, note
     cb = runner.compiled
@@ -868,7 +868,7 @@ def test_compiled_blocks_compile_ahead_from_the_calibration(env, monkeypatch):
     KSampler run at the calibration's size: nothing is compiled during that run (the node path's
     first image paid the compilation: Flux +11 s with a cold cache on an H200), and its output is
     eager's within the compiled tolerance."""
-    runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
+    runtime = pack_module("runtime")
     call = env["stats"].first_call
     assert call is not None and call.args[0][0].shape == (2, 4, 8, 8)
     cpu_free_memory(monkeypatch)
@@ -881,7 +881,7 @@ def test_compiled_blocks_compile_ahead_from_the_calibration(env, monkeypatch):
 
     def fails(*_args, **_kwargs):  # e.g. out of memory while compiling: the node's model still comes back, uncompiled
         raise RuntimeError("no room")
-    clone, runner = graphs.enable_cuda_graphs(model, compile_blocks=True)
+    clone, runner = runtime.enable_cuda_graphs(model, compile_blocks=True)
     assert "no calibration to compile ahead from" in runtime._compile_ahead(clone, runner, None)
     monkeypatch.setattr(runner.compiled, "compile_for", fails)
     assert runtime._compile_ahead(clone, runner, call).endswith("compiling ahead failed: RuntimeError: no room)")
@@ -898,11 +898,11 @@ def test_compiled_blocks_keep_patches_where_they_apply(env, monkeypatch):
     import comfy.ldm.modules.attention as attention
     import torch._dynamo.utils
     from comfy_extras.nodes_freelunch import FreeU_V2
-    runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
+    runtime = pack_module("runtime")
     cpu_free_memory(monkeypatch)
     model, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
     torch._dynamo.reset()
-    clone, runner = graphs.enable_cuda_graphs(model, compile_blocks=True)
+    clone, runner = runtime.enable_cuda_graphs(model, compile_blocks=True)
     assert "blocks compiled for the calibration's shapes" in runtime._compile_ahead(clone, runner,
                                                                                    env["stats"].first_call)
     cb = runner.compiled
@@ -1090,12 +1090,12 @@ def test_compiled_ahead_blocks_serve_another_step_count_in_either_mode(env, monk
     twice for a file calibrated in a script, and a script's node failed to compile ahead."""
     import comfy.sample
     import torch._dynamo.utils
-    runtime, graphs = pack_module("runtime"), pack_module("cuda_graphs")
+    runtime = pack_module("runtime")
     cpu_free_memory(monkeypatch)
     model, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
     torch._dynamo.reset()
     with torch.inference_mode(inference), torch.enable_grad():
-        clone, runner = graphs.enable_cuda_graphs(model, compile_blocks=True)
+        clone, runner = runtime.enable_cuda_graphs(model, compile_blocks=True)
         note = runtime._compile_ahead(clone, runner, env["stats"].first_call)
         assert "blocks compiled for the calibration's shapes" in note, note
         cb = runner.compiled
@@ -1406,7 +1406,7 @@ def test_cuda_graphs_capture_in_real_sampling():
     model, partly or wholly, gives the pool back."""
     import comfy.model_management as mm
 
-    from comfy_modelopt.comfyui.cuda_graphs import enable_cuda_graphs  # not the pack: its import needs PyAV
+    from comfy_modelopt.comfyui.runtime import enable_cuda_graphs  # not the pack: its import needs PyAV
     sd, run = _sdxl_small_runs()
     model = comfy.sd.load_diffusion_model_state_dict(sd)
     eager = {seed: run(model, seed) for seed in (1, 2)}
@@ -1461,7 +1461,7 @@ def test_cuda_graphs_capture_wan():
     import comfy.model_management as mm
     import comfy.sample
 
-    from comfy_modelopt.comfyui.cuda_graphs import enable_cuda_graphs
+    from comfy_modelopt.comfyui.runtime import enable_cuda_graphs
     _, sd = models.build("wan", "small", seed=3)
     model = comfy.sd.load_diffusion_model_state_dict({k: v.half() for k, v in sd.items()})
     latent = torch.zeros(1, 16, 2, 16, 16)
@@ -1490,7 +1490,7 @@ def test_compiled_blocks_compile_before_the_first_capture():
     output matches eager within the compiled tolerance and later runs capture nothing."""
     import comfy.model_management as mm
 
-    from comfy_modelopt.comfyui.cuda_graphs import enable_cuda_graphs
+    from comfy_modelopt.comfyui.runtime import enable_cuda_graphs
     from comfy_modelopt.cuda_streams import allocator_backend
     sd, run = _sdxl_small_runs()
     model = comfy.sd.load_diffusion_model_state_dict(sd)
@@ -1537,7 +1537,7 @@ def test_cuda_graphs_refill_the_dequant_cache():
     cache was released; output bit-exact with the same model without a cache."""
     import comfy.model_management
 
-    from comfy_modelopt.comfyui import cuda_graphs, lean, ownloader
+    from comfy_modelopt.comfyui import lean, ownloader, runtime
     from comfy_modelopt.pipeline import DictSink, quantize
     from comfy_modelopt.recipe import Recipe
     if "nvfp4" in lean.native_formats(comfy.model_management.get_torch_device()):
@@ -1550,7 +1550,7 @@ def test_cuda_graphs_refill_the_dequant_cache():
     lean.make_lean(cached, dequant_cache_bytes=1 << 40)
     cache = cached.model._modelopt.dequant_cache
     n = sum(getattr(m, "quant_format", None) == "nvfp4" for m in cached.model.diffusion_model.modules())
-    (gp, rp), (gc, rc) = cuda_graphs.enable_cuda_graphs(plain), cuda_graphs.enable_cuda_graphs(cached)
+    (gp, rp), (gc, rc) = runtime.enable_cuda_graphs(plain), runtime.enable_cuda_graphs(cached)
     ref = run(gp, 1)
     assert torch.equal(run(gc, 1), ref) and cache.fills == n and rc.captures == 1 and rc.warned == set()
     comfy.model_management.unload_all_models()  # detach: the cache goes with the weights
