@@ -21,23 +21,15 @@ def _benchmark_module(name):
     return mod
 
 
-def test_algorithms_quick(tmp_path):
-    run("algorithms.py", "--quick", "--out", str(tmp_path))
-    rows = json.load(open(tmp_path / "algorithms.json"))["rows"]
-    algos = {r["algorithm"].split(" (")[0] for r in rows}
-    assert {"absmax", "mse clip", "smoothquant", "awq", "awq + low-rank r=32"} <= algos
-    assert {r["format"] for r in rows} == {"float8_e4m3fn", "int8_tensorwise", "mxfp8", "nvfp4", "convrot_w4a4"}
-
-
-def test_quantize_cost_reduced(tmp_path):
-    run("quantize_cost.py", "--reduced", "--workdir", str(tmp_path), "--formats", "float8_e4m3fn", "nvfp4")
+def test_cost_of_the_cli_reduced(tmp_path):
+    run("cost.py", "cli", "--reduced", "--workdir", str(tmp_path), "--formats", "float8_e4m3fn", "nvfp4")
     doc = json.load(open(tmp_path / "quantize_cost.json"))
     assert [r["format"] for r in doc["rows"]] == ["float8_e4m3fn", "nvfp4"]
     assert all(r["peak_rss_gib"] > 0 for r in doc["rows"])
 
 
-def test_gptq_cost_reduced(tmp_path):
-    run("gptq_cost.py", "--reduced", "--device", "cpu", "--out", str(tmp_path))
+def test_cost_of_gptq_reduced(tmp_path):
+    run("cost.py", "gptq", "--reduced", "--device", "cpu", "--out", str(tmp_path))
     rows = json.load(open(tmp_path / "gptq_cost.json"))["rows"]
     assert len(rows) == 8 and all(r["eager_s"] > 0 for r in rows)
     # without a GPU the kernel and the graph stand aside: every pass is the eager loop's
