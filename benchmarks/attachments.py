@@ -115,18 +115,91 @@ def t2i_adapter(model, seed: int = 13):
     return comfy.controlnet.load_controlnet_state_dict(random_weights(net, seed, scale=0.5))
 
 
-def with_control(s: Setup, net, strength=0.8, start=0.0, end=1.0) -> Setup:
+def control_lora(model, seed: int = 15, rank: int = 4):
+    """A Control-LoRA (Stability's SDXL layout, made for SD1.x the same way): the cldm ControlNet's
+    own layers (hint block, zero convolutions) in full, and a rank-``rank`` delta (``.up`` /
+    ``.down``) for every weight the control copy takes from ``model``'s UNet - ComfyUI's
+    ``ControlLora`` builds the copy from the model's own weights, quantized ones included."""
+    import comfy.cldm.cldm
+    config = dict(model.model.model_config.unet_config)
+    config.pop("out_channels", None)
+    with torch.device("meta"):
+        net = comfy.cldm.cldm.ControlNet(hint_channels=3, operations=comfy.ops.disable_weight_init, **config)
+    unet = set(model.model.diffusion_model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    sd = {"lora_controlnet": torch.tensor([])}
+    for k, v in random_weights(net, seed, scale=0.5).items():
+        if k in unet and v.ndim >= 2:
+            sd[k[:-len("weight")] + "up"] = torch.randn(v.shape[0], rank, generator=g) * 0.05
+            sd[k[:-len("weight")] + "down"] = torch.randn(rank, v[0].numel(), generator=g) / math.sqrt(v[0].numel())
+        else:
+            sd[k] = v
+    return comfy.controlnet.load_controlnet_state_dict(sd)
+
+
+def flux_instantx_controlnet(model, seed: int = 16, union_modes: int = 10):
+    """An InstantX / Union Flux ControlNet for ``model``'s width: the diffusers file layout ComfyUI
+    reads (``controlnet_x_embedder``, the blocks under diffusers names - each ComfyUI name's slice
+    by ComfyUI's own map, ``comfy.utils.flux_to_diffusers`` - and one ``controlnet_mode_embedder``
+    row per union mode), through ComfyUI's loader."""
+    import comfy.ldm.flux.controlnet
+    config = dict(model.model.model_config.unet_config, depth=2, depth_single_blocks=1)
+    with torch.device("meta"):
+        net = comfy.ldm.flux.controlnet.ControlNetFlux(
+            latent_input=True, num_union_modes=union_modes, control_latent_channels=config["in_channels"],
+            operations=comfy.ops.disable_weight_init, **config)
+    ours = random_weights(net, seed, scale=0.5)
+    sd, used = {}, set()
+    for diffusers, to in comfy.utils.flux_to_diffusers(config).items():
+        name, where = (to, None) if isinstance(to, str) else to[:2]
+        if name in ours:
+            sd[diffusers] = ours[name] if where is None else ours[name].narrow(*where).clone()
+            used.add(name)
+    sd.update({k: v for k, v in ours.items() if k not in used})
+    return comfy.controlnet.load_controlnet_state_dict(sd)
+
+
+class LatentOfImage:
+    """What Apply ControlNet's VAE input gives a ControlNet that takes latents (InstantX): the hint
+    image as a latent of the model's channels, 8x smaller (a fixed random projection) - the
+    ControlNet's path through the model, not a VAE's quality."""
+
+    def __init__(self, channels: int):
+        self.channels = channels
+
+    def spacial_compression_encode(self) -> int:
+        return 8
+
+    def encode(self, pixels):
+        x = torch.nn.functional.avg_pool2d(pixels.movedim(-1, 1).float(), 8)
+        return torch.einsum("bchw,cd->bdhw", x, torch.randn(3, self.channels, generator=torch.Generator().manual_seed(3)))
+
+
+def with_control(s: Setup, net, strength=0.8, start=0.0, end=1.0, vae=None) -> Setup:
+    """Apply ControlNet (Advanced) with a random hint image (``vae``: what encodes it for a
+    ControlNet that takes latents)."""
     import nodes
     h, w = s.latent.shape[-2:]
     g = torch.Generator().manual_seed(21)
     hint = torch.rand(1, h * s.pixels, w * s.pixels, 3, generator=g)
-    pos, neg = nodes.ControlNetApplyAdvanced().apply_controlnet(s.positive, s.negative, net, hint, strength, start, end)
+    pos, neg = nodes.ControlNetApplyAdvanced().apply_controlnet(s.positive, s.negative, net, hint, strength, start, end,
+                                                                vae=vae)
     return s.replace(positive=pos, negative=neg)
 
 
 def controlnet(s: Setup) -> Setup:
     net = flux_xlabs_controlnet(s.model) if s.family in DIT else cldm_controlnet(s.model)
     return with_control(s, net)
+
+
+def control_lora_case(s: Setup) -> Setup:
+    return with_control(s, control_lora(s.model))
+
+
+def instantx_union(s: Setup) -> Setup:
+    net = flux_instantx_controlnet(s.model)
+    net.set_extra_arg("control_type", [1])  # a union mode, as Set Union ControlNet Type sets it
+    return with_control(s, net, vae=LatentOfImage(s.latent.shape[1]))
 
 
 def controlnet_stacked(s: Setup) -> Setup:
@@ -337,6 +410,8 @@ def new_size(s: Setup) -> Setup:
 CASES = {
     "controlnet": (controlnet, UNET + DIT, False),
     "controlnet x2 start/end": (controlnet_stacked, UNET + DIT, False),
+    "control-lora": (control_lora_case, UNET, False),
+    "controlnet instantx union": (instantx_union, DIT, False),
     "t2i-adapter": (t2i, UNET, True),
     "freeu_v2": (freeu, UNET, False),
     "pag": (pag, UNET, False),

@@ -75,6 +75,12 @@ def sampled(s) -> torch.Tensor:
         return att.run(s).float()
 
 
+# cases stock ComfyUI gets wrong on every quantized model, its own files loaded by its own loader
+# included (checked in test_comfyui_known_wrong_on_quantized_models, which fails once ComfyUI mends it)
+COMFYUI_BUGS = {"control-lora": "ComfyUI's ControlLora copies the model's weights from diffusion_model.state_dict(), "
+                                "which holds a quantized layer's stored values without their scale"}
+
+
 def test_every_attachment_moves_the_quantized_model_as_the_16bit_one(pair):
     """Every case of the family: samples without an exception, finite; where the case keeps the
     latent's shape its effect on the quantized model's final latent is the 16-bit model's within
@@ -85,6 +91,8 @@ def test_every_attachment_moves_the_quantized_model_as_the_16bit_one(pair):
     plain = rel(baseq, base16)
     rows, bad = [], []
     for name in att.cases_for(family, full_size=False):
+        if name in COMFYUI_BUGS:
+            continue
         c16, cq = att.apply(name, s16), att.apply(name, sq)
         out16, outq = sampled(c16), sampled(cq)
         assert torch.isfinite(outq).all(), name
@@ -104,6 +112,19 @@ def test_every_attachment_moves_the_quantized_model_as_the_16bit_one(pair):
         rows.append(row)
     print("\n".join(str(r) for r in rows))
     assert not bad, bad
+
+
+def test_comfyui_known_wrong_on_quantized_models():
+    """A Control-LoRA on a quantized model: ComfyUI builds the control copy from the stored values of
+    the quantized layers (no scale), on Quantize Model's output and on the same file loaded by
+    ComfyUI's own loader alike - its effect on the latent is several times the 16-bit model's.
+    Not this pack's to mend without patching ComfyUI (docs/troubleshooting.md); this test fails
+    once ComfyUI mends it, so the case joins the others."""
+    s16, sq = setups("sd15")
+    base16, baseq = sampled(s16), sampled(sq)
+    e16 = rel(sampled(att.apply("control-lora", s16)), base16)
+    eq = rel(sampled(att.apply("control-lora", sq)), baseq)
+    assert e16 > 0.001 and eq > 3 * e16, (e16, eq)
 
 
 def test_merging_another_model_patches_the_quantized_weights(pair):
@@ -144,7 +165,7 @@ def test_attachments_take_the_graphs_or_say_why(family):
     runner = runner_of(sq.model)
     assert runner is not None
     failures = []
-    for name in ["plain"] + att.cases_for(family, full_size=False):
+    for name in ["plain"] + [n for n in att.cases_for(family, full_size=False) if n not in COMFYUI_BUGS]:
         case = sq if name == "plain" else att.apply(name, sq)
         replays, failed, steps = runner.replays, set(runner.failed.values()), len(runner.per_step)
         out = sampled(case)
@@ -162,3 +183,26 @@ def test_attachments_take_the_graphs_or_say_why(family):
             failures.append((name, new))
     print(runner.failed, runner.warned, runner.captures, runner.replays, runner.evictions)
     assert not failures, failures
+
+
+@CUDA_ONLY
+def test_a_capture_failed_inside_leaves_the_next_captures_working():
+    """A patch that synchronizes while captured fails its capture inside CUDA (the stream capture
+    invalidated); that signature runs eagerly, and the next signatures are captured and replayed
+    (before, torch left the pool marked as recording and every later capture failed)."""
+    _, sq = setups("sd15")
+    runner = runner_of(sq.model)
+
+    def syncing(q, k, v, extra_options):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+        return q, k, v
+    patched = sq.model.clone()
+    patched.set_model_attn1_patch(syncing)
+    sampled(sq.replace(model=patched))
+    assert len(runner.failed) == 1 and "capture failed" in next(iter(runner.failed.values()))
+    for case in (att.apply("batch 2", sq), sq):
+        replays = runner.replays
+        sampled(case)
+        sampled(case)
+        assert runner.replays - replays >= case.steps and len(runner.failed) == 1, runner.failed
