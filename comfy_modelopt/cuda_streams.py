@@ -17,10 +17,10 @@ _STREAMS: dict = {}
 
 def work_stream(device=None):
     """One stream per device for graph captures and the warm-ups before them, kept for the life
-    of the process.  cuBLAS and cuBLASLt each keep a workspace (32 MiB on Hopper) per stream a
-    matmul ever ran on, never freed: a fresh stream per warm-up or capture left 64 MiB behind
-    each time, and a capture stream's first workspace, made inside a
-    capture, pinned a segment of a graph pool that was meant to go."""
+    of the process.  cuBLAS and cuBLASLt each keep a workspace per stream a matmul ever ran on,
+    never freed: a fresh stream per warm-up or capture left two behind each time, and a capture
+    stream's first workspace, made inside a capture, pinned a segment of a graph pool that was
+    meant to go."""
     index = torch.cuda.current_device() if device is None else torch.device(device).index
     if index is None:
         index = torch.cuda.current_device()

@@ -228,8 +228,8 @@ def histogram(x: torch.Tensor) -> torch.Tensor:
 class UpdateGraphs:
     """CUDA graphs of ``_partials`` per input shape, shared by every layer whose input has it.
 
-    Calibrating SDXL is bound by the host: ~700 Linear inputs per forward, each update ~15 small
-    kernel launches of Python and dispatch (0.5 ms) against ~0.1 ms of GPU work.  A replay is one
+    Calibrating SDXL is bound by the host: ~700 Linear inputs per forward, each update a dozen
+    small kernel launches of Python and dispatch for little GPU work.  A replay is one
     launch after one copy into the shape's static input.  Captured on the first input of a shape
     (a capture synchronises once); only inputs up to ``max_input_bytes`` (large ones are bound by
     the GPU anyway) and static inputs up to ``budget_bytes`` in all (at most a 16th of the GPU's

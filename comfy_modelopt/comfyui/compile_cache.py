@@ -110,7 +110,7 @@ class Kept:
 
 def _own_record():
     """torch records every cache artifact a process compiles or hits, and saves them all: SDXL's
-    bundle for a second image size held the first's too (76 MiB, 39 of them the first's).  Its record is
+    bundle for a second image size held the first's too.  Its record is
     swapped for a fresh one around a compilation (torch's own ``with_fresh_cache``; without
     it - another torch - bundles hold everything so far)."""
     try:

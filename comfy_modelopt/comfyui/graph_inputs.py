@@ -107,8 +107,8 @@ def tensors_of(*trees) -> list:
 
 # The walks are module functions, not closures: a closure that calls itself is a reference cycle
 # (function -> cell -> function) holding whatever it collected.  The tensors of every model
-# evaluation (ComfyUI's conditioning, a fresh 4 MiB Flux context per step) then lived until the
-# garbage collector ran: 80 MiB more at the peak of a Flux run (measured, allocator history).
+# evaluation (ComfyUI's conditioning, a fresh Flux context per step) then lived until the
+# garbage collector ran, raising a Flux run's peak.
 def walk_leaves(v, out: list, objects: bool = False) -> None:
     """The tensors (``objects``: the callables and other objects instead) of ``v``, in order."""
     if isinstance(v, dict):

@@ -16,7 +16,7 @@ op; the 16-bit ``linear`` ComfyUI's cast path ends in when the weight is already
 the input's dtype).  An fp8 layer's static-scale input rounding is traced as torch operations (kitchen's
 formula, ``_fp8_input``) so that TorchInductor fuses it into the kernel that produced the input -
 the norm, modulation or GELU before it writes e4m3 instead of 16-bit, and no separate pass reads
-the activation again (Wan's 8,960-wide FFN input: 1.2 GB per block call at 81 frames); it computes
+the activation again (Wan's wide FFN input at 81 frames); it computes
 in float32 where kitchen's CUDA kernel may round the product to 16-bit first, so a rare input lands
 one e4m3 step away.  The int8 and 16-bit layers' outputs are bit-identical to eager; a 16-bit Conv2d is
 ``F.conv2d`` with its geometry, as torch's Conv2d calls it (Inductor may hand it another memory

@@ -1,8 +1,7 @@
 """nvfp4's per-block scales (``scales.search_block_clip``: clipped or raised, weighted by the
 fit prompts' input energy) instead of the per-tensor clip where their error is lower - on the
 held-out prompts' outputs (the fit rows' without held-out prompts; the weight's without
-statistics).  On the real-weights model the per-tensor search took 25 of 36 layers for no gain
-(0.2576 vs naive 0.2578); the blocks' clip, tried after it only, 0.2485 - chosen by error, 0.23."""
+statistics) - tried after the per-tensor clip, kept by error (docs/algorithms.md)."""
 from __future__ import annotations
 
 from ..heldout import rel
