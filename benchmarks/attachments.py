@@ -23,7 +23,7 @@ import comfy.utils
 from comfy.ldm.modules.attention import optimized_attention
 from comfy.patcher_extension import WrappersMP
 
-UNET, DIT = ("sd15", "sdxl"), ("flux",)
+UNET, DIT, MMDIT = ("sd15", "sdxl"), ("flux",), ("sd3",)
 
 
 @dataclasses.dataclass
@@ -105,6 +105,34 @@ def flux_xlabs_controlnet(model, seed: int = 12):
     return comfy.controlnet.load_controlnet_state_dict(sd)
 
 
+def sd3_controlnet(model, seed: int = 17):
+    """An SD3/SD3.5 ControlNet (the diffusers layout: ``transformer_blocks``, ``pos_embed_input``,
+    each ComfyUI name's slice by ComfyUI's own ``comfy.utils.mmdit_to_diffusers``) with as many
+    blocks as ``model`` has, through ComfyUI's loader."""
+    import comfy.cldm.mmdit
+    config = dict(model.model.model_config.unet_config)
+    config.pop("dtype", None)
+    blocks = config["depth"]
+    with torch.device("meta"):
+        net = comfy.cldm.mmdit.ControlNet(num_blocks=blocks, control_latent_channels=config["in_channels"],
+                                          operations=comfy.ops.disable_weight_init, **config)
+    return comfy.controlnet.load_controlnet_state_dict(
+        _diffusers_layout(random_weights(net, seed, scale=0.5), comfy.utils.mmdit_to_diffusers(dict(config, num_blocks=blocks))))
+
+
+def _diffusers_layout(ours: dict, names: dict) -> dict:
+    """``ours`` (ComfyUI's names) under the diffusers names of ``names`` (diffusers -> ComfyUI name,
+    or (name, (dim, start, length), ...) for a slice of a fused tensor), the rest as it is."""
+    sd, used = {}, set()
+    for diffusers, to in names.items():
+        name, where = (to, None) if isinstance(to, str) else to[:2]
+        if name in ours:
+            sd[diffusers] = ours[name] if where is None else ours[name].narrow(*where).clone()
+            used.add(name)
+    sd.update({k: v for k, v in ours.items() if k not in used})
+    return sd
+
+
 def t2i_adapter(model, seed: int = 13):
     """A T2I-Adapter (full-size SD1.5/SDXL layouts only: its widths are fixed)."""
     import comfy.t2i_adapter.adapter
@@ -148,15 +176,8 @@ def flux_instantx_controlnet(model, seed: int = 16, union_modes: int = 10):
         net = comfy.ldm.flux.controlnet.ControlNetFlux(
             latent_input=True, num_union_modes=union_modes, control_latent_channels=config["in_channels"],
             operations=comfy.ops.disable_weight_init, **config)
-    ours = random_weights(net, seed, scale=0.5)
-    sd, used = {}, set()
-    for diffusers, to in comfy.utils.flux_to_diffusers(config).items():
-        name, where = (to, None) if isinstance(to, str) else to[:2]
-        if name in ours:
-            sd[diffusers] = ours[name] if where is None else ours[name].narrow(*where).clone()
-            used.add(name)
-    sd.update({k: v for k, v in ours.items() if k not in used})
-    return comfy.controlnet.load_controlnet_state_dict(sd)
+    return comfy.controlnet.load_controlnet_state_dict(
+        _diffusers_layout(random_weights(net, seed, scale=0.5), comfy.utils.flux_to_diffusers(config)))
 
 
 class LatentOfImage:
@@ -188,6 +209,8 @@ def with_control(s: Setup, net, strength=0.8, start=0.0, end=1.0, vae=None) -> S
 
 
 def controlnet(s: Setup) -> Setup:
+    if s.family in MMDIT:  # it takes latents: the hint through Apply ControlNet's VAE input
+        return with_control(s, sd3_controlnet(s.model), vae=LatentOfImage(s.latent.shape[1]))
     net = flux_xlabs_controlnet(s.model) if s.family in DIT else cldm_controlnet(s.model)
     return with_control(s, net)
 
@@ -408,7 +431,7 @@ def new_size(s: Setup) -> Setup:
 
 # name -> (case, the families it applies to, needs a full-size model)
 CASES = {
-    "controlnet": (controlnet, UNET + DIT, False),
+    "controlnet": (controlnet, UNET + DIT + MMDIT, False),
     "controlnet x2 start/end": (controlnet_stacked, UNET + DIT, False),
     "control-lora": (control_lora_case, UNET, False),
     "controlnet instantx union": (instantx_union, DIT, False),
@@ -421,18 +444,18 @@ CASES = {
     "deep shrink": (deep_shrink, UNET, False),
     "ip-adapter attn2": (ip_adapter_attn2, UNET, False),
     "ip-adapter attn2 sigma range": (ip_adapter_gated, UNET, False),
-    "rescale_cfg": (rescale_cfg, UNET + DIT, False),
+    "rescale_cfg": (rescale_cfg, UNET + DIT + MMDIT, False),
     "first-block cache wrapper": (first_block_cache, UNET + DIT, False),
-    "skip layer guidance": (skip_layer_guidance, DIT, False),
+    "skip layer guidance": (skip_layer_guidance, DIT + MMDIT, False),
     "dit replace (pulid-style)": (dit_replace, DIT, False),
     "modelsamplingflux": (model_sampling_flux, DIT, False),
     "reference latents": (reference_latent, DIT, False),
-    "area prompts": (area, UNET + DIT, False),
-    "mask prompts": (mask, UNET + DIT, False),
-    "img2img 0.6": (img2img, UNET + DIT, False),
-    "hires fix 1.5x": (hires_fix, UNET + DIT, False),
-    "batch 2": (batch2, UNET + DIT, False),
-    "new size": (new_size, UNET + DIT, False),
+    "area prompts": (area, UNET + DIT + MMDIT, False),
+    "mask prompts": (mask, UNET + DIT + MMDIT, False),
+    "img2img 0.6": (img2img, UNET + DIT + MMDIT, False),
+    "hires fix 1.5x": (hires_fix, UNET + DIT + MMDIT, False),
+    "batch 2": (batch2, UNET + DIT + MMDIT, False),
+    "new size": (new_size, UNET + DIT + MMDIT, False),
 }
 # by name only (compat.py --cases): the 16-bit model's whole-model compile takes minutes
 EXTRA = {"torchcompilemodel": torch_compile}

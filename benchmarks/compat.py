@@ -11,7 +11,7 @@ first and steady run, quantized / 16-bit speed, the final latent's distance betw
 model ran it (replayed from CUDA graphs, or eagerly and why).  Prints a table, writes JSON.
 
 Usage (COMFYUI_PATH set, the project importable, a CUDA GPU):
-  python benchmarks/compat.py --model sdxl|flux|sd15 --out DIR [--steps 20] [--runs 3] [--res 1024]
+  python benchmarks/compat.py --model sdxl|flux|sd15|sd3 --out DIR [--steps 20] [--runs 3] [--res 1024]
                               [--cases "controlnet,freeu_v2,..."] [--format float8_e4m3fn]
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--model", default="sdxl", choices=("sd15", "sdxl", "flux"))
+ap.add_argument("--model", default="sdxl", choices=("sd15", "sdxl", "flux", "sd3"))
 ap.add_argument("--out", default=os.environ.get("OUT", "compat_out"))
 ap.add_argument("--steps", type=int, default=20)
 ap.add_argument("--runs", type=int, default=3, help="runs per model and case (the first one shown apart)")
@@ -109,10 +109,13 @@ def model_and_conditioning():
         ctx, pooled = torch.randn(1, 77, 2048, generator=g), torch.randn(1, 1280, generator=g)
         extra = {"pooled_output": pooled, "width": res, "height": res}
         pos, neg, cfg = [[ctx, dict(extra)]], [[ctx * 0, dict(extra)]], 7.0
+    elif A.model == "sd3":  # SD3.5 Large's layout at full size
+        ctx, pooled = torch.randn(1, 77 if A.cpu_tiny else 333, 4096, generator=g), torch.randn(1, 2048, generator=g)
+        pos, neg, cfg = [[ctx, {"pooled_output": pooled}]], [[ctx * 0, {"pooled_output": pooled * 0}]], 4.5
     else:
         ctx = torch.randn(1, 77, 768, generator=g)
         pos, neg, cfg = [[ctx, {}]], [[ctx * 0, {}]], 7.0
-    latent = torch.zeros(1, 16 if A.model == "flux" else 4, res // 8, res // 8)
+    latent = torch.zeros(1, 16 if A.model in ("flux", "sd3") else 4, res // 8, res // 8)
     return sd, att.Setup(A.model, model, pos, neg, latent, cfg, steps=A.steps)
 
 

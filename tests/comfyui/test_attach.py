@@ -43,6 +43,9 @@ def conditioning(family: str):
         ctx, pooled = torch.randn(1, 16, 256, generator=g), torch.randn(1, 256, generator=g)
         extra = {"pooled_output": pooled, "guidance": 3.5}
         return [[ctx, dict(extra)]], [[ctx * 0, dict(extra)]], 1.0
+    if family == "sd3":
+        ctx, pooled = torch.randn(1, 77, 4096, generator=g), torch.randn(1, 2048, generator=g)
+        return [[ctx, {"pooled_output": pooled}]], [[ctx * 0.3, {"pooled_output": pooled * 0.3}]], 5.0
     ctx = torch.randn(1, 77, 768, generator=g)
     return [[ctx, {}]], [[ctx * 0.3, {}]], 5.0
 
@@ -54,7 +57,7 @@ def setups(family: str, runtime: str = "auto"):
     _, sd = models.build(family, "small", seed=2, dtype=dtype)
     model = comfy.sd.load_diffusion_model_state_dict(sd)
     pos, neg, cfg = conditioning(family)
-    latent = torch.zeros(1, 16 if family == "flux" else 4, 12, 16)
+    latent = torch.zeros(1, 16 if family in ("flux", "sd3") else 4, 12, 16)
     s16 = att.Setup(family, model, pos, neg, latent, cfg, steps=4)
     mm.load_models_gpu([model])
     stats = calibrate(model.model.diffusion_model, lambda _m: att.run(s16), CalibrationOptions())
@@ -65,7 +68,7 @@ def setups(family: str, runtime: str = "auto"):
     return s16, s16.replace(model=q)
 
 
-@pytest.fixture(scope="module", params=["sd15", "flux"])
+@pytest.fixture(scope="module", params=["sd15", "flux", "sd3"])
 def pair(request):
     return request.param, *setups(request.param)
 
