@@ -38,6 +38,7 @@ class Setup:
     seed: int = 7
     denoise: float = 1.0
     second_pass: tuple | None = None  # (scale, denoise): a hires-fix pass at scale x the size
+    noise_mask: torch.Tensor | None = None  # Set Latent Noise Mask: only where it is 1 is sampled
     pixels: int = 8                   # latent -> image size factor (ControlNet hints)
 
     def replace(self, **kw) -> "Setup":
@@ -60,8 +61,9 @@ def run(s: Setup) -> torch.Tensor:
 def _sample(s: Setup, latent, denoise):
     latent = comfy.sample.fix_empty_latent_channels(s.model, latent)
     noise = comfy.sample.prepare_noise(latent, s.seed)
+    mask = s.noise_mask if s.noise_mask is not None and s.noise_mask.shape[-2:] == latent.shape[-2:] else None
     return comfy.sample.sample(s.model, noise, s.steps, s.cfg, "euler", "simple", s.positive, s.negative, latent,
-                               denoise=denoise, seed=s.seed, disable_pbar=True)
+                               denoise=denoise, noise_mask=mask, seed=s.seed, disable_pbar=True)
 
 
 def random_weights(module: torch.nn.Module, seed: int, scale: float = 1.0) -> dict:
@@ -415,6 +417,16 @@ def img2img(s: Setup) -> Setup:
     return s.replace(latent=torch.randn(s.latent.shape, generator=g) * 0.5, denoise=0.6)
 
 
+def inpaint_mask(s: Setup) -> Setup:
+    """Set Latent Noise Mask over an image's latent: the left half sampled again, the rest kept
+    (ComfyUI's inpainting on a regular model: the sampler's denoise mask)."""
+    g = torch.Generator().manual_seed(55)
+    h, w = s.latent.shape[-2:]
+    mask = torch.zeros(1, 1, h, w)
+    mask[..., : w // 2] = 1.0
+    return s.replace(latent=torch.randn(s.latent.shape, generator=g) * 0.5, noise_mask=mask)
+
+
 def hires_fix(s: Setup) -> Setup:
     return s.replace(second_pass=(1.5, 0.5))
 
@@ -453,6 +465,7 @@ CASES = {
     "area prompts": (area, UNET + DIT + MMDIT, False),
     "mask prompts": (mask, UNET + DIT + MMDIT, False),
     "img2img 0.6": (img2img, UNET + DIT + MMDIT, False),
+    "inpaint (latent noise mask)": (inpaint_mask, UNET + DIT + MMDIT, False),
     "hires fix 1.5x": (hires_fix, UNET + DIT + MMDIT, False),
     "batch 2": (batch2, UNET + DIT + MMDIT, False),
     "new size": (new_size, UNET + DIT + MMDIT, False),

@@ -130,6 +130,18 @@ def test_comfyui_known_wrong_on_quantized_models():
     assert e16 > 0.001 and eq > 3 * e16, (e16, eq)
 
 
+def test_inpainting_keeps_what_the_mask_keeps(pair):
+    """Set Latent Noise Mask on the quantized model: the unmasked half of the latent comes back as
+    it went in (but for the latent format's scaling in and out), the masked half sampled as on the
+    16-bit model."""
+    family, s16, sq = pair
+    c16, cq = att.apply("inpaint (latent noise mask)", s16), att.apply("inpaint (latent noise mask)", sq)
+    out16, outq = sampled(c16), sampled(cq)
+    half = outq.shape[-1] // 2
+    assert rel(outq[..., half:], cq.latent[..., half:]) < 1e-5 and rel(out16[..., half:], c16.latent[..., half:]) < 1e-5
+    assert rel(outq[..., :half], out16[..., :half]) <= 1.5 * rel(sampled(sq), sampled(s16)) + 0.02
+
+
 def test_merging_another_model_patches_the_quantized_weights(pair):
     """ModelMergeSimple with another 16-bit model: weight patches on the quantized layers (ComfyUI
     re-quantizes them), the merge's effect as on the 16-bit model."""
