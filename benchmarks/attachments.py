@@ -84,15 +84,19 @@ def random_weights(module: torch.nn.Module, seed: int, scale: float = 1.0) -> di
 
 
 # --------------------------------------------------------------------------- control
-def cldm_controlnet(model, seed: int = 11):
-    """A ControlNet in the SD1.x/SDXL (cldm) layout of ``model``'s UNet, random weights, loaded
-    through ComfyUI's own ``load_controlnet_state_dict``."""
+def _cldm_weights(model, seed: int) -> dict:
+    """Random weights of a ControlNet in the SD1.x/SDXL (cldm) layout of ``model``'s UNet."""
     import comfy.cldm.cldm
     config = dict(model.model.model_config.unet_config)
     config.pop("out_channels", None)
     with torch.device("meta"):
         net = comfy.cldm.cldm.ControlNet(hint_channels=3, operations=comfy.ops.disable_weight_init, **config)
-    return comfy.controlnet.load_controlnet_state_dict(random_weights(net, seed, scale=0.5))
+    return random_weights(net, seed, scale=0.5)
+
+
+def cldm_controlnet(model, seed: int = 11):
+    """A cldm ControlNet for ``model``'s UNet, loaded through ComfyUI's own ``load_controlnet_state_dict``."""
+    return comfy.controlnet.load_controlnet_state_dict(_cldm_weights(model, seed))
 
 
 def flux_xlabs_controlnet(model, seed: int = 12):
@@ -150,15 +154,10 @@ def control_lora(model, seed: int = 15, rank: int = 4):
     own layers (hint block, zero convolutions) in full, and a rank-``rank`` delta (``.up`` /
     ``.down``) for every weight the control copy takes from ``model``'s UNet - ComfyUI's
     ``ControlLora`` builds the copy from the model's own weights, quantized ones included."""
-    import comfy.cldm.cldm
-    config = dict(model.model.model_config.unet_config)
-    config.pop("out_channels", None)
-    with torch.device("meta"):
-        net = comfy.cldm.cldm.ControlNet(hint_channels=3, operations=comfy.ops.disable_weight_init, **config)
     unet = set(model.model.diffusion_model.state_dict())
     g = torch.Generator().manual_seed(seed)
     sd = {"lora_controlnet": torch.tensor([])}
-    for k, v in random_weights(net, seed, scale=0.5).items():
+    for k, v in _cldm_weights(model, seed).items():
         if k in unet and v.ndim >= 2:
             sd[k[:-len("weight")] + "up"] = torch.randn(v.shape[0], rank, generator=g) * 0.05
             sd[k[:-len("weight")] + "down"] = torch.randn(rank, v[0].numel(), generator=g) / math.sqrt(v[0].numel())

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from .heldout import rel
+from .layer import conv_fp8
 
 PER_SAMPLE_ROWS = 8   # rows per call at most: a batch of samples (cfg x images), never a token grid
 
@@ -119,7 +120,6 @@ def per_sample(linears: dict, stats, reports: dict, confs: dict) -> Alternative 
 def conv_per_tensor(convs: dict, originals: dict, reports: dict) -> Alternative | None:
     """The fp8 convolutions (``convs``: name -> QuantConv2d) with one scale per weight tensor,
     rounded again from ``originals`` (name -> source weight)."""
-    from .layer import conv_fp8
     if not convs:
         return None
     before = {n: (m.weight, m.weight_scale, reports[n].rel_err, reports[n].notes) for n, m in convs.items()}

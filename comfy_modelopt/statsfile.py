@@ -43,7 +43,7 @@ def save_stats(stats: ActivationStats, path: str, overwrite: bool = False) -> st
 
 
 def load_stats(path: str) -> ActivationStats:
-    """Read statistics saved by ``save``; every value is checked (types, shapes against the
+    """Read statistics saved by ``save_stats``; every value is checked (types, shapes against the
     layer's width and the fingerprint, finite non-negative statistics), and a bad one is a
     CalibrationError naming the file and the layer."""
     with SafetensorsFile(path) as f:

@@ -10,7 +10,6 @@ from .base import shown, option
 from .int8 import RowwiseIntFormat, anchored_rows, rotation_group
 
 
-
 @dataclass(frozen=True)
 class ConvRotW4A4Format(RowwiseIntFormat):
     def gptq_rounding(self, w, alpha, **opts):

@@ -12,7 +12,6 @@ from . import CONVROT_GROUP_DEFAULT, CONVROT_GROUPS
 from .base import Format, ModelOptQuantizers, clip_rows, row_alpha, shown, option
 
 
-
 def regular_hadamard(size: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
     """kitchen 0.2's ConvRot matrix restated: the normalized regular Hadamard built from the 4x4
     core by Kronecker powers (the fallback if kitchen's private helper moves; a test holds the

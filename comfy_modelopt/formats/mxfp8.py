@@ -9,7 +9,6 @@ from .. import gptq
 from .base import E4M3_NAN, E8M0_NAN, F8_E4M3_MAX, Format, nan_code_problem
 
 
-
 def _mxfp8_block_scales(block_amax: torch.Tensor) -> torch.Tensor:
     """The E8M0 scale of each 32-value block as kitchen derives it: 2^ceil(log2(amax / 448))."""
     return torch.exp2(torch.ceil(torch.log2((block_amax / F8_E4M3_MAX).clamp(min=2.0 ** -127))).clamp(-127, 127))

@@ -13,7 +13,6 @@ from ..scales import sample_errors
 from .base import E4M3_NAN_OR_NEGATIVE, F4_E2M1_MAX, F8_E4M3_MAX, Format, ModelOptQuantizers, nan_code_problem, tensor_scale
 
 
-
 def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round |x| <= 6 to the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} like kitchen's
     _f32_to_floatx_unpacked: nearest, ties to even mantissa.  The grid step is 0.5 below 2,
