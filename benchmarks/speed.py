@@ -11,6 +11,7 @@ layers, our lean layers, lean layers + CUDA-graph replay - records the profiler'
 the VRAM a forward needs beyond the weights (its first call's peak over what was resident) and
 weight bytes, checks that lean equals stock bit for bit (graph replay equals eager), and reports
 everything as ratios to the 16-bit model's stock eager time.  Also: raw GEMM ceilings.
+    python benchmarks/speed.py --out DIR --w4a8           # an nvfp4 layer's ways per Flux shape (GPU)
 """
 from __future__ import annotations
 
@@ -272,6 +273,56 @@ def gemm_ceiling(results: dict, reduced: bool):
         print(f"  {r['op']:40s} {r['ms']} ms  x{r['vs_16bit']} {r.get('error', '')}", flush=True)
 
 
+# Flux.1-dev's Linear shapes (N, K) and its rows per call at 1024^2 (1 = the modulation's vector)
+FLUX_GEMMS = ((3072, 3072), (9216, 3072), (12288, 3072), (3072, 12288), (21504, 3072), (3072, 15360))
+W4A8_CONFIGS = ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 128, 8, 3), (256, 128, 64, 8, 3),
+                (64, 128, 128, 4, 3), (64, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 4))
+
+
+def w4a8_gemms(results: dict, rows_per_call=(1, 512, 4096, 4608)):
+    """An nvfp4 layer's ways on this GPU, per Flux shape: the 16-bit GEMM, fp8 (kitchen's input
+    rounding + _scaled_mm), nvfp4 dequantized (kitchen's dequantization + 16-bit GEMM: stock
+    ComfyUI before Blackwell) and W4A8 (the input rounding + the kernel: its default tile and the
+    best of W4A8_CONFIGS), each output against the 16-bit one of the nvfp4 weight."""
+    import comfy_kitchen as ck
+    from comfy_modelopt import w4a8
+    rows = []
+    for n, k in FLUX_GEMMS:
+        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02
+        g = (w.abs().amax().float() / (448 * 6)).reshape(1)
+        q, bs = ck.quantize_nvfp4(w, g)
+        dense = ck.dequantize_nvfp4(q, g, bs, torch.bfloat16)
+        w8s = (w.abs().amax().float() / 448).reshape(1)
+        w8 = ck.quantize_per_tensor_fp8(w, w8s, torch.float8_e4m3fn)
+        for m in rows_per_call:
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            sx = (x.abs().amax().float() / 448).reshape(1)
+            ref = x @ dense.t()
+            times = {"16-bit": common.time_ms(lambda: x @ w.t(), 5, 20)[0],
+                     "fp8": common.time_ms(lambda: torch._scaled_mm(
+                         ck.quantize_per_tensor_fp8(x, sx, torch.float8_e4m3fn), w8.t(), scale_a=sx, scale_b=w8s,
+                         out_dtype=torch.bfloat16), 5, 20)[0],
+                     "dequantized": common.time_ms(lambda: x @ ck.dequantize_nvfp4(q, g, bs, torch.bfloat16).t(),
+                                                   5, 20)[0]}
+            run = lambda c=None: w4a8.linear(ck.quantize_per_tensor_fp8(x, sx, w4a8.E4M3), sx, q, g, bs,  # noqa: E731
+                                             None, torch.bfloat16, config=c)
+            times["w4a8"] = common.time_ms(run, 5, 20)[0]
+            best = min(W4A8_CONFIGS, key=lambda c: common.time_ms(lambda: run(c), 3, 10)[0])
+            times["w4a8 best"] = common.time_ms(lambda: run(best), 5, 20)[0]
+            err = float((run().float() - ref.float()).norm() / ref.float().norm())
+            row = {"m": m, "n": n, "k": k, "ms": {key: round(t, 4) for key, t in times.items()},
+                   "w4a8_vs_16bit": round(times["16-bit"] / times["w4a8"], 3),
+                   "w4a8_vs_dequantized": round(times["dequantized"] / times["w4a8"], 3),
+                   "best_config": best, "default_config": w4a8.pick_config(m, n, k),
+                   "w4a8_rel_err_vs_nvfp4_16bit": round(err, 5),
+                   "resident_vs_16bit": round((q.numel() + bs.numel()) / (2 * n * k), 4)}
+            rows.append(row)
+            print(f"  {m:5d}x{k:5d}x{n:5d}  " + "  ".join(f"{key} {t:.3f}" for key, t in times.items())
+                  + f"  ms | W4A8 {row['w4a8_vs_16bit']}x 16-bit, {row['w4a8_vs_dequantized']}x dequantized, "
+                  f"best {best}, err {err:.4f}", flush=True)
+    results["w4a8"] = rows
+
+
 def attention_backends() -> list:
     """SDPA kernels at Flux-dev 1024^2 (24 heads x 4608 tokens x 128): what the 16-bit part costs."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -305,6 +356,7 @@ def main(argv=None):
     ap.add_argument("--dequant-cache-gib", type=float, default=0.0,
                     help="also time formats computed dequantized with a cache of 16-bit weights this large")
     ap.add_argument("--skip-ceilings", action="store_true", help="skip the GEMM/attention microbenchmarks")
+    ap.add_argument("--w4a8", action="store_true", help="only the nvfp4 layer's ways per Flux shape (w4a8_gemms)")
     a = ap.parse_args(argv)
     global PROFILE, INT8_ATTENTION, COMPILE, DEQUANT_CACHE_GIB
     PROFILE, INT8_ATTENTION, COMPILE = a.profile, a.int8_attention, a.compile
@@ -315,6 +367,10 @@ def main(argv=None):
     out_path = os.path.join(a.out, "speed.json")
     results = {"env": common.env_info(), "reduced": a.reduced}
     print(results["env"], flush=True)
+    if a.w4a8:
+        w4a8_gemms(results)
+        common.write_json(out_path, results)
+        return results
     if not a.skip_ceilings:
         print("\n== GEMM ceiling", flush=True)
         gemm_ceiling(results, a.reduced)

@@ -62,6 +62,9 @@ ap.add_argument("--yardstick", nargs="?", const="auto", default=None, choices=("
                      "another SDPA kernel (PyTorch's memory-efficient instead of the one it picks); auto (the bare flag) = "
                      "backend for Flux on a GPU (fp16 Flux overflows: its fp16-vs-bf16 latent differs by 0.36), dtype else")
 ap.add_argument("--cpu-tiny", action="store_true", help="CPU smoke test with tiny configs")
+ap.add_argument("--vram-gib", type=float, default=0.0,
+                help="a smaller card: ComfyUI plans its loads for this many GiB (its --reserve-vram takes the rest) and torch "
+                     "allocates no more (its per-process fraction) - models that do not fit are streamed, as on such a card")
 ap.add_argument("--then-runtime", action="append", default=[], metavar="LABEL",
                 help="after the node's runs, the same quantized model under this graph runtime too (repeatable; "
                      "its CUDA-graph runner replaced, as the CUDA Graphs node does): side-by-side first runs")
@@ -99,6 +102,10 @@ from comfy.cli_args import args as cargs
 if A.cpu_tiny:
     cargs.cpu = True
 import torch
+if A.vram_gib:
+    _total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    cargs.reserve_vram = max(0.0, _total_gib - A.vram_gib)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, A.vram_gib / _total_gib))
 import comfy.model_management as mm
 import comfy.model_detection as md
 import comfy.sd, comfy.sample, comfy.utils
@@ -124,7 +131,7 @@ def log(*a):
 def save():
     tag = "".join(f"_{k}{int(v)}" for k, v in (("gptq", A.gptq), ("convrot", A.convrot), ("sensitivity", A.sensitivity))
                   if v is not None)
-    with open(os.path.join(A.out, f"verify_{A.model}_{A.format}{'_b' + str(A.budget) if A.budget else ''}{'_lora' if A.lora else ''}{'_' + str(A.res) if A.res != 1024 else ''}{tag}.json"), "w") as f:
+    with open(os.path.join(A.out, f"verify_{A.model}_{A.format}{'_b' + str(A.budget) if A.budget else ''}{'_lora' if A.lora else ''}{'_' + str(A.res) if A.res != 1024 else ''}{'_vram' + str(A.vram_gib) if A.vram_gib else ''}{tag}.json"), "w") as f:
         json.dump(RES, f, indent=1, default=str)
 
 

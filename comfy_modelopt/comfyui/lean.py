@@ -37,6 +37,7 @@ import comfy.utils
 from comfy.patcher_extension import CallbacksMP
 
 from ..formats import CONVROT_GROUP_DEFAULT, FORMATS
+from . import fourbit
 from .records import ATTR, layer_record, model_record
 
 try:
@@ -91,11 +92,7 @@ def _fast_path_ok(module, x) -> bool:
     return isinstance(w, QuantizedTensor) and w.device == x.device and unpatched(module) and not x.requires_grad
 
 
-def _bias(module, x):
-    b = module.bias
-    if b is None:
-        return None
-    return b if (b.dtype == x.dtype and b.device == x.device) else b.to(device=x.device, dtype=x.dtype)
+_bias = fourbit.bias_of  # the layer's bias on the input's device in its dtype
 
 
 def fp8_gemm(xq, qdata, scale_a, scale_b, bias, fast_accum: bool, out_dtype):
@@ -356,6 +353,9 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
             kind = ("fp8", fast_accum)
         elif kernel is _int8_forward:
             fast, kind = _int8_forward, ("int8",)
+        elif (full_precision and not module._full_precision_mm and not dequant_cache_bytes and cache is None
+              and getattr(FORMATS.get(fmt), "lean_emulated", "") == "w4a8" and fourbit.usable(module, device)):
+            fast, kind = fourbit.forward, ("w4a8",)  # measured per shape against the next branch
         elif full_precision:
             fast = lambda m, x, c=cache: _dequant_forward(m, x, c)  # noqa: E731
             dequantized += module.weight.numel()

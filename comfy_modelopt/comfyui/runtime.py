@@ -17,8 +17,9 @@ import comfy.model_management
 import comfy.model_patcher
 from comfy.patcher_extension import CallbacksMP, WrappersMP
 
+from .. import w4a8
 from ..formats import FORMATS
-from . import compile_cache
+from . import compile_cache, fourbit
 from .attention import ATTENTIONS
 from .compiled_blocks import STREAMED_BYTES
 from .cuda_graphs import CudaGraphs
@@ -95,7 +96,10 @@ def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.
         return patcher, "runtime: stock ComfyUI layers" + (
             " (dequant cache ignored: it needs a lean runtime)" if dequant_cache_gib > 0 else "")
     n = make_lean(patcher, dequant_cache_bytes=int(dequant_cache_gib * 2**30))
-    note = f"runtime: lean ({n} quantized layers on direct kernel calls)"
+    note = f"runtime: lean ({n} quantized layers on direct kernel calls"
+    w4 = fourbit.count(patcher.model.diffusion_model)
+    note += (f"; {w4} 4-bit ones on W4A8 - 8-bit tensor cores, weights kept in 4 bits - or dequantized where "
+             "that times faster for a shape)" if w4 else ")")
     if patcher.is_dynamic():  # ComfyUI pages each layer's weight in through its cast path: not lean
         note = (f"runtime: lean set on {n} quantized layers, but ComfyUI loads this model with dynamic VRAM "
                 "(over half the GPU), whose weights its own layers page in - they run as stock ComfyUI runs them")
@@ -294,8 +298,12 @@ def gpu_note(fmt_name: str) -> str:
     sm = torch.cuda.get_device_capability(dev)
     if fmt_name in native_formats(dev):
         return f"{fmt_name}: runs natively on this GPU (SM {sm[0]}.{sm[1]})"
-    return (f"{fmt_name}: needs SM {fmt.native_sm[0]}.{fmt.native_sm[1]}+ to run natively; on this GPU "
-            f"(SM {sm[0]}.{sm[1]}) ComfyUI dequantizes it on every step: smaller, not faster")
+    native = (f"{fmt_name}: needs SM {fmt.native_sm[0]}.{fmt.native_sm[1]}+ to run natively; "
+              f"on this GPU (SM {sm[0]}.{sm[1]}) ")
+    if fmt.lean_emulated == "w4a8" and w4a8.usable(dev):
+        return native + ("a lean runtime computes it on the fp8 tensor cores, its weights kept in 4 bits (W4A8), "
+                         "where that times faster than dequantizing; stock ComfyUI dequantizes it on every step")
+    return native + "ComfyUI dequantizes it on every step: smaller, not faster"
 
 
 KEY = "comfy_modelopt_cuda_graphs"  # the APPLY_MODEL wrapper and patcher callbacks a runner installs

@@ -72,6 +72,7 @@ class Format:
     input_search: object = field(default=None, compare=False)
     native_gate: str = ""     # comfy.model_management predicate for native compute ("": always)
     lean_kernel: str = ""     # the lean runtime's direct kernel ("": dequantize, or stock)
+    lean_emulated: str = ""   # ... where the GPU cannot compute it natively ("": dequantize)
     w8a8_gemm: bool = True          # a quantized-activation GEMM exists for it (fp8 e5m2: no
     #                                 e5m2 x e5m2 kernel - torch refuses it on Ada/Hopper)
     quantize_input: bool = True     # ComfyUI quantizes the activation before the GEMM (its

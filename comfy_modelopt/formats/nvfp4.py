@@ -182,5 +182,6 @@ _NVFP4_MODELOPT = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic"
 NVFP4 = NvFp4Format(name="nvfp4", layout="TensorCoreNVFP4Layout", native_sm=(10, 0), static_input_scale=True,
                     needs_input_scale=False, free_scale="tensor", k_multiple=32, lowrank=True,
                     values_per_element=2, input_search=sample_errors, native_gate="supports_nvfp4_compute",
-                    block_clip=True, block=16, candidate=1, colour=(235, 120, 30), modelopt=ModelOptQuantizers(
-                        _NVFP4_MODELOPT, _NVFP4_MODELOPT, ("max", "awq_lite", "awq_full", "svdquant")))
+                    block_clip=True, block=16, candidate=1, lean_emulated="w4a8", colour=(235, 120, 30),
+                    modelopt=ModelOptQuantizers(_NVFP4_MODELOPT, _NVFP4_MODELOPT,
+                                                ("max", "awq_lite", "awq_full", "svdquant")))

@@ -1,0 +1,103 @@
+"""nvfp4 layers on 8-bit tensor cores before Blackwell (``w4a8``): the lean forward that rounds
+the input to E4M3 at the layer's calibrated scale and runs the W4A8 kernel on the weight as
+ComfyUI holds it - or the dequantized path (kitchen's dequantization + one 16-bit GEMM, what stock
+ComfyUI runs), whichever measured faster for the call's shape on this GPU.
+
+The choice is made by timing both on the first eager call of each shape (CUDA events, a warm call
+then the best of three each); a call inside a CUDA-graph capture never times - it takes W4A8
+where no choice was made yet (the graph runtime warms up eagerly first, so it rarely has to).
+"""
+from __future__ import annotations
+
+import comfy_kitchen as ck
+import torch
+
+from .. import w4a8
+from .records import ATTR
+
+_CHOICE: dict = {}  # (rows, N, K, dtype, device) -> True where W4A8 measured faster
+
+
+def usable(module, device) -> bool:
+    """W4A8 can run ``module`` (an nvfp4 layer ComfyUI holds) on ``device``: fp8 tensor cores without
+    native nvfp4, Triton, a calibrated input scale, and a weight stored unpadded (its 16-padding
+    would have to be cut from every output) and untransposed."""
+    w = getattr(module, "weight", None)
+    p = getattr(w, "_params", None)
+    if not (w4a8.usable(device) and p is not None and getattr(module, "input_scale", None) is not None):
+        return False
+    return (not getattr(p, "transposed", False) and tuple(p.orig_shape) == (w._qdata.shape[0], w._qdata.shape[1] * 2)
+            and w._qdata.dtype == torch.uint8)
+
+
+def _input_scale(module):
+    """The layer's E4M3 input scale: nvfp4's per-tensor input scale is amax / (448 x 6)."""
+    rec = module.__dict__[ATTR]
+    s = module.input_scale
+    key = (s.data_ptr(), s.device)
+    if rec.w4a8_scale is None or rec.w4a8_scale[0] != key:
+        rec.w4a8_scale = (key, (s.float() * w4a8.E2M1_MAX).reshape(1))
+    return rec.w4a8_scale[1]
+
+
+def bias_of(module, x):
+    b = module.bias
+    return b if b is None or (b.dtype == x.dtype and b.device == x.device) else b.to(device=x.device, dtype=x.dtype)
+
+
+def _w4a8(module, x2, scale):
+    w = module.weight
+    xq = ck.quantize_per_tensor_fp8(x2, scale, w4a8.E4M3)
+    return w4a8.linear(xq, scale, w._qdata, w._params.scale, w._params.block_scale, bias_of(module, x2), x2.dtype)
+
+
+def _dequantized(module, x):
+    """Stock ComfyUI's computation of the layer before Blackwell."""
+    return torch.nn.functional.linear(x, module.weight.dequantize().to(x.dtype), bias_of(module, x))
+
+
+def forward(module, x):
+    """The lean forward of an nvfp4 layer ``usable`` found W4A8 for."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    w = module.weight
+    key = (x2.shape[0], w._qdata.shape[0], x2.shape[1], x2.dtype, x2.device)
+    use = _CHOICE.get(key)
+    if use is None:
+        scale = _input_scale(module)
+        if x2.is_cuda and torch.cuda.is_current_stream_capturing():
+            use = True
+        else:
+            use = _CHOICE[key] = x2.is_cuda and _faster(lambda: _w4a8(module, x2, scale),
+                                                       lambda: _dequantized(module, x2))
+    if not use:
+        return _dequantized(module, x)
+    out = _w4a8(module, x2, _input_scale(module))
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _faster(a, b, reps: int = 3) -> bool:
+    """Whether ``a()`` runs faster than ``b()`` on the current CUDA stream (best of ``reps``)."""
+    def best(fn):
+        fn()  # warm: Triton's compilation, cuBLAS's heuristics
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return min(times)
+    return best(a) < best(b)
+
+
+def count(diffusion_model) -> int:
+    """How many layers of ``diffusion_model`` run ``forward``."""
+    return sum(1 for m in diffusion_model.modules()
+               if getattr(m.__dict__.get(ATTR), "lean_kernel", None) == ("w4a8",))
+
+
+def choices() -> dict:
+    """How many timed shapes took each path: {"w4a8": n, "dequantized": m}."""
+    picked = list(_CHOICE.values())
+    return {"w4a8": sum(picked), "dequantized": len(picked) - sum(picked)}

@@ -1,0 +1,150 @@
+"""W4A8: an nvfp4 layer computed on 8-bit tensor cores, its weight resident in 4 bits.
+
+Before Blackwell a GPU has no 4-bit tensor cores, and ComfyUI computes an nvfp4 layer by
+dequantizing the whole weight to 16 bits and running a 16-bit GEMM - 4 bits buy memory, not
+speed.  Hopper and Ada have fp8 tensor cores: this kernel reads the nvfp4 weight as stored (two
+E2M1 values a byte, an E4M3 scale per 16, kitchen's layout), expands each tile in registers to
+E4M3 - the E2M1 value times its block's scale, times a power of two that keeps the largest product
+in range - and multiplies it with the input rounded to E4M3 at the layer's static scale, summing in
+fp32.  Per-tensor factors (input scale, the weight's second-level scale, the power of two) are
+applied once to the sum.
+
+Against the dequantized path it adds two roundings: the input to E4M3 (as an fp8 layer's) and
+each weight's product of 2+4 significant bits to E4M3's 4 (at most 2^-4 of that weight).  The
+file is the stock nvfp4 file: only the runtime changes, and Blackwell still computes it natively.
+
+The kernel reads the weight's tensors as ComfyUI holds them (the block scales in cuBLAS's tiled
+layout too): nothing is copied or kept beside them.  ``reference`` is its arithmetic in torch
+operations (the oracle of the tests, with kitchen's ``from_blocked``); ``linear`` runs it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from comfy_kitchen.float_utils import from_blocked
+
+try:  # Triton comes with CUDA builds of torch on Linux; without it nvfp4 stays dequantized
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+E4M3 = torch.float8_e4m3fn
+E2M1_MAX = 6.0
+BLOCK = 16  # nvfp4's block: one E4M3 scale per 16 weights along K
+
+
+# nvfp4's encoders keep every block scale within E4M3 (at most 448: kitchen's clamps there), so
+# 6 x 448 / 8 = 336 keeps every product in E4M3's range: one factor for every file, nothing to
+# read from the weight first.  It costs precision only to products under 2^-3 (E4M3's smallest
+# normal is 2^-6), i.e. below 1/20,000 of the layer's largest weight.
+MULT = 0.125
+
+
+def weight_e4m3(qdata: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
+    """The E4M3 weight [N, K] the kernel multiplies, in torch operations: each E2M1 value of
+    ``qdata`` [N, K/2] (kitchen's packing: the even element in the high nibble) times its block's
+    scale (``block_scale``, cuBLAS's tiled layout, unswizzled with kitchen's ``from_blocked``) times
+    ``MULT``, rounded to E4M3."""
+    n, k = qdata.shape[0], qdata.shape[1] * 2
+    codes = torch.stack([qdata >> 4, qdata & 15], dim=-1).reshape(n, k).to(torch.int32)
+    mag = codes & 7
+    e, m = mag >> 1, (mag & 1).float()  # E2M1: m/2 at exponent 0, (1 + m/2) 2^(e-1) above
+    value = torch.where(e == 0, m * 0.5, (1 + m * 0.5) * torch.exp2((e - 1).float()))
+    value = torch.where(codes >= 8, -value, value)
+    scales = from_blocked(block_scale.view(E4M3), num_rows=n, num_cols=k // BLOCK).float() * MULT
+    return (value.reshape(n, k // BLOCK, BLOCK) * scales.unsqueeze(-1)).reshape(n, k).to(E4M3)
+
+
+def reference(xq, scale_x, qdata, scale_2, block_scale, bias=None, out_dtype=torch.bfloat16):
+    """``linear``'s arithmetic in torch operations."""
+    acc = xq.float() @ weight_e4m3(qdata, block_scale).float().t()
+    out = acc * (scale_x.float() * scale_2.float() / MULT)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def usable(device: torch.device) -> bool:
+    """Triton here, and fp8 tensor cores on ``device`` before native nvfp4 (SM 8.9 - 9.x); on a CPU
+    only in Triton's interpreter (tests)."""
+    if triton is None:
+        return False
+    if device.type == "cpu":
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda":
+        return False
+    return (8, 9) <= torch.cuda.get_device_capability(device) < (10, 0)
+
+
+def linear(xq, scale_x, qdata, scale_2, block_scale, bias=None, out_dtype=torch.bfloat16,
+           config: tuple | None = None) -> torch.Tensor:
+    """``xq`` [M, K] (E4M3 at ``scale_x``, a 1-element tensor) times the nvfp4 weight (``qdata``
+    [N, K/2] uint8, ``scale_2`` its second-level scale, ``block_scale`` as stored), + ``bias``:
+    [M, N] ``out_dtype``.  ``config``: (BM, BN, BK, warps, stages); by default ``pick_config``'s."""
+    m, k = xq.shape
+    n = qdata.shape[0]
+    if k != qdata.shape[1] * 2:
+        raise ValueError(f"W4A8: the input has {k} columns, the weight {qdata.shape[1] * 2}")
+    out = torch.empty(m, n, device=xq.device, dtype=out_dtype)
+    bm, bn, bk, warps, stages = config or pick_config(m, n, k)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _kernel[grid](xq, qdata, block_scale.view(torch.uint8), out, bias if bias is not None else out, scale_x, scale_2,
+                  m, n, k, triton.cdiv(k // BLOCK, 4), xq.stride(0), qdata.stride(0), out.stride(0),
+                  HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+    return out
+
+
+def pick_config(m: int, n: int, k: int) -> tuple:
+    """Tile shape for an [M, K] x [K, N] product: large tiles where the product is large (each
+    weight tile's expansion is paid once per BM rows), smaller where few tiles would fill the GPU."""
+    if m >= 2048 and n >= 1024:
+        return 128, 256, 64, 8, 3
+    if m >= 256:
+        return 128, 128, 64, 4, 4
+    return 64, 128, 128, 4, 3
+
+
+if triton is not None:
+    @triton.jit
+    def _kernel(x_ptr, w_ptr, s_ptr, out_ptr, bias_ptr, sx_ptr, s2_ptr, M, N, K, NCB, stride_x, stride_w, stride_o,
+                HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                GROUP_M: tl.constexpr):
+        pid = tl.program_id(0)
+        tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+        per_group = GROUP_M * tiles_n  # grouped order: neighbouring programs share weight tiles in L2
+        first_m = (pid // per_group) * GROUP_M
+        rows = min(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % rows
+        pid_n = (pid % per_group) // rows
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        offs_h = tl.arange(0, BK // 2)
+        offs_s = tl.arange(0, BK // 16)
+        # a block scale's place in cuBLAS's tiled layout (kitchen's to_blocked): tiles of 128 rows x
+        # 4 blocks, 512 bytes each, row r at (r % 32) * 16 + (r // 32 % 4) * 4 within its tile
+        row_part = (offs_n // 128) * NCB * 512 + (offs_n % 32) * 16 + (offs_n // 32 % 4) * 4
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            x = tl.load(x_ptr + offs_m[:, None] * stride_x + (k0 + offs_k)[None, :],
+                        mask=(offs_m[:, None] < M) & ((k0 + offs_k)[None, :] < K), other=0.0)
+            packed = tl.load(w_ptr + offs_n[:, None] * stride_w + (k0 // 2 + offs_h)[None, :],
+                             mask=(offs_n[:, None] < N) & ((k0 // 2 + offs_h)[None, :] < K // 2), other=0)
+            kb = k0 // 16 + offs_s
+            sb = tl.load(s_ptr + row_part[:, None] + ((kb // 4) * 512 + kb % 4)[None, :],
+                         mask=(offs_n[:, None] < N) & (kb[None, :] < K // 16), other=0)
+            codes = tl.interleave(packed >> 4, packed & 15).to(tl.uint16)  # even elements: high nibble
+            # an E2M1 code's bits placed in a float16's (sign 15, exponent+mantissa 11..9) are its
+            # value x 2^-14 exactly, subnormal codes included
+            half = (((codes & 7) << 9) | ((codes & 8) << 12)).to(tl.float16, bitcast=True)
+            block = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (0.125 * 16384.0)  # MULT, 2^14
+            w = tl.reshape(half.to(tl.float32), (BN, BK // 16, 16)) * block[:, :, None]
+            w = tl.reshape(w, (BN, BK)).to(tl.float8e4nv)
+            acc = tl.dot(x, tl.trans(w), acc)
+        acc = acc * (tl.load(sx_ptr) * tl.load(s2_ptr) * 8.0)  # 1 / MULT
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))

@@ -1,0 +1,118 @@
+"""W4A8 (comfy_modelopt/w4a8.py): nvfp4 weights as stored, computed on 8-bit tensor cores.
+
+kitchen is the oracle for the layout: its encoder writes the weights, its ``dequantize_nvfp4`` says
+what they are.  On a CPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, numpy
+arithmetic) on weights whose every product is exact in E4M3 (the interpreter rounds ties away from
+zero where a GPU rounds them to even); on a CUDA GPU with fp8 tensor cores it runs on kitchen's own
+encodings against ``reference``.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import comfy_kitchen as ck
+import pytest
+import torch
+
+from comfy_modelopt import w4a8
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _kitchen_nvfp4(n, k, seed=0, outliers=True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    if outliers:
+        w[:, 5] *= 30.0
+        w[3, :16] *= 50.0
+    scale = (w.abs().max() / (448.0 * 6.0)).float()
+    qdata, block_scale = ck.quantize_nvfp4(w, scale)
+    return w, qdata, scale, block_scale
+
+
+def test_weights_are_kitchens_dequantization_rounded_to_e4m3():
+    """The E4M3 weight the kernel multiplies is kitchen's dequantized nvfp4 weight (with the
+    second-level scale left out) times ``MULT``, rounded to E4M3 - value for value, for shapes
+    whose block scales pad cuBLAS's tiles in both directions."""
+    for n, k in ((208, 80), (256, 512)):
+        _w, qdata, _scale, block_scale = _kitchen_nvfp4(n, k)
+        one = torch.ones((), dtype=torch.float32)
+        dequant = ck.dequantize_nvfp4(qdata, one, block_scale, torch.float32)  # value x block scale: exact
+        want = (dequant * w4a8.MULT).to(w4a8.E4M3)
+        got = w4a8.weight_e4m3(qdata, block_scale)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, k)
+        assert float(dequant.abs().max()) * w4a8.MULT <= 448.0
+
+
+def test_error_stays_near_the_dequantized_path():
+    """Against the dequantized path stock ComfyUI runs (16-bit input, the nvfp4 weight), W4A8 adds
+    the input's and the products' E4M3 roundings - a few percent of the output, not a scale
+    factor off."""
+    n, k, m = 256, 512, 64
+    w, qdata, scale, block_scale = _kitchen_nvfp4(n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(n) * 0.1
+    dense = ck.dequantize_nvfp4(qdata, scale, block_scale, torch.float32)
+    stock = x @ dense.t() + bias
+    sx = (x.abs().max() / 448.0).reshape(1)
+    xq = (x / sx).to(w4a8.E4M3)
+    out = w4a8.reference(xq, sx, qdata, scale, block_scale, bias, torch.float32)
+    rel = float((out - stock).norm() / stock.norm())
+    assert 0 < rel < 0.05, rel
+    # both roundings matter and neither dominates wrongly: the input's alone is smaller
+    exact_w = (xq.float() * sx) @ dense.t() + bias
+    assert float((exact_w - stock).norm() / stock.norm()) < rel
+
+
+def test_usable_only_where_fp8_tensor_cores_meet_no_native_nvfp4(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not w4a8.usable(torch.device("cpu"))
+    assert not w4a8.usable(torch.device("meta"))
+
+
+def test_kernel_computes_the_reference_in_the_interpreter():
+    pytest.importorskip("triton", reason="Triton is not installed (requirements-test.txt pins it)")
+    script = textwrap.dedent("""
+        import torch
+        from comfy_kitchen.float_utils import to_blocked
+        from comfy_modelopt import w4a8
+        torch.manual_seed(0)
+        for n, k, m in ((208, 80, 37), (128, 256, 5)):
+            codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+            qdata = (codes[:, ::2] << 4) | codes[:, 1::2]
+            # power-of-two block scales from 2^-3: every product exact in E4M3 (no ties to round)
+            scales = torch.exp2(torch.randint(-3, 9, (n, k // 16)).float()).to(torch.float8_e4m3fn)
+            block_scale = to_blocked(scales, flatten=False)
+            s2 = torch.tensor([0.013])
+            x = torch.randn(m, k)
+            sx = (x.abs().max() / 448).reshape(1)
+            xq = (x / sx).to(torch.float8_e4m3fn)
+            for bias in (torch.randn(n).bfloat16(), None):
+                ref = w4a8.reference(xq, sx, qdata, s2, block_scale, bias, torch.float32)
+                for config in ((16, 32, 32, 4, 1), (32, 64, 64, 4, 1), (64, 16, 128, 4, 1)):
+                    out = w4a8.linear(xq, sx, qdata, s2, block_scale, bias, torch.float32, config=config)
+                    err = float((out - ref).abs().max() / ref.abs().max())
+                    assert err < 1e-5, (n, k, m, config, err)
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and w4a8.usable(torch.device("cuda"))),
+                    reason="the kernel runs on a CUDA GPU with fp8 tensor cores before Blackwell (the GPU machine)")
+@pytest.mark.parametrize("m", [1, 77, 4096])
+def test_kernel_computes_the_reference_on_a_gpu(m):
+    n, k = 3072, 3072
+    _w, qdata, scale, block_scale = _kitchen_nvfp4(n, k)
+    dev = torch.device("cuda")
+    qdata, scale, block_scale = qdata.to(dev), scale.reshape(1).to(dev), block_scale.to(dev)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    sx = (x.abs().max().float() / 448).reshape(1)
+    xq = ck.quantize_per_tensor_fp8(x, sx, w4a8.E4M3)
+    bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    ref = w4a8.reference(xq, sx, qdata, scale, block_scale, bias, torch.float32)
+    out = w4a8.linear(xq, sx, qdata, scale, block_scale, bias, torch.bfloat16).float()
+    assert float((out - ref).norm() / ref.norm()) < 4e-3  # bf16 output rounding; the sums' order
