@@ -106,6 +106,19 @@ def pick_config(m: int, n: int, k: int) -> tuple:
     return 64, 128, 128, 4, 3
 
 
+@torch.library.custom_op("comfy_modelopt::w4a8_linear", mutates_args=())
+def w4a8_linear(xq: torch.Tensor, scale_x: torch.Tensor, qdata: torch.Tensor, scale_2: torch.Tensor,
+                block_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``linear`` as one operator, for code the compiler traces (compiled blocks): Inductor calls it
+    without a graph break, and fuses the input's rounding into the kernel that produced the input."""
+    return linear(xq, scale_x, qdata, scale_2, block_scale, bias, out_dtype)
+
+
+@w4a8_linear.register_fake
+def _(xq, scale_x, qdata, scale_2, block_scale, bias, out_dtype):
+    return xq.new_empty((xq.shape[0], qdata.shape[0]), dtype=out_dtype)
+
+
 if triton is not None:
     @triton.jit
     def _kernel(x_ptr, w_ptr, s_ptr, out_ptr, bias_ptr, sx_ptr, s2_ptr, M, N, K, NCB, stride_x, stride_w, stride_o,

@@ -30,7 +30,7 @@ def usable(module, device) -> bool:
             and w._qdata.dtype == torch.uint8)
 
 
-def _input_scale(module):
+def input_scale(module):
     """The layer's E4M3 input scale: nvfp4's per-tensor input scale is amax / (448 x 6)."""
     rec = module.__dict__[ATTR]
     s = module.input_scale
@@ -63,7 +63,7 @@ def forward(module, x):
     key = (x2.shape[0], w._qdata.shape[0], x2.shape[1], x2.dtype, x2.device)
     use = _CHOICE.get(key)
     if use is None:
-        scale = _input_scale(module)
+        scale = input_scale(module)
         if x2.is_cuda and torch.cuda.is_current_stream_capturing():
             use = True
         else:
@@ -71,7 +71,7 @@ def forward(module, x):
                                                        lambda: _dequantized(module, x2))
     if not use:
         return _dequantized(module, x)
-    out = _w4a8(module, x2, _input_scale(module))
+    out = _w4a8(module, x2, input_scale(module))
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
