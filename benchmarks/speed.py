@@ -282,7 +282,7 @@ W4A8_CONFIGS = ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 128, 8, 3
 def w4a8_gemms(results: dict, rows_per_call=(1, 512, 4096, 4608)):
     """An nvfp4 layer's ways on this GPU, per Flux shape: the 16-bit GEMM, fp8 (kitchen's input
     rounding + _scaled_mm), nvfp4 dequantized (kitchen's dequantization + 16-bit GEMM: stock
-    ComfyUI before Blackwell) and W4A8 (the input rounding + the kernel: its default tile and the
+    ComfyUI before Blackwell) and W4A8 (the rows' rounding + the kernel: its default tile and the
     best of W4A8_CONFIGS), each output against the 16-bit one of the nvfp4 weight."""
     import comfy_kitchen as ck
     from comfy_modelopt import w4a8
@@ -304,8 +304,8 @@ def w4a8_gemms(results: dict, rows_per_call=(1, 512, 4096, 4608)):
                          out_dtype=torch.bfloat16), 5, 20)[0],
                      "dequantized": common.time_ms(lambda: x @ ck.dequantize_nvfp4(q, g, bs, torch.bfloat16).t(),
                                                    5, 20)[0]}
-            run = lambda c=None: w4a8.linear(ck.quantize_per_tensor_fp8(x, sx, w4a8.E4M3), sx, q, g, bs,  # noqa: E731
-                                             None, torch.bfloat16, config=c)
+            run = lambda c=None: w4a8.linear(*w4a8.quantize_rows(x), q, g, bs, None, torch.bfloat16,  # noqa: E731
+                                             config=c)
             times["w4a8"] = common.time_ms(run, 5, 20)[0]
             best = min(W4A8_CONFIGS, key=lambda c: common.time_ms(lambda: run(c), 3, 10)[0])
             times["w4a8 best"] = common.time_ms(lambda: run(best), 5, 20)[0]

@@ -5,13 +5,15 @@ dequantizing the whole weight to 16 bits and running a 16-bit GEMM - 4 bits buy 
 speed.  Hopper and Ada have fp8 tensor cores: this kernel reads the nvfp4 weight as stored (two
 E2M1 values a byte, an E4M3 scale per 16, kitchen's layout), expands each tile in registers to
 E4M3 - the E2M1 value times its block's scale, times a power of two that keeps the largest product
-in range - and multiplies it with the input rounded to E4M3 at the layer's static scale, summing in
-fp32.  Per-tensor factors (input scale, the weight's second-level scale, the power of two) are
-applied once to the sum.
+in range - and multiplies it with the input rounded to E4M3 with one scale per row (token), summing
+in fp32; the row's scale and the weight's per-tensor factors are applied once to the sum.  The
+input's scale is its row's largest value, found when the layer runs (``quantize_rows``: one pass,
+as nvfp4's own input scale is found when it runs on Blackwell unless a file stores a static one):
+a row, not the tensor, because a token's values share a scale best with each other.
 
-Against the dequantized path it adds two roundings: the input to E4M3 (as an fp8 layer's) and
-each weight's product of 2+4 significant bits to E4M3's 4 (at most 2^-4 of that weight).  The
-file is the stock nvfp4 file: only the runtime changes, and Blackwell still computes it natively.
+Against the dequantized path it adds two roundings: the input to E4M3 and each weight's product of
+2+4 significant bits to E4M3's 4 (at most 2^-4 of that weight).  The file is the stock nvfp4
+file: only the runtime changes, and Blackwell still computes it natively.
 
 The kernel reads the weight's tensors as ComfyUI holds them (the block scales in cuBLAS's tiled
 layout too): nothing is copied or kept beside them.  ``reference`` is its arithmetic in torch
@@ -31,7 +33,8 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 E4M3 = torch.float8_e4m3fn
-E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+TINY = 2.0 ** -100  # the scale of an all-zero row (any positive number: its values round to zero)
 BLOCK = 16  # nvfp4's block: one E4M3 scale per 16 weights along K
 
 
@@ -57,10 +60,16 @@ def weight_e4m3(qdata: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
     return (value.reshape(n, k // BLOCK, BLOCK) * scales.unsqueeze(-1)).reshape(n, k).to(E4M3)
 
 
+def rows_reference(x: torch.Tensor) -> tuple:
+    """``quantize_rows``'s arithmetic in torch operations."""
+    scale = (x.abs().amax(dim=1).float() / E4M3_MAX).clamp_min(TINY)
+    return (x.float() * (1.0 / scale)[:, None]).to(E4M3), scale
+
+
 def reference(xq, scale_x, qdata, scale_2, block_scale, bias=None, out_dtype=torch.bfloat16):
     """``linear``'s arithmetic in torch operations."""
     acc = xq.float() @ weight_e4m3(qdata, block_scale).float().t()
-    out = acc * (scale_x.float() * scale_2.float() / MULT)
+    out = acc * (scale_x.float()[:, None] * scale_2.float() / MULT)
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
@@ -80,7 +89,7 @@ def usable(device: torch.device) -> bool:
 
 def linear(xq, scale_x, qdata, scale_2, block_scale, bias=None, out_dtype=torch.bfloat16,
            config: tuple | None = None) -> torch.Tensor:
-    """``xq`` [M, K] (E4M3 at ``scale_x``, a 1-element tensor) times the nvfp4 weight (``qdata``
+    """``xq`` [M, K] (E4M3, row i at ``scale_x[i]``: ``quantize_rows``) times the nvfp4 weight (``qdata``
     [N, K/2] uint8, ``scale_2`` its second-level scale, ``block_scale`` as stored), + ``bias``:
     [M, N] ``out_dtype``.  ``config``: (BM, BN, BK, warps, stages); by default ``pick_config``'s."""
     m, k = xq.shape
@@ -94,6 +103,17 @@ def linear(xq, scale_x, qdata, scale_2, block_scale, bias=None, out_dtype=torch.
                   m, n, k, triton.cdiv(k // BLOCK, 4), xq.stride(0), qdata.stride(0), out.stride(0),
                   HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
     return out
+
+
+def quantize_rows(x: torch.Tensor) -> tuple:
+    """``x`` [M, K] (16-bit, contiguous) rounded to E4M3 with one scale per row (its largest
+    magnitude / 448): (xq [M, K], scale [M] float32), in one kernel that reads ``x`` once."""
+    m, k = x.shape
+    xq = torch.empty(m, k, device=x.device, dtype=E4M3)
+    scale = torch.empty(m, device=x.device, dtype=torch.float32)
+    if m:
+        _rows_kernel[(m,)](x, xq, scale, k, x.stride(0), xq.stride(0), BK=min(4096, triton.next_power_of_2(k)))
+    return xq, scale
 
 
 def pick_config(m: int, n: int, k: int) -> tuple:
@@ -156,8 +176,25 @@ if triton is not None:
             w = tl.reshape(half.to(tl.float32), (BN, BK // 16, 16)) * block[:, :, None]
             w = tl.reshape(w, (BN, BK)).to(tl.float8e4nv)
             acc = tl.dot(x, tl.trans(w), acc)
-        acc = acc * (tl.load(sx_ptr) * tl.load(s2_ptr) * 8.0)  # 1 / MULT
+        sx = tl.load(sx_ptr + offs_m, mask=offs_m < M, other=0.0)
+        acc = acc * (sx[:, None] * (tl.load(s2_ptr) * 8.0))  # 1 / MULT
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs_m[:, None] * stride_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+    @triton.jit
+    def _rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BK)
+        top = tl.zeros((BK,), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
+            top = tl.maximum(top, tl.abs(x.to(tl.float32)))
+        scale = tl.maximum(tl.math.div_rn(tl.max(top, axis=0), 448.0), 7.888609052210118e-31)  # TINY
+        inverse = tl.math.div_rn(1.0, scale)  # IEEE, as torch's
+        tl.store(s_ptr + row, scale)
+        for k0 in range(0, K, BK):  # the row again, from L2
+            x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
+            tl.store(q_ptr + row * stride_q + k0 + offs, (x.to(tl.float32) * inverse).to(tl.float8e4nv),
+                     mask=k0 + offs < K)

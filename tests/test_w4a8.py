@@ -1,10 +1,11 @@
 """W4A8 (comfy_modelopt/w4a8.py): nvfp4 weights as stored, computed on 8-bit tensor cores.
 
 kitchen is the oracle for the layout: its encoder writes the weights, its ``dequantize_nvfp4`` says
-what they are.  On a CPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, numpy
-arithmetic) on weights whose every product is exact in E4M3 (the interpreter rounds ties away from
-zero where a GPU rounds them to even); on a CUDA GPU with fp8 tensor cores it runs on kitchen's own
-encodings against ``reference``.
+what they are.  On a CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, numpy
+arithmetic) on weights and inputs whose every product is exact in E4M3 (the interpreter rounds ties
+away from zero where a GPU rounds them to even, and misrounds some values just under a power of
+two); on a CUDA GPU with fp8 tensor cores they run on kitchen's own encodings against
+``reference``.
 """
 import os
 import subprocess
@@ -48,20 +49,20 @@ def test_weights_are_kitchens_dequantization_rounded_to_e4m3():
 def test_error_stays_near_the_dequantized_path():
     """Against the dequantized path stock ComfyUI runs (16-bit input, the nvfp4 weight), W4A8 adds
     the input's and the products' E4M3 roundings - a few percent of the output, not a scale
-    factor off."""
+    factor off (each row at its own scale)."""
     n, k, m = 256, 512, 64
     w, qdata, scale, block_scale = _kitchen_nvfp4(n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    x[:, 7] *= 20.0  # an outlier channel: every row's scale follows it
     bias = torch.randn(n) * 0.1
     dense = ck.dequantize_nvfp4(qdata, scale, block_scale, torch.float32)
     stock = x @ dense.t() + bias
-    sx = (x.abs().max() / 448.0).reshape(1)
-    xq = (x / sx).to(w4a8.E4M3)
+    xq, sx = w4a8.rows_reference(x)
     out = w4a8.reference(xq, sx, qdata, scale, block_scale, bias, torch.float32)
     rel = float((out - stock).norm() / stock.norm())
     assert 0 < rel < 0.05, rel
     # both roundings matter and neither dominates wrongly: the input's alone is smaller
-    exact_w = (xq.float() * sx) @ dense.t() + bias
+    exact_w = (xq.float() * sx[:, None]) @ dense.t() + bias
     assert float((exact_w - stock).norm() / stock.norm()) < rel
 
 
@@ -85,9 +86,17 @@ def test_kernel_computes_the_reference_in_the_interpreter():
             scales = torch.exp2(torch.randint(-3, 9, (n, k // 16)).float()).to(torch.float8_e4m3fn)
             block_scale = to_blocked(scales, flatten=False)
             s2 = torch.tensor([0.013])
-            x = torch.randn(m, k)
-            sx = (x.abs().max() / 448).reshape(1)
-            xq = (x / sx).to(torch.float8_e4m3fn)
+            # rows of E4M3 values times a power of two, each with 448 x it: every value's rounding is
+            # exact (the interpreter's float32 -> E4M3 conversion misrounds some inexact ones)
+            x = torch.randint(0, 256, (m, k), dtype=torch.uint8).view(torch.float8_e4m3fn).float().nan_to_num(0)
+            x[:, 3] = 448.0
+            x = (x * torch.exp2(torch.randint(-8, 8, (m, 1)).float())).bfloat16()
+            x[-1] = 0  # an all-zero row
+            xq, sx = w4a8.quantize_rows(x)
+            want_q, want_s = w4a8.rows_reference(x)
+            assert torch.equal(sx, want_s) and torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
+            x = (torch.randn(m, k) * torch.rand(m, 1) * 3).bfloat16()
+            xq, sx = w4a8.rows_reference(x)
             for bias in (torch.randn(n).bfloat16(), None):
                 ref = w4a8.reference(xq, sx, qdata, s2, block_scale, bias, torch.float32)
                 for config in ((16, 32, 32, 4, 1), (32, 64, 64, 4, 1), (64, 16, 128, 4, 1)):
@@ -109,9 +118,10 @@ def test_kernel_computes_the_reference_on_a_gpu(m):
     _w, qdata, scale, block_scale = _kitchen_nvfp4(n, k)
     dev = torch.device("cuda")
     qdata, scale, block_scale = qdata.to(dev), scale.reshape(1).to(dev), block_scale.to(dev)
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    sx = (x.abs().max().float() / 448).reshape(1)
-    xq = ck.quantize_per_tensor_fp8(x, sx, w4a8.E4M3)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * torch.rand(m, 1, device=dev, dtype=torch.bfloat16)
+    xq, sx = w4a8.quantize_rows(x)
+    want_q, want_s = w4a8.rows_reference(x)
+    assert torch.equal(sx, want_s) and torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
     bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
     ref = w4a8.reference(xq, sx, qdata, scale, block_scale, bias, torch.float32)
     out = w4a8.linear(xq, sx, qdata, scale, block_scale, bias, torch.bfloat16).float()

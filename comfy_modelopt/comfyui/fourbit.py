@@ -1,15 +1,15 @@
 """nvfp4 layers on 8-bit tensor cores before Blackwell (``w4a8``): the lean forward that rounds
-the input to E4M3 at the layer's calibrated scale and runs the W4A8 kernel on the weight as
+the input to E4M3 at one scale per row and runs the W4A8 kernel on the weight as
 ComfyUI holds it - or the dequantized path (kitchen's dequantization + one 16-bit GEMM, what stock
 ComfyUI runs), whichever measured faster for the call's shape on this GPU.
 
 The choice is made by timing both on the first eager call of each shape (CUDA events, a warm call
 then the best of three each); a call inside a CUDA-graph capture never times - it takes W4A8
 where no choice was made yet (the graph runtime warms up eagerly first, so it rarely has to).
+Compiled blocks call the kernel as one operator (``traced_layers``), untimed.
 """
 from __future__ import annotations
 
-import comfy_kitchen as ck
 import torch
 
 from .. import w4a8
@@ -20,24 +20,14 @@ _CHOICE: dict = {}  # (rows, N, K, dtype, device) -> True where W4A8 measured fa
 
 def usable(module, device) -> bool:
     """W4A8 can run ``module`` (an nvfp4 layer ComfyUI holds) on ``device``: fp8 tensor cores without
-    native nvfp4, Triton, a calibrated input scale, and a weight stored unpadded (its 16-padding
-    would have to be cut from every output) and untransposed."""
+    native nvfp4, Triton, and a weight stored unpadded (its 16-padding would have to be cut from
+    every output) and untransposed."""
     w = getattr(module, "weight", None)
     p = getattr(w, "_params", None)
-    if not (w4a8.usable(device) and p is not None and getattr(module, "input_scale", None) is not None):
+    if not (w4a8.usable(device) and p is not None and hasattr(p, "block_scale")):
         return False
     return (not getattr(p, "transposed", False) and tuple(p.orig_shape) == (w._qdata.shape[0], w._qdata.shape[1] * 2)
             and w._qdata.dtype == torch.uint8)
-
-
-def input_scale(module):
-    """The layer's E4M3 input scale: nvfp4's per-tensor input scale is amax / (448 x 6)."""
-    rec = module.__dict__[ATTR]
-    s = module.input_scale
-    key = (s.data_ptr(), s.device)
-    if rec.w4a8_scale is None or rec.w4a8_scale[0] != key:
-        rec.w4a8_scale = (key, (s.float() * w4a8.E2M1_MAX).reshape(1))
-    return rec.w4a8_scale[1]
 
 
 def bias_of(module, x):
@@ -45,9 +35,9 @@ def bias_of(module, x):
     return b if b is None or (b.dtype == x.dtype and b.device == x.device) else b.to(device=x.device, dtype=x.dtype)
 
 
-def _w4a8(module, x2, scale):
+def _w4a8(module, x2):
     w = module.weight
-    xq = ck.quantize_per_tensor_fp8(x2, scale, w4a8.E4M3)
+    xq, scale = w4a8.quantize_rows(x2)
     return w4a8.linear(xq, scale, w._qdata, w._params.scale, w._params.block_scale, bias_of(module, x2), x2.dtype)
 
 
@@ -59,19 +49,16 @@ def _dequantized(module, x):
 def forward(module, x):
     """The lean forward of an nvfp4 layer ``usable`` found W4A8 for."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    w = module.weight
-    key = (x2.shape[0], w._qdata.shape[0], x2.shape[1], x2.dtype, x2.device)
+    key = (x2.shape[0], module.weight._qdata.shape[0], x2.shape[1], x2.dtype, x2.device)
     use = _CHOICE.get(key)
     if use is None:
-        scale = input_scale(module)
         if x2.is_cuda and torch.cuda.is_current_stream_capturing():
             use = True
         else:
-            use = _CHOICE[key] = x2.is_cuda and _faster(lambda: _w4a8(module, x2, scale),
-                                                       lambda: _dequantized(module, x2))
+            use = _CHOICE[key] = x2.is_cuda and _faster(lambda: _w4a8(module, x2), lambda: _dequantized(module, x2))
     if not use:
         return _dequantized(module, x)
-    out = _w4a8(module, x2, input_scale(module))
+    out = _w4a8(module, x2)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

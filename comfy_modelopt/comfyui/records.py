@@ -24,7 +24,6 @@ class LayerRecord:
     own_forward: object = None        # own loader: (module, x, inner) -> y, its layer's computation around the
     #                                   class's (``inner``: the direct kernel or ComfyUI's; an fp8 convolution replaces it)
     inverse: dict | None = None       # lean fp8: (input dtype, device) -> 1/input scale for torch's rounding, or False
-    w4a8_scale: tuple | None = None   # fourbit: (the input scale's address, its E4M3 scale)
     traced: tuple | None = None       # while compiled blocks are installed: (kind, weight, bias, extra)
     untraced: object = None           # ... and the forward any other call takes
 
