@@ -62,7 +62,8 @@ def weight_e4m3(qdata: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
 
 def rows_reference(x: torch.Tensor) -> tuple:
     """``quantize_rows``'s arithmetic in torch operations."""
-    scale = (x.abs().amax(dim=1).float() / E4M3_MAX).clamp_min(TINY)
+    # times the reciprocal: what torch's CUDA kernels do for a division by a number
+    scale = (x.abs().amax(dim=1).float() * (1.0 / E4M3_MAX)).clamp_min(TINY)
     return (x.float() * (1.0 / scale)[:, None]).to(E4M3), scale
 
 
@@ -191,7 +192,7 @@ if triton is not None:
         for k0 in range(0, K, BK):
             x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
             top = tl.maximum(top, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.math.div_rn(tl.max(top, axis=0), 448.0), 7.888609052210118e-31)  # TINY
+        scale = tl.maximum(tl.max(top, axis=0) * (1.0 / 448.0), 7.888609052210118e-31)  # TINY
         inverse = tl.math.div_rn(1.0, scale)  # IEEE, as torch's
         tl.store(s_ptr + row, scale)
         for k0 in range(0, K, BK):  # the row again, from L2
