@@ -353,7 +353,7 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
             kind = ("fp8", fast_accum)
         elif kernel is _int8_forward:
             fast, kind = _int8_forward, ("int8",)
-        elif (full_precision and not module._full_precision_mm and not dequant_cache_bytes and cache is None
+        elif (full_precision and not getattr(module, "_full_precision_mm_config", False) and cache is None
               and getattr(FORMATS.get(fmt), "lean_emulated", "") == "w4a8" and fourbit.usable(module, device)):
             fast, kind = fourbit.forward, ("w4a8",)  # measured per shape against the next branch
         elif full_precision:

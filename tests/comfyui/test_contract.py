@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -539,3 +541,50 @@ def test_compiled_blocks_trace_through_the_fp8_attention(source, monkeypatch):
     assert ok, cb.reason
     assert any(ran), "the compiler never traced the fp8 attention"  # inside the compiled blocks
     assert cb.checks[-1]["rel_l2"] <= cb.checks[-1]["limit"], cb.checks[-1]
+
+
+def test_nvfp4_layers_run_w4a8_where_it_can(source):
+    """Where W4A8 can run (fp8 tensor cores before native nvfp4; here Triton's interpreter on the
+    CPU stands for such a GPU: a process of its own, as the interpreter is chosen at import), a
+    lean runtime gives every nvfp4 layer of the model Load Quantized Model builds the W4A8 forward,
+    the runtime line counts them, and the model's output is ComfyUI's (the stock loader's,
+    computed dequantized) within W4A8's roundings."""
+    pytest.importorskip("triton", reason="Triton is not installed")
+    src, folder, _, _ = source("flux")
+    out = str(folder / "flux-nvfp4-w4a8.safetensors")
+    assert cli.main(["quantize", src, "-o", out, "--format", "nvfp4", "--weight-scale", "absmax",
+                     "--overwrite", "-q"]) == 0
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = textwrap.dedent(f"""
+        import json, sys, torch
+        sys.path[:0] = [{here!r}, {os.path.join(here, "..", "..", "benchmarks")!r}]
+        import architectures as models
+        models.setup_comfy()
+        import comfy.model_management, comfy.sd
+        from comfy_modelopt.comfyui import fourbit, ownloader
+        from comfy_modelopt.comfyui.runtime import apply_runtime
+        from test_contract import inputs
+
+        def run(patcher):
+            comfy.model_management.load_models_gpu([patcher])
+            kw = inputs("flux")
+            x = kw.pop("x")
+            with torch.inference_mode():
+                return patcher.model.apply_model(x, torch.tensor([0.7]), **kw).float()
+
+        ref = run(comfy.sd.load_diffusion_model({out!r}))
+        patcher, note = apply_runtime(ownloader.load_file({out!r}), "lean")
+        got = run(patcher)
+        layers = [m for m in patcher.model.diffusion_model.modules() if getattr(m, "quant_format", None)]
+        print(json.dumps({{"layers": len(layers), "w4a8": fourbit.count(patcher.model.diffusion_model),
+                          "note": note, "rel": float((got - ref).norm() / ref.norm()),
+                          "choices": fourbit.choices()}}))
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    said = json.loads(run.stdout.strip().splitlines()[-1])
+    assert said["layers"] > 0 and said["w4a8"] == said["layers"], said
+    assert f"{said['layers']} 4-bit ones on W4A8" in said["note"], said["note"]
+    assert said["choices"]["w4a8"] > 0 and said["choices"]["dequantized"] == 0
+    assert 0 < said["rel"] < 0.05, said  # the input's and the products' E4M3 roundings, nothing more
