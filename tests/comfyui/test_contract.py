@@ -548,7 +548,8 @@ def test_nvfp4_layers_run_w4a8_where_it_can(source):
     CPU stands for such a GPU: a process of its own, as the interpreter is chosen at import), a
     lean runtime gives every nvfp4 layer of the model Load Quantized Model builds the W4A8 forward,
     the runtime line counts them, and the model's output is ComfyUI's (the stock loader's,
-    computed dequantized) within W4A8's roundings."""
+    computed dequantized) within W4A8's roundings; compiled blocks trace those layers as the pack's
+    operator and match eager."""
     pytest.importorskip("triton", reason="Triton is not installed")
     src, folder, _, _ = source("flux")
     out = str(folder / "flux-nvfp4-w4a8.safetensors")
@@ -576,9 +577,29 @@ def test_nvfp4_layers_run_w4a8_where_it_can(source):
         patcher, note = apply_runtime(ownloader.load_file({out!r}), "lean")
         got = run(patcher)
         layers = [m for m in patcher.model.diffusion_model.modules() if getattr(m, "quant_format", None)]
+        # compiled blocks: the W4A8 layers traced as the pack's operator, checked against eager
+        from comfy_modelopt.comfyui import traced_layers
+        from comfy_modelopt.comfyui.compiled_blocks import CompiledBlocks, rounding_noise
+        kinds, trace = [], traced_layers.traced_forward
+
+        def spy(m, untraced):
+            f = trace(m, untraced)
+            if f is not None:
+                kinds.append(m._modelopt.traced[0])
+            return f
+        traced_layers.traced_forward = spy
+        kw = inputs("flux")
+        x = kw.pop("x")
+        with torch.inference_mode():
+            eager = lambda: patcher.model.apply_model(x, torch.tensor([0.7]), **kw)
+            cb = CompiledBlocks(patcher.model.diffusion_model)
+            ok = cb.validate(eager, eager(), lambda: patcher.model.apply_model(rounding_noise(x, torch.bfloat16),
+                                                                              torch.tensor([0.7]), **kw))
+        traced = kinds.count("w4a8")
         print(json.dumps({{"layers": len(layers), "w4a8": fourbit.count(patcher.model.diffusion_model),
                           "note": note, "rel": float((got - ref).norm() / ref.norm()),
-                          "choices": fourbit.choices()}}))
+                          "choices": fourbit.choices(), "compiled": bool(ok), "reason": cb.reason,
+                          "traced": traced, "compiled_rel": cb.checks[-1]["rel_l2"] if cb.checks else None}}))
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
@@ -588,3 +609,4 @@ def test_nvfp4_layers_run_w4a8_where_it_can(source):
     assert f"{said['layers']} 4-bit ones on W4A8" in said["note"], said["note"]
     assert said["choices"]["w4a8"] > 0 and said["choices"]["dequantized"] == 0
     assert 0 < said["rel"] < 0.05, said  # the input's and the products' E4M3 roundings, nothing more
+    assert said["compiled"] and said["traced"] > 0, said
