@@ -98,6 +98,8 @@ def linear(xq, scale_x, qdata, scale_2, block_scale, bias=None, out_dtype=torch.
     if k != qdata.shape[1] * 2:
         raise ValueError(f"W4A8: the input has {k} columns, the weight {qdata.shape[1] * 2}")
     out = torch.empty(m, n, device=xq.device, dtype=out_dtype)
+    if m == 0:
+        return out
     bm, bn, bk, warps, stages = config or pick_config(m, n, k)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _kernel[grid](xq, qdata, block_scale.view(torch.uint8), out, bias if bias is not None else out, scale_x, scale_2,
