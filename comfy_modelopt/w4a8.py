@@ -18,6 +18,11 @@ file: only the runtime changes, and Blackwell still computes it natively.
 The kernel reads the weight's tensors as ComfyUI holds them (the block scales in cuBLAS's tiled
 layout too): nothing is copied or kept beside them.  ``reference`` is its arithmetic in torch
 operations (the oracle of the tests, with kitchen's ``from_blocked``); ``linear`` runs it.
+
+Measured on Hopper (docs/benchmarks.md): expanding each weight in registers costs more issue
+slots than the fp8 MMA saves on a compute-bound product, so W4A8 is slower than the dequantized
+path from a few hundred rows on; it wins where the product is a matrix-vector one (one row per
+sample: modulation and embedding layers), reading a quarter of the bytes.
 """
 from __future__ import annotations
 
@@ -120,26 +125,14 @@ def quantize_rows(x: torch.Tensor) -> tuple:
 
 
 def pick_config(m: int, n: int, k: int) -> tuple:
-    """Tile shape for an [M, K] x [K, N] product: large tiles where the product is large (each
-    weight tile's expansion is paid once per BM rows), smaller where few tiles would fill the GPU."""
-    if m >= 2048 and n >= 1024:
-        return 128, 256, 64, 8, 3
-    if m >= 256:
-        return 128, 128, 64, 4, 4
-    return 64, 128, 128, 4, 3
-
-
-@torch.library.custom_op("comfy_modelopt::w4a8_linear", mutates_args=())
-def w4a8_linear(xq: torch.Tensor, scale_x: torch.Tensor, qdata: torch.Tensor, scale_2: torch.Tensor,
-                block_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """``linear`` as one operator, for code the compiler traces (compiled blocks): Inductor calls it
-    without a graph break, and fuses the input's rounding into the kernel that produced the input."""
-    return linear(xq, scale_x, qdata, scale_2, block_scale, bias, out_dtype)
-
-
-@w4a8_linear.register_fake
-def _(xq, scale_x, qdata, scale_2, block_scale, bias, out_dtype):
-    return xq.new_empty((xq.shape[0], qdata.shape[0]), dtype=out_dtype)
+    """Tile shape for an [M, K] x [K, N] product: the fastest of ``benchmarks/speed.py --w4a8``'s
+    candidates on Flux's shapes on Hopper (docs/benchmarks.md, "4-bit weights on 8-bit tensor
+    cores")."""
+    if m <= 64:
+        return 16, 64, 256, 4, 3
+    if m <= 1024 and n <= 3072:
+        return 64, 64, 128, 4, 4
+    return 128, 128, 128, 8, 3
 
 
 if triton is not None:

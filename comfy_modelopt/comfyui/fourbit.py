@@ -1,12 +1,13 @@
 """nvfp4 layers on 8-bit tensor cores before Blackwell (``w4a8``): the lean forward that rounds
 the input to E4M3 at one scale per row and runs the W4A8 kernel on the weight as
 ComfyUI holds it - or the dequantized path (kitchen's dequantization + one 16-bit GEMM, what stock
-ComfyUI runs), whichever measured faster for the call's shape on this GPU.
+ComfyUI runs), whichever measured faster for the call's shape on this GPU; calls of more than
+``MAX_ROWS`` rows take the dequantized path untimed.
 
 The choice is made by timing both on the first eager call of each shape (CUDA events, a warm call
 then the best of three each); a call inside a CUDA-graph capture never times - it takes W4A8
 where no choice was made yet (the graph runtime warms up eagerly first, so it rarely has to).
-Compiled blocks call the kernel as one operator (``traced_layers``), untimed.
+Compiled blocks leave these layers opaque (their forward decides per call, as here).
 """
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from .. import w4a8
 from .records import ATTR
 
 _CHOICE: dict = {}  # (rows, N, K, dtype, device) -> True where W4A8 measured faster
+# more rows than this go the dequantized way untimed: W4A8 measured no faster there on Flux's shapes
+# (docs/benchmarks.md, "4-bit weights on 8-bit tensor cores") - no kernel to compile, nothing to time
+MAX_ROWS = 256
 
 
 def usable(module, device) -> bool:
@@ -48,6 +52,8 @@ def _dequantized(module, x):
 
 def forward(module, x):
     """The lean forward of an nvfp4 layer ``usable`` found W4A8 for."""
+    if x.numel() > MAX_ROWS * x.shape[-1]:
+        return _dequantized(module, x)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     key = (x2.shape[0], module.weight._qdata.shape[0], x2.shape[1], x2.dtype, x2.device)
     use = _CHOICE.get(key)

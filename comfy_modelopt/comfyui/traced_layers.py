@@ -11,8 +11,8 @@ than the uncompiled forward, as were Wan 2.1's blocks - memory a CUDA graph then
 With the layers as operators the block is one graph whose buffers Inductor frees at their last
 use.
 
-The operator is torch's, kitchen's or the pack's (``fp8_gemm``: ``torch._scaled_mm``; kitchen's
-``int8_linear`` op; ``w4a8_linear``, an nvfp4 layer's W4A8 kernel, its input's rounding per row traced; the 16-bit ``linear`` ComfyUI's cast path ends in when the weight is already on the device in
+The operator is torch's or kitchen's (``fp8_gemm``: ``torch._scaled_mm``; kitchen's ``int8_linear``
+op; the 16-bit ``linear`` ComfyUI's cast path ends in when the weight is already on the device in
 the input's dtype).  An fp8 layer's static-scale input rounding is traced as torch operations (kitchen's
 formula, ``_fp8_input``) so that TorchInductor fuses it into the kernel that produced the input -
 the norm, modulation or GELU before it writes e4m3 instead of 16-bit, and no separate pass reads
@@ -32,7 +32,6 @@ import types
 
 import torch
 
-from .. import w4a8
 from . import lean
 from .lean import fp8_round
 from .records import layer_record
@@ -76,11 +75,6 @@ def _traced(self, input, *args, **kwargs):
         x2 = input.reshape(-1, input.shape[-1])
         out = fp8_gemm(_fp8_input(x2, scale_a, weight.dtype), weight, scale_a, scale_b, bias, fast_accum, input.dtype)
         return out.reshape(*input.shape[:-1], out.shape[-1])
-    if kind == "w4a8":
-        scale_2, block_scale = extra
-        xq, scale_x = w4a8.rows_reference(input.reshape(-1, input.shape[-1]))
-        out = torch.ops.comfy_modelopt.w4a8_linear(xq, scale_x, weight, scale_2, block_scale, bias, input.dtype)
-        return out.reshape(*input.shape[:-1], out.shape[-1])
     if kind == "int8":
         scale, convrot, group = extra
         return torch.ops.comfy_kitchen.int8_linear(input.contiguous(), weight, scale, bias,
@@ -110,8 +104,6 @@ def traced_forward(m, untraced):
             return None  # no direct kernel, or a forward on top of the class's (a LoRA hook's)
         if kind[0] == "fp8":
             traced = ("fp8", w._qdata, bias, (_plain(m.input_scale), w._params.scale, kind[1]))
-        elif kind[0] == "w4a8":
-            traced = ("w4a8", w._qdata, bias, (w._params.scale, w._params.block_scale))
         elif kind[0] == "int8" and lean.dtype_code is not None:
             traced = ("int8", w._qdata, bias, lean.int8_params(w))
         else:
