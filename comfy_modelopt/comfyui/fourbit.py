@@ -17,9 +17,10 @@ from .. import w4a8
 from .records import ATTR
 
 _CHOICE: dict = {}  # (rows, N, K, dtype, device) -> True where W4A8 measured faster
-# more rows than this go the dequantized way untimed: W4A8 measured no faster there on Flux's shapes
-# (docs/benchmarks.md, "4-bit weights on 8-bit tensor cores") - no kernel to compile, nothing to time
-MAX_ROWS = 256
+# more rows than this go the dequantized way untimed: W4A8 measured slower from a few thousand rows
+# on every Flux shape (docs/benchmarks.md, "4-bit weights on 8-bit tensor cores") - no kernel to
+# compile, nothing to time
+MAX_ROWS = 1024
 
 
 def usable(module, device) -> bool:
