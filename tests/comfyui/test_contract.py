@@ -606,7 +606,7 @@ def test_nvfp4_layers_run_w4a8_where_it_can(source):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     said = json.loads(run.stdout.strip().splitlines()[-1])
     assert said["layers"] > 0 and said["w4a8"] == said["layers"], said
-    assert f"{said['layers']} 4-bit ones on W4A8" in said["note"], said["note"]
+    assert f"{said['layers']} 4-bit ones run W4A8" in said["note"], said["note"]
     assert said["choices"]["w4a8"] > 0 and said["choices"]["dequantized"] == 0
     assert 0 < said["rel"] < 0.05, said  # the input's and the products' E4M3 roundings, nothing more
     assert said["compiled"] and said["traced"] == 0, said  # opaque: their forward decides per call
