@@ -5,7 +5,7 @@ ComfyUI runs), whichever measured faster for the call's shape on this GPU; calls
 ``MAX_ROWS`` rows take the dequantized path untimed.
 
 The choice is made by timing both on the first eager call of each shape (CUDA events, a warm call
-then the best of three each); a call inside a CUDA-graph capture never times - it takes W4A8
+then three each); a call inside a CUDA-graph capture never times - it takes W4A8
 where no choice was made yet (the graph runtime warms up eagerly first, so it rarely has to).
 Compiled blocks leave these layers opaque (their forward decides per call, as here).
 """
@@ -71,19 +71,17 @@ def forward(module, x):
 
 
 def _faster(a, b, reps: int = 3) -> bool:
-    """Whether ``a()`` runs faster than ``b()`` on the current CUDA stream (best of ``reps``)."""
-    def best(fn):
+    """Whether ``a()`` runs faster than ``b()`` on the current CUDA stream (``reps`` calls each)."""
+    def took(fn):
         fn()  # warm: Triton's compilation, cuBLAS's heuristics
-        times = []
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
             fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return min(times)
-    return best(a) < best(b)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    return took(a) < took(b)
 
 
 def count(diffusion_model) -> int:
