@@ -7,7 +7,7 @@ E2M1 values a byte, an E4M3 scale per 16, kitchen's layout), expands each tile i
 E4M3 - the E2M1 value times its block's scale, times a power of two that keeps the largest product
 in range - and multiplies it with the input rounded to E4M3 with one scale per row (token), summing
 in fp32; the row's scale and the weight's per-tensor factors are applied once to the sum.  The
-input's scale is its row's largest value, found when the layer runs (``quantize_rows``: one pass,
+input's scale is its row's largest value, found when the layer runs (``quantize_rows``: one kernel,
 as nvfp4's own input scale is found when it runs on Blackwell unless a file stores a static one):
 a row, not the tensor, because a token's values share a scale best with each other.
 
@@ -115,7 +115,8 @@ def linear(xq, scale_x, qdata, scale_2, block_scale, bias=None, out_dtype=torch.
 
 def quantize_rows(x: torch.Tensor) -> tuple:
     """``x`` [M, K] (16-bit, contiguous) rounded to E4M3 with one scale per row (its largest
-    magnitude / 448): (xq [M, K], scale [M] float32), in one kernel that reads ``x`` once."""
+    magnitude / 448): (xq [M, K], scale [M] float32), in one kernel (each row read twice, the
+    second time from L2)."""
     m, k = x.shape
     xq = torch.empty(m, k, device=x.device, dtype=E4M3)
     scale = torch.empty(m, device=x.device, dtype=torch.float32)
