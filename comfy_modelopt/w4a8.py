@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 
 import torch
-from comfy_kitchen.float_utils import from_blocked
+from comfy_kitchen.float_utils import fp4_x2_to_f32, from_blocked
 
 try:  # Triton comes with CUDA builds of torch on Linux; without it nvfp4 stays dequantized
     import triton
@@ -52,15 +52,11 @@ MULT = 0.125
 
 def weight_e4m3(qdata: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
     """The E4M3 weight [N, K] the kernel multiplies, in torch operations: each E2M1 value of
-    ``qdata`` [N, K/2] (kitchen's packing: the even element in the high nibble) times its block's
+    ``qdata`` [N, K/2] (decoded by kitchen: the even element in the high nibble) times its block's
     scale (``block_scale``, cuBLAS's tiled layout, unswizzled with kitchen's ``from_blocked``) times
     ``MULT``, rounded to E4M3."""
     n, k = qdata.shape[0], qdata.shape[1] * 2
-    codes = torch.stack([qdata >> 4, qdata & 15], dim=-1).reshape(n, k).to(torch.int32)
-    mag = codes & 7
-    e, m = mag >> 1, (mag & 1).float()  # E2M1: m/2 at exponent 0, (1 + m/2) 2^(e-1) above
-    value = torch.where(e == 0, m * 0.5, (1 + m * 0.5) * torch.exp2((e - 1).float()))
-    value = torch.where(codes >= 8, -value, value)
+    value = fp4_x2_to_f32(qdata.contiguous())  # kitchen's decoding, high nibble first
     scales = from_blocked(block_scale.view(E4M3), num_rows=n, num_cols=k // BLOCK).float() * MULT
     return (value.reshape(n, k // BLOCK, BLOCK) * scales.unsqueeze(-1)).reshape(n, k).to(E4M3)
 

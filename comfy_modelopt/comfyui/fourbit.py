@@ -46,15 +46,11 @@ def _w4a8(module, x2):
     return w4a8.linear(xq, scale, w._qdata, w._params.scale, w._params.block_scale, bias_of(module, x2), x2.dtype)
 
 
-def _dequantized(module, x):
-    """Stock ComfyUI's computation of the layer before Blackwell."""
-    return torch.nn.functional.linear(x, module.weight.dequantize().to(x.dtype), bias_of(module, x))
-
-
-def forward(module, x):
-    """The lean forward of an nvfp4 layer ``usable`` found W4A8 for."""
+def forward(module, x, dequantized):
+    """The lean forward of an nvfp4 layer ``usable`` found W4A8 for; ``dequantized(module, x)``:
+    stock ComfyUI's computation of the layer before Blackwell (``lean``'s)."""
     if x.numel() > MAX_ROWS * x.shape[-1]:
-        return _dequantized(module, x)
+        return dequantized(module, x)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     key = (x2.shape[0], module.weight._qdata.shape[0], x2.shape[1], x2.dtype, x2.device)
     use = _CHOICE.get(key)
@@ -63,9 +59,9 @@ def forward(module, x):
             use = True
         else:
             # on a CPU only Triton's interpreter gets here (tests): nothing to time
-            use = _CHOICE[key] = not x2.is_cuda or _faster(lambda: _w4a8(module, x2), lambda: _dequantized(module, x2))
+            use = _CHOICE[key] = not x2.is_cuda or _faster(lambda: _w4a8(module, x2), lambda: dequantized(module, x2))
     if not use:
-        return _dequantized(module, x)
+        return dequantized(module, x)
     out = _w4a8(module, x2)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -88,9 +84,3 @@ def count(diffusion_model) -> int:
     """How many layers of ``diffusion_model`` run ``forward``."""
     return sum(1 for m in diffusion_model.modules()
                if getattr(m.__dict__.get(ATTR), "lean_kernel", None) == ("w4a8",))
-
-
-def choices() -> dict:
-    """How many timed shapes took each path: {"w4a8": n, "dequantized": m}."""
-    picked = list(_CHOICE.values())
-    return {"w4a8": sum(picked), "dequantized": len(picked) - sum(picked)}

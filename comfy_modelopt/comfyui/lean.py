@@ -355,7 +355,7 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
             fast, kind = _int8_forward, ("int8",)
         elif (full_precision and not getattr(module, "_full_precision_mm_config", False) and cache is None
               and getattr(FORMATS.get(fmt), "lean_emulated", "") == "w4a8" and fourbit.usable(module, device)):
-            fast, kind = fourbit.forward, ("w4a8",)  # measured per shape against the next branch
+            fast, kind = (lambda m, x: fourbit.forward(m, x, _dequant_forward)), ("w4a8",)  # timed against it
         elif full_precision:
             fast = lambda m, x, c=cache: _dequant_forward(m, x, c)  # noqa: E731
             dequantized += module.weight.numel()
