@@ -282,8 +282,9 @@ W4A8_CONFIGS = ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 128, 8, 3
 def w4a8_gemms(results: dict, rows_per_call=(1, 512, 4096, 4608)):
     """An nvfp4 layer's ways on this GPU, per Flux shape: the 16-bit GEMM, fp8 (kitchen's input
     rounding + _scaled_mm), nvfp4 dequantized (kitchen's dequantization + 16-bit GEMM: stock
-    ComfyUI before Blackwell) and W4A8 (the rows' rounding + the kernel: its default tile and the
-    best of W4A8_CONFIGS), each output against the 16-bit one of the nvfp4 weight."""
+    ComfyUI before Blackwell) and W4A8 (the rows' rounding + the one kernel: its default tile and the
+    best of W4A8_CONFIGS; + the expanded way, and its expansion alone), each output against the
+    16-bit one of the nvfp4 weight."""
     import comfy_kitchen as ck
     from comfy_modelopt import w4a8
     rows = []
@@ -307,19 +308,26 @@ def w4a8_gemms(results: dict, rows_per_call=(1, 512, 4096, 4608)):
             run = lambda c=None: w4a8.linear(*w4a8.quantize_rows(x), q, g, bs, None, torch.bfloat16,  # noqa: E731
                                              config=c)
             times["w4a8"] = common.time_ms(run, 5, 20)[0]
+            times["expanded"] = common.time_ms(lambda: w4a8.linear_expanded(*w4a8.quantize_rows(x), q, g, bs, None,
+                                                                            torch.bfloat16), 5, 20)[0]
+            times["expand alone"] = common.time_ms(lambda: w4a8.expand(q, bs), 5, 20)[0]
             best = min(W4A8_CONFIGS, key=lambda c: common.time_ms(lambda: run(c), 3, 10)[0])
             times["w4a8 best"] = common.time_ms(lambda: run(best), 5, 20)[0]
             err = float((run().float() - ref.float()).norm() / ref.float().norm())
+            err_x = float((w4a8.linear_expanded(*w4a8.quantize_rows(x), q, g, bs, None, torch.bfloat16).float()
+                           - ref.float()).norm() / ref.float().norm())
             row = {"m": m, "n": n, "k": k, "ms": {key: round(t, 4) for key, t in times.items()},
                    "w4a8_vs_16bit": round(times["16-bit"] / times["w4a8"], 3),
                    "w4a8_vs_dequantized": round(times["dequantized"] / times["w4a8"], 3),
+                   "expanded_vs_16bit": round(times["16-bit"] / times["expanded"], 3),
+                   "fastest_4bit_way": min(("w4a8", "expanded", "dequantized"), key=times.get),
                    "best_config": best, "default_config": w4a8.pick_config(m, n, k),
-                   "w4a8_rel_err_vs_nvfp4_16bit": round(err, 5),
+                   "w4a8_rel_err_vs_nvfp4_16bit": round(err, 5), "expanded_rel_err_vs_nvfp4_16bit": round(err_x, 5),
                    "resident_vs_16bit": round((q.numel() + bs.numel()) / (2 * n * k), 4)}
             rows.append(row)
             print(f"  {m:5d}x{k:5d}x{n:5d}  " + "  ".join(f"{key} {t:.3f}" for key, t in times.items())
                   + f"  ms | W4A8 {row['w4a8_vs_16bit']}x 16-bit, {row['w4a8_vs_dequantized']}x dequantized, "
-                  f"best {best}, err {err:.4f}", flush=True)
+                  f"expanded {row['expanded_vs_16bit']}x 16-bit, best {best}, err {err:.4f} / {err_x:.4f}", flush=True)
     results["w4a8"] = rows
 
 

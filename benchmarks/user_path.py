@@ -64,7 +64,8 @@ ap.add_argument("--yardstick", nargs="?", const="auto", default=None, choices=("
 ap.add_argument("--cpu-tiny", action="store_true", help="CPU smoke test with tiny configs")
 ap.add_argument("--vram-gib", type=float, default=0.0,
                 help="a smaller card: ComfyUI plans its loads for this many GiB (its --reserve-vram takes the rest) and torch "
-                     "allocates no more (its per-process fraction) - models that do not fit are streamed, as on such a card")
+                     "allocates no more (its per-process fraction) - models that do not fit are streamed, as on such a card; "
+                     "with --fresh-load only the fresh process's (quantized elsewhere, loaded and sampled on the small card)")
 ap.add_argument("--then-runtime", action="append", default=[], metavar="LABEL",
                 help="after the node's runs, the same quantized model under this graph runtime too (repeatable; "
                      "its CUDA-graph runner replaced, as the CUDA Graphs node does): side-by-side first runs")
@@ -102,7 +103,7 @@ from comfy.cli_args import args as cargs
 if A.cpu_tiny:
     cargs.cpu = True
 import torch
-if A.vram_gib:
+if A.vram_gib and (A.load_file or not A.fresh_load):  # with --fresh-load: the fresh process's budget only
     _total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     cargs.reserve_vram = max(0.0, _total_gib - A.vram_gib)
     torch.cuda.set_per_process_memory_fraction(min(1.0, A.vram_gib / _total_gib))
@@ -309,7 +310,7 @@ def fresh_load(path):
     sub = os.path.join(A.out, "fresh")
     cmd = [sys.executable, os.path.abspath(__file__), "--load-file", path, "--out", sub, "--model", A.model,
            "--format", A.format, "--runs", str(A.runs), "--steps", str(A.steps), "--lora", str(A.lora)]
-    cmd += ["--cpu-tiny"] * A.cpu_tiny + ["--log-info"] * A.log_info
+    cmd += ["--cpu-tiny"] * A.cpu_tiny + ["--log-info"] * A.log_info + ["--vram-gib", str(A.vram_gib)] * bool(A.vram_gib)
     log("fresh process: " + " ".join(cmd))
     subprocess.run(cmd, check=True)
     with open(next(os.path.join(sub, f) for f in os.listdir(sub) if f.endswith(".json"))) as f:

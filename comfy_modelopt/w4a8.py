@@ -15,14 +15,16 @@ Against the dequantized path it adds two roundings: the input to E4M3 and each w
 2+4 significant bits to E4M3's 4 (at most 2^-4 of that weight).  The file is the stock nvfp4
 file: only the runtime changes, and Blackwell still computes it natively.
 
-The kernel reads the weight's tensors as ComfyUI holds them (the block scales in cuBLAS's tiled
-layout too): nothing is copied or kept beside them.  ``reference`` is its arithmetic in torch
-operations (the oracle of the tests, with kitchen's ``from_blocked``); ``linear`` runs it.
-
-Measured on Hopper (docs/benchmarks.md): expanding each weight in registers costs more issue
-slots than the fp8 MMA saves on a compute-bound product, so W4A8 is slower than the dequantized
-path from a few hundred rows on; it wins where the product is a matrix-vector one (one row per
-sample: modulation and embedding layers), reading a quarter of the bytes.
+The kernels read the weight's tensors as ComfyUI holds them (the block scales in cuBLAS's tiled
+layout too): nothing is copied or kept beside them.  Two ways to the product: ``linear``, one
+kernel that expands each weight tile in registers (it reads a quarter of the bytes: the way for
+few rows, where the product is bound by reading the weight), and ``linear_expanded``, which
+expands the whole weight to E4M3 once (``expand``) into a buffer that lives for the call and runs
+torch's fp8 GEMM (the way for many rows: in Triton the expansion in registers takes more issue
+slots than the fp8 MMA saves, and ``linear`` pays it once per tile of rows).  ``reference`` is
+their arithmetic in torch operations (the oracle of the tests, with kitchen's ``from_blocked``).
+Which is faster is measured per shape (``comfyui/fourbit``; docs/benchmarks.md, "4-bit weights on
+8-bit tensor cores").
 """
 from __future__ import annotations
 
@@ -109,6 +111,36 @@ def linear(xq, scale_x, qdata, scale_2, block_scale, bias=None, out_dtype=torch.
     return out
 
 
+def expand(qdata: torch.Tensor, block_scale: torch.Tensor, config: tuple = (64, 256, 4)) -> torch.Tensor:
+    """``weight_e4m3`` in one kernel: the E4M3 weight [N, K] (1 byte a weight, read from the 4-bit
+    one as stored).  ``config``: (rows, columns, warps) of a program's tile."""
+    n, k = qdata.shape[0], qdata.shape[1] * 2
+    out = torch.empty(n, k, device=qdata.device, dtype=E4M3)
+    bn, bk, warps = config
+    _expand_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+        qdata, block_scale.view(torch.uint8), out, n, k, triton.cdiv(k // BLOCK, 4), qdata.stride(0), out.stride(0),
+        BN=bn, BK=bk, num_warps=warps)
+    return out
+
+
+def linear_expanded(xq, scale_x, qdata, scale_2, block_scale, bias=None, out_dtype=torch.bfloat16,
+                    fast_accum: bool = True):
+    """``linear``'s product another way, for many rows: the weight expanded to E4M3 by ``expand``
+    into a buffer that lives for the call (half the 16-bit weight's bytes: the dequantized path's
+    holds all of them), then torch's fp8 GEMM with a scale per row of the input and one for the
+    weight.  The expansion is paid once per call, not once per tile of rows as in ``linear``.
+    Torch's row-scaled fp8 GEMM writes bf16 (its CUTLASS kernel): another ``out_dtype`` is a cast.
+    ``fast_accum``: Hopper's fast fp8 accumulation (its error is a small fraction of the E4M3
+    roundings' - docs/benchmarks.md, "4-bit weights on 8-bit tensor cores")."""
+    n = qdata.shape[0]
+    scale_b = (scale_2.float().reshape(1, 1) * (1.0 / MULT)).expand(1, n).contiguous()
+    if bias is not None:
+        bias = bias.to(torch.bfloat16)
+    out = torch._scaled_mm(xq, expand(qdata, block_scale).t(), scale_a=scale_x.float().reshape(-1, 1),
+                           scale_b=scale_b, bias=bias, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+
+
 def quantize_rows(x: torch.Tensor) -> tuple:
     """``x`` [M, K] (16-bit, contiguous) rounded to E4M3 with one scale per row (its largest
     magnitude / 448): (xq [M, K], scale [M] float32), in one kernel (each row read twice, the
@@ -134,6 +166,37 @@ def pick_config(m: int, n: int, k: int) -> tuple:
 
 if triton is not None:
     @triton.jit
+    def _weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, NCB, stride_w, BN: tl.constexpr, BK: tl.constexpr):
+        """The E4M3 tile [BN, BK] of ``weight_e4m3`` from column ``k0``, read from the
+        weight as stored."""
+        offs_h = tl.arange(0, BK // 2)
+        offs_s = tl.arange(0, BK // 16)
+        # a block scale's place in cuBLAS's tiled layout (kitchen's to_blocked): tiles of 128 rows x
+        # 4 blocks, 512 bytes each, row r at (r % 32) * 16 + (r // 32 % 4) * 4 within its tile
+        row_part = (offs_n // 128) * NCB * 512 + (offs_n % 32) * 16 + (offs_n // 32 % 4) * 4
+        packed = tl.load(w_ptr + offs_n[:, None] * stride_w + (k0 // 2 + offs_h)[None, :],
+                         mask=(offs_n[:, None] < N) & ((k0 // 2 + offs_h)[None, :] < K // 2), other=0)
+        kb = k0 // 16 + offs_s
+        sb = tl.load(s_ptr + row_part[:, None] + ((kb // 4) * 512 + kb % 4)[None, :],
+                     mask=(offs_n[:, None] < N) & (kb[None, :] < K // 16), other=0)
+        codes = tl.interleave(packed >> 4, packed & 15).to(tl.uint16)  # even elements: high nibble
+        # an E2M1 code's bits placed in a float16's (sign 15, exponent+mantissa 11..9) are its
+        # value x 2^-14 exactly, subnormal codes included
+        half = (((codes & 7) << 9) | ((codes & 8) << 12)).to(tl.float16, bitcast=True)
+        block = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (0.125 * 16384.0)  # MULT, 2^14
+        w = tl.reshape(half.to(tl.float32), (BN, BK // 16, 16)) * block[:, :, None]
+        return tl.reshape(w, (BN, BK)).to(tl.float8e4nv)
+
+    @triton.jit
+    def _expand_kernel(w_ptr, s_ptr, out_ptr, N, K, NCB, stride_w, stride_o, BN: tl.constexpr, BK: tl.constexpr):
+        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        k0 = tl.program_id(1) * BK
+        offs_k = k0 + tl.arange(0, BK)
+        w = _weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, NCB, stride_w, BN, BK)
+        tl.store(out_ptr + offs_n[:, None] * stride_o + offs_k[None, :], w,
+                 mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
+
+    @triton.jit
     def _kernel(x_ptr, w_ptr, s_ptr, out_ptr, bias_ptr, sx_ptr, s2_ptr, M, N, K, NCB, stride_x, stride_w, stride_o,
                 HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 GROUP_M: tl.constexpr):
@@ -147,27 +210,11 @@ if triton is not None:
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, BK)
-        offs_h = tl.arange(0, BK // 2)
-        offs_s = tl.arange(0, BK // 16)
-        # a block scale's place in cuBLAS's tiled layout (kitchen's to_blocked): tiles of 128 rows x
-        # 4 blocks, 512 bytes each, row r at (r % 32) * 16 + (r // 32 % 4) * 4 within its tile
-        row_part = (offs_n // 128) * NCB * 512 + (offs_n % 32) * 16 + (offs_n // 32 % 4) * 4
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             x = tl.load(x_ptr + offs_m[:, None] * stride_x + (k0 + offs_k)[None, :],
                         mask=(offs_m[:, None] < M) & ((k0 + offs_k)[None, :] < K), other=0.0)
-            packed = tl.load(w_ptr + offs_n[:, None] * stride_w + (k0 // 2 + offs_h)[None, :],
-                             mask=(offs_n[:, None] < N) & ((k0 // 2 + offs_h)[None, :] < K // 2), other=0)
-            kb = k0 // 16 + offs_s
-            sb = tl.load(s_ptr + row_part[:, None] + ((kb // 4) * 512 + kb % 4)[None, :],
-                         mask=(offs_n[:, None] < N) & (kb[None, :] < K // 16), other=0)
-            codes = tl.interleave(packed >> 4, packed & 15).to(tl.uint16)  # even elements: high nibble
-            # an E2M1 code's bits placed in a float16's (sign 15, exponent+mantissa 11..9) are its
-            # value x 2^-14 exactly, subnormal codes included
-            half = (((codes & 7) << 9) | ((codes & 8) << 12)).to(tl.float16, bitcast=True)
-            block = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (0.125 * 16384.0)  # MULT, 2^14
-            w = tl.reshape(half.to(tl.float32), (BN, BK // 16, 16)) * block[:, :, None]
-            w = tl.reshape(w, (BN, BK)).to(tl.float8e4nv)
+            w = _weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, NCB, stride_w, BN, BK)
             acc = tl.dot(x, tl.trans(w), acc)
         sx = tl.load(sx_ptr + offs_m, mask=offs_m < M, other=0.0)
         acc = acc * (sx[:, None] * (tl.load(s2_ptr) * 8.0))  # 1 / MULT

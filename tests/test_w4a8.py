@@ -73,7 +73,7 @@ def test_usable_only_where_fp8_tensor_cores_meet_no_native_nvfp4(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU's check (the GPU test below runs the compiled kernel)")
-def test_kernel_computes_the_reference_in_the_interpreter():
+def test_kernels_compute_the_reference_in_the_interpreter():
     pytest.importorskip("triton", reason="Triton is not installed (requirements-test.txt pins it)")
     script = textwrap.dedent("""
         import torch
@@ -96,6 +96,9 @@ def test_kernel_computes_the_reference_in_the_interpreter():
             xq, sx = w4a8.quantize_rows(x)
             want_q, want_s = w4a8.rows_reference(x)
             assert torch.equal(sx, want_s) and torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
+            # the whole weight expanded to E4M3 (the expanded way's first step) is weight_e4m3's
+            got_w, want_w = w4a8.expand(qdata, block_scale), w4a8.weight_e4m3(qdata, block_scale)
+            assert torch.equal(got_w.view(torch.uint8), want_w.view(torch.uint8)), (n, k)
             x = (torch.randn(m, k) * torch.rand(m, 1) * 3).bfloat16()
             xq, sx = w4a8.rows_reference(x)
             for bias in (torch.randn(n).bfloat16(), None):
@@ -104,6 +107,10 @@ def test_kernel_computes_the_reference_in_the_interpreter():
                     out = w4a8.linear(xq, sx, qdata, s2, block_scale, bias, torch.float32, config=config)
                     err = float((out - ref).abs().max() / ref.abs().max())
                     assert err < 1e-5, (n, k, m, config, err)
+                for dtype in (torch.bfloat16, torch.float16):  # torch's row-scaled GEMM writes bf16
+                    out = w4a8.linear_expanded(xq, sx, qdata, s2, block_scale, bias, dtype)
+                    err = float((out.float() - ref).abs().max() / ref.abs().max())
+                    assert out.dtype == dtype and err < 4e-3, (n, k, m, dtype, err)
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -114,7 +121,7 @@ def test_kernel_computes_the_reference_in_the_interpreter():
 @pytest.mark.skipif(not (torch.cuda.is_available() and w4a8.usable(torch.device("cuda"))),
                     reason="the kernel runs on a CUDA GPU with fp8 tensor cores before Blackwell (the GPU machine)")
 @pytest.mark.parametrize("m", [1, 77, 4096])
-def test_kernel_computes_the_reference_on_a_gpu(m):
+def test_kernels_compute_the_reference_on_a_gpu(m):
     n, k = 3072, 3072
     _w, qdata, scale, block_scale = _kitchen_nvfp4(n, k)
     dev = torch.device("cuda")
@@ -127,3 +134,8 @@ def test_kernel_computes_the_reference_on_a_gpu(m):
     ref = w4a8.reference(xq, sx, qdata, scale, block_scale, bias, torch.float32)
     out = w4a8.linear(xq, sx, qdata, scale, block_scale, bias, torch.bfloat16).float()
     assert float((out - ref).norm() / ref.norm()) < 4e-3  # bf16 output rounding; the sums' order
+    assert torch.equal(w4a8.expand(qdata, block_scale).view(torch.uint8),
+                       w4a8.weight_e4m3(qdata, block_scale).view(torch.uint8))
+    for dtype in (torch.bfloat16, torch.float16):
+        out = w4a8.linear_expanded(xq, sx, qdata, scale, block_scale, bias, dtype)
+        assert out.dtype == dtype and float((out.float() - ref).norm() / ref.norm()) < 4e-3, dtype

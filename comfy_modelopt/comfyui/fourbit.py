@@ -1,25 +1,29 @@
 """nvfp4 layers on 8-bit tensor cores before Blackwell (``w4a8``): the lean forward that rounds
-the input to E4M3 at one scale per row and runs the W4A8 kernel on the weight as
-ComfyUI holds it - or the dequantized path (kitchen's dequantization + one 16-bit GEMM, what stock
-ComfyUI runs), whichever measured faster for the call's shape on this GPU; calls of more than
-``MAX_ROWS`` rows take the dequantized path untimed.
+the input to E4M3 at one scale per row and multiplies it on fp8 tensor cores with the weight as
+ComfyUI holds it - in one kernel that expands the 4-bit weight tile by tile (``w4a8.linear``: for
+few rows), or by expanding the whole weight to E4M3 for the call and running torch's fp8 GEMM
+(``w4a8.linear_expanded``: for many) - or the dequantized path (kitchen's dequantization + one
+16-bit GEMM, what stock ComfyUI runs), whichever measured fastest for the call's shape on this GPU.
 
-The choice is made by timing both on the first eager call of each shape (CUDA events, a warm call
-then three each); a call inside a CUDA-graph capture never times - it takes W4A8
-where no choice was made yet (the graph runtime warms up eagerly first, so it rarely has to).
-Compiled blocks leave these layers opaque (their forward decides per call, as here).
+The choice is made by timing the ways on the first eager call of each shape (CUDA events, a warm
+call then three each; a way this torch cannot run is left out), and logged (INFO) with the times.  A call inside a CUDA-graph capture
+never times: a shape not timed yet takes ``untimed``'s way (the graph runtime warms up eagerly
+first, so it rarely has to).  Compiled blocks leave these layers opaque (their forward decides
+per call, as here).
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from .. import w4a8
 from .records import ATTR
 
-_CHOICE: dict = {}  # (rows, N, K, dtype, device) -> True where W4A8 measured faster
-# more rows than this go the dequantized way untimed: W4A8 measured slower from a few thousand rows
-# on every Flux shape (docs/benchmarks.md, "4-bit weights on 8-bit tensor cores") - no kernel to
-# compile, nothing to time
+_CHOICE: dict = {}  # (rows, N, K, dtype, device) -> the way that measured fastest
+# the one-kernel way is timed up to this many rows: it re-expands the weight for every tile of rows,
+# and from a few thousand rows on it measured slower than both others on every Flux shape
+# (docs/benchmarks.md, "4-bit weights on 8-bit tensor cores") - no kernel to compile for them
 MAX_ROWS = 1024
 
 
@@ -40,44 +44,65 @@ def bias_of(module, x):
     return b if b is None or (b.dtype == x.dtype and b.device == x.device) else b.to(device=x.device, dtype=x.dtype)
 
 
-def _w4a8(module, x2):
+_LINEAR = {"one kernel": w4a8.linear, "expanded": w4a8.linear_expanded}
+
+
+def _product(module, x2, way: str):
     w = module.weight
     xq, scale = w4a8.quantize_rows(x2)
-    return w4a8.linear(xq, scale, w._qdata, w._params.scale, w._params.block_scale, bias_of(module, x2), x2.dtype)
+    return _LINEAR[way](xq, scale, w._qdata, w._params.scale, w._params.block_scale, bias_of(module, x2), x2.dtype)
+
+
+def _ways(module, x2, dequantized) -> dict:
+    ways = {"expanded": lambda: _product(module, x2, "expanded"), "dequantized": lambda: dequantized(module, x2)}
+    if x2.shape[0] <= MAX_ROWS:
+        ways["one kernel"] = lambda: _product(module, x2, "one kernel")
+    return ways
+
+
+def untimed(rows: int) -> str:
+    """The way of a shape that was not timed (a CUDA-graph capture; Triton's interpreter on a CPU)."""
+    return "one kernel" if rows <= MAX_ROWS else "expanded"
 
 
 def forward(module, x, dequantized):
     """The lean forward of an nvfp4 layer ``usable`` found W4A8 for; ``dequantized(module, x)``:
     stock ComfyUI's computation of the layer before Blackwell (``lean``'s)."""
-    if x.numel() > MAX_ROWS * x.shape[-1]:
-        return dequantized(module, x)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     key = (x2.shape[0], module.weight._qdata.shape[0], x2.shape[1], x2.dtype, x2.device)
-    use = _CHOICE.get(key)
-    if use is None:
-        if x2.is_cuda and torch.cuda.is_current_stream_capturing():
-            use = True
+    way = _CHOICE.get(key)
+    if way is None:
+        if not x2.is_cuda or torch.cuda.is_current_stream_capturing():
+            way = untimed(x2.shape[0])  # on a CPU only Triton's interpreter gets here (tests)
         else:
-            # on a CPU only Triton's interpreter gets here (tests): nothing to time
-            use = _CHOICE[key] = not x2.is_cuda or _faster(lambda: _w4a8(module, x2), lambda: dequantized(module, x2))
-    if not use:
+            took = _timed(_ways(module, x2, dequantized))
+            way = _CHOICE[key] = min(took, key=took.get)
+            logging.info(f"[comfy-modelopt] W4A8: {key[0]} rows x {key[2]} -> {key[1]} runs {way} ("
+                         + ", ".join(f"{name} {ms:.3f} ms" for name, ms in took.items()) + ")")
+    if way == "dequantized":
         return dequantized(module, x)
-    out = _w4a8(module, x2)
+    out = _product(module, x2, way)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _faster(a, b, reps: int = 3) -> bool:
-    """Whether ``a()`` runs faster than ``b()`` on the current CUDA stream (``reps`` calls each)."""
-    def took(fn):
-        fn()  # warm: Triton's compilation, cuBLAS's heuristics
+def _timed(ways: dict, reps: int = 3) -> dict:
+    """Milliseconds a call of each of ``ways`` (name -> call) on the current CUDA stream (``reps``
+    calls after a warm one); a way that raises is left out (the dequantized one is stock ComfyUI's)."""
+    took = {}
+    for name, fn in ways.items():
+        try:
+            fn()  # warm: Triton's compilation, cuBLAS's heuristics
+        except RuntimeError as e:
+            logging.info(f"[comfy-modelopt] W4A8: the {name} way cannot run here ({e})")
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(reps):
             fn()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end)
-    return took(a) < took(b)
+        took[name] = start.elapsed_time(end) / reps
+    return took
 
 
 def count(diffusion_model) -> int:

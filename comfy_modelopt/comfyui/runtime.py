@@ -99,7 +99,7 @@ def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.
     note = f"runtime: lean ({n} quantized layers on direct kernel calls"
     w4 = fourbit.count(patcher.model.diffusion_model)
     note += (f"; {w4} 4-bit ones run W4A8 - fp8 tensor cores on the 4-bit weights - for the shapes where it "
-             "times faster than dequantizing: one-row products)" if w4 else ")")
+             "times faster than dequantizing)" if w4 else ")")
     if patcher.is_dynamic():  # ComfyUI pages each layer's weight in through its cast path: not lean
         note = (f"runtime: lean set on {n} quantized layers, but ComfyUI loads this model with dynamic VRAM "
                 "(over half the GPU), whose weights its own layers page in - they run as stock ComfyUI runs them")
@@ -301,9 +301,9 @@ def gpu_note(fmt_name: str) -> str:
     native = (f"{fmt_name}: needs SM {fmt.native_sm[0]}.{fmt.native_sm[1]}+ to run natively; "
               f"on this GPU (SM {sm[0]}.{sm[1]}) ")
     if fmt.lean_emulated == "w4a8" and w4a8.usable(dev):
-        return native + ("ComfyUI dequantizes it on every step (smaller, not faster); a lean runtime runs its "
-                         "one-row products (modulation, embeddings) on the fp8 tensor cores from the 4-bit weights "
-                         "(W4A8) where that times faster")
+        return native + ("ComfyUI dequantizes it on every step (smaller, not faster); a lean runtime computes it "
+                         "on the fp8 tensor cores from the 4-bit weights (W4A8: inputs rounded to fp8 per token) "
+                         "for the shapes where that times faster")
     return native + "ComfyUI dequantizes it on every step: smaller, not faster"
 
 

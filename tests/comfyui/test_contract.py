@@ -579,6 +579,10 @@ def test_nvfp4_layers_run_w4a8_where_it_can(source):
         ref = run(comfy.sd.load_diffusion_model({out!r}))
         patcher, note = apply_runtime(ownloader.load_file({out!r}), "lean")
         got = run(patcher)
+        choices = list(fourbit._CHOICE.values())
+        fourbit.MAX_ROWS, fourbit._CHOICE = 0, {{}}  # every call too many rows for the one-kernel way
+        got_expanded = run(patcher)
+        expanded_choices = list(fourbit._CHOICE.values())
         layers = [m for m in patcher.model.diffusion_model.modules() if getattr(m, "quant_format", None)]
         # compiled blocks around the W4A8 layers (opaque), checked against eager
         from comfy_modelopt.comfyui import traced_layers
@@ -600,7 +604,9 @@ def test_nvfp4_layers_run_w4a8_where_it_can(source):
         traced = kinds.count("w4a8")
         print(json.dumps({{"layers": len(layers), "w4a8": fourbit.count(patcher.model.diffusion_model),
                           "note": note, "rel": float((got - ref).norm() / ref.norm()),
-                          "choices": list(fourbit._CHOICE.values()), "compiled": bool(ok), "reason": cb.reason,
+                          "rel_expanded": float((got_expanded - ref).norm() / ref.norm()),
+                          "choices": choices, "expanded_choices": expanded_choices,
+                          "compiled": bool(ok), "reason": cb.reason,
                           "traced": traced, "compiled_rel": cb.checks[-1]["rel_l2"] if cb.checks else None}}))
     """)
     env = dict(os.environ, **({} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}))
@@ -609,9 +615,12 @@ def test_nvfp4_layers_run_w4a8_where_it_can(source):
     said = json.loads(run.stdout.strip().splitlines()[-1])
     assert said["layers"] > 0 and said["w4a8"] == said["layers"], said
     assert f"{said['layers']} 4-bit ones run W4A8" in said["note"], said["note"]
-    if torch.cuda.is_available():  # each shape timed: either path may win at these small shapes
-        assert said["choices"]
-    else:  # the interpreter: nothing to time
-        assert said["choices"] and all(said["choices"])
-    assert 0 < said["rel"] < 0.05, said  # the input's and the products' E4M3 roundings, nothing more
+    if torch.cuda.is_available():  # each shape timed: any way may win at these small shapes
+        assert said["choices"] and set(said["choices"]) <= {"one kernel", "expanded", "dequantized"}, said
+        assert said["expanded_choices"] and set(said["expanded_choices"]) <= {"expanded", "dequantized"}, said
+    else:  # the interpreter: nothing timed, the one-kernel way then (MAX_ROWS = 0) the expanded one
+        assert said["choices"] == said["expanded_choices"] == [], said
+        assert said["rel_expanded"] > 0, said  # 0 would be the dequantized path
+    # the input's and the products' E4M3 roundings, nothing more (0 would be the dequantized path)
+    assert 0 < said["rel"] < 0.05 and said["rel_expanded"] < 0.05, said
     assert said["compiled"] and said["traced"] == 0, said  # opaque: their forward decides per call
