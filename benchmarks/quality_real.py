@@ -155,21 +155,32 @@ DEQUANTIZED_VARIANTS = [
 # nvfp4 as this pack's runtime computes it on Ada/Hopper (comfy_modelopt/w4a8.py): the stored 4-bit
 # weight expanded to E4M3, the input rounded to E4M3 per row - the kernel's arithmetic in torch
 # operations (``w4a8.reference``, the oracle its GPU test holds the kernel to)
+# (and on Turing/Ampere: the weight expanded to int8, kitchen's int8 linear - ``w4a8.linear_int8``
+# on ``w4a8.weight_int8``, what its kernel computes bit for bit)
 W4A8 = "W4A8 (Ada/Hopper, the pack's runtime): "
-W4A8_VARIANTS = [(fmt, W4A8 + name.removeprefix(DEQUANTIZED), fields, stats)
+W4A8_INT8 = "W4A8 int8 (Turing/Ampere, the pack's runtime): "
+W4A8_VARIANTS = [(fmt, prefix + name.removeprefix(DEQUANTIZED), fields, stats)
+                 for prefix in (W4A8, W4A8_INT8)
                  for fmt, name, fields, stats in DEQUANTIZED_VARIANTS if "own loader" not in name]
 
 
-def w4a8_layers(q) -> None:
-    """Each nvfp4 layer of ``q`` computed as the W4A8 kernel computes it."""
+def w4a8_layers(q, int8: bool = False) -> None:
+    """Each nvfp4 layer of ``q`` computed as the W4A8 kernels compute it (``int8``: the int8 way)."""
     from comfy_modelopt import w4a8
     from comfy_modelopt.modules import QuantLinear
 
     def forward(self, x):
         w = self.weight
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # the 16-bit input a GPU rounds
-        out = w4a8.reference(*w4a8.rows_reference(x2), w._qdata, w._params.scale, w._params.block_scale,
-                             self.bias, torch.float32)
+        if int8 and x2.shape[0] < w4a8.INT8_MIN_ROWS:  # the runtime computes these dequantized
+            out = torch.nn.functional.linear(x2.float(), w.dequantize().float(),
+                                             None if self.bias is None else self.bias.float())
+        elif int8:
+            out = w4a8.linear_int8(x2, w._qdata, w._params.scale, w._params.block_scale, self.bias, torch.float32,
+                                   expand=w4a8.weight_int8)
+        else:
+            out = w4a8.reference(*w4a8.rows_reference(x2), w._qdata, w._params.scale, w._params.block_scale,
+                                 self.bias, torch.float32)
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
     for m in q.modules():
         if isinstance(m, QuantLinear) and m.fmt.lean_emulated == "w4a8" and not m.full_precision:
@@ -455,8 +466,8 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
         q = quantize_module(model, Recipe(**{"format": fmt, **fields}), given, native=native)
         if name.startswith(CONV_NAIVE):
             per_tensor_convs(q, model)
-        if name.startswith(W4A8):
-            w4a8_layers(q)
+        if name.startswith((W4A8, W4A8_INT8)):
+            w4a8_layers(q, int8=name.startswith(W4A8_INT8))
         seconds = time.perf_counter() - t0
         rep = reports[(fmt, name)] = module_report(q)
         quant = rep.quantized
@@ -465,7 +476,8 @@ def run(cache: str, only: set[str] | None = None, device: str = "cpu", dtype: st
                "bytes": sum(l.bytes for l in rep.layers) / sum(l.bytes_16bit for l in rep.layers),
                "layers_quantized": len(quant), "layers": len(rep.layers), "seconds": round(seconds, 2),
                **peak_gib(dev)}
-        row["compute"] = "w4a8" if name.startswith(W4A8) else "native" if native else "dequantized"
+        row["compute"] = ("w4a8" if name.startswith(W4A8) else "w4a8 int8" if name.startswith(W4A8_INT8)
+                          else "native" if native else "dequantized")
         key = (fmt, row["compute"], fields.get("conv", "none"))
         naive.setdefault(key, row)
         row["vs_naive"] = row["rel_err"] / naive[key]["rel_err"]

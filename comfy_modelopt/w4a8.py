@@ -25,11 +25,18 @@ slots than the fp8 MMA saves, and ``linear`` pays it once per tile of rows).  ``
 their arithmetic in torch operations (the oracle of the tests, with kitchen's ``from_blocked``).
 Which is faster is measured per shape (``comfyui/fourbit``; docs/benchmarks.md, "4-bit weights on
 8-bit tensor cores").
+
+Turing and Ampere have int8 tensor cores and no fp8 ones: there ``linear_int8`` expands the weight
+to int8 for the call (``expand_int8``: one scale per output channel, the largest product its row
+can hold at 127) and runs kitchen's int8 linear (the input rounded to int8 per row, as the int8
+format runs).  The products of 2+4 significant bits lose more to 127 even levels than to E4M3
+where a block's scale is small against its row's largest.
 """
 from __future__ import annotations
 
 import os
 
+import comfy_kitchen as ck
 import torch
 from comfy_kitchen.float_utils import fp4_x2_to_f32, from_blocked
 
@@ -41,6 +48,11 @@ except ImportError:  # pragma: no cover - depends on the install
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+INT8_MAX = 127.0
+# the int8 way takes calls of at least this many rows: a per-sample layer's (one row a sample: the
+# time and class embeddings) int8-rounded input adds its error to every pixel of the sample - on the
+# trained conv UNet of docs/benchmarks.md 3b 6x the dequantized path's error - where fp8's stays small
+INT8_MIN_ROWS = 64
 TINY = 2.0 ** -100  # the scale of an all-zero row (any positive number: its values round to zero)
 BLOCK = 16  # nvfp4's block: one E4M3 scale per 16 weights along K
 
@@ -52,15 +64,37 @@ BLOCK = 16  # nvfp4's block: one E4M3 scale per 16 weights along K
 MULT = 0.125
 
 
-def weight_e4m3(qdata: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
-    """The E4M3 weight [N, K] the kernel multiplies, in torch operations: each E2M1 value of
-    ``qdata`` [N, K/2] (decoded by kitchen: the even element in the high nibble) times its block's
-    scale (``block_scale``, cuBLAS's tiled layout, unswizzled with kitchen's ``from_blocked``) times
-    ``MULT``, rounded to E4M3."""
+def _products_reference(qdata: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
+    """Each E2M1 value of ``qdata`` [N, K/2] (decoded by kitchen: the even element in the high
+    nibble) times its block's scale (``block_scale``, cuBLAS's tiled layout, unswizzled with
+    kitchen's ``from_blocked``): [N, K] float32, exact."""
     n, k = qdata.shape[0], qdata.shape[1] * 2
-    value = fp4_x2_to_f32(qdata.contiguous())  # kitchen's decoding, high nibble first
-    scales = from_blocked(block_scale.view(E4M3), num_rows=n, num_cols=k // BLOCK).float() * MULT
-    return (value.reshape(n, k // BLOCK, BLOCK) * scales.unsqueeze(-1)).reshape(n, k).to(E4M3)
+    value = fp4_x2_to_f32(qdata.contiguous())
+    scales = from_blocked(block_scale.view(E4M3), num_rows=n, num_cols=k // BLOCK).float()
+    return (value.reshape(n, k // BLOCK, BLOCK) * scales.unsqueeze(-1)).reshape(n, k)
+
+
+def weight_e4m3(qdata: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
+    """The E4M3 weight [N, K] the fp8 ways multiply, in torch operations: each E2M1 value times its
+    block's scale times ``MULT``, rounded to E4M3."""
+    return (_products_reference(qdata, block_scale) * MULT).to(E4M3)
+
+
+def int8_inverse(block_scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Per output channel, 127 over the largest product its row can hold (6, E2M1's largest value,
+    times the row's largest block scale): [N] float32, on the weight's device."""
+    top = from_blocked(block_scale.view(E4M3), num_rows=n, num_cols=k // BLOCK).float().amax(dim=1)
+    return (INT8_MAX / 6.0) / top.clamp_min(TINY)
+
+
+def weight_int8(qdata: torch.Tensor, block_scale: torch.Tensor) -> tuple:
+    """The int8 weight [N, K] the int8 way multiplies (GPUs with int8 tensor cores and no fp8 ones),
+    in torch operations, and its scale per output channel [N]: each product times its row's
+    ``int8_inverse``, rounded half away from zero."""
+    n, k = qdata.shape[0], qdata.shape[1] * 2
+    inverse = int8_inverse(block_scale, n, k)
+    p = _products_reference(qdata, block_scale) * inverse[:, None]
+    return torch.where(p >= 0, p + 0.5, p - 0.5).trunc().clamp(-127, 127).to(torch.int8), 1.0 / inverse
 
 
 def rows_reference(x: torch.Tensor) -> tuple:
@@ -79,16 +113,21 @@ def reference(xq, scale_x, qdata, scale_2, block_scale, bias=None, out_dtype=tor
     return out.to(out_dtype)
 
 
-def usable(device: torch.device) -> bool:
-    """Triton here, and fp8 tensor cores on ``device`` before native nvfp4 (SM 8.9 - 9.x); on a CPU
-    only in Triton's interpreter (tests)."""
-    if triton is None:
-        return False
+def kind(device: torch.device) -> str | None:
+    """The 8-bit tensor cores W4A8 computes on, on ``device`` before native nvfp4: "fp8" (SM 8.9 - 9.x:
+    Ada, Hopper), "int8" (SM 7.5 - 8.8: Turing, Ampere), None (none, no Triton, or Blackwell); on a
+    CPU "fp8" only in Triton's interpreter (tests)."""
+    if triton is None or device.type not in ("cpu", "cuda"):
+        return None
     if device.type == "cpu":
-        return os.environ.get("TRITON_INTERPRET") == "1"
-    if device.type != "cuda":
-        return False
-    return (8, 9) <= torch.cuda.get_device_capability(device) < (10, 0)
+        return "fp8" if os.environ.get("TRITON_INTERPRET") == "1" else None
+    sm = torch.cuda.get_device_capability(device)
+    return "fp8" if (8, 9) <= sm < (10, 0) else "int8" if (7, 5) <= sm < (8, 9) else None
+
+
+def usable(device: torch.device) -> bool:
+    """W4A8 runs on ``device`` (``kind``)."""
+    return kind(device) is not None
 
 
 def linear(xq, scale_x, qdata, scale_2, block_scale, bias=None, out_dtype=torch.bfloat16,
@@ -141,6 +180,33 @@ def linear_expanded(xq, scale_x, qdata, scale_2, block_scale, bias=None, out_dty
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
 
+def expand_int8(qdata: torch.Tensor, block_scale: torch.Tensor, config: tuple = (64, 256, 4)) -> tuple:
+    """``weight_int8`` in one kernel (and one reduction for the scales): (the int8 weight [N, K], its
+    scale per output channel [N])."""
+    n, k = qdata.shape[0], qdata.shape[1] * 2
+    out = torch.empty(n, k, device=qdata.device, dtype=torch.int8)
+    inverse = int8_inverse(block_scale, n, k)
+    bn, bk, warps = config
+    _expand_int8_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+        qdata, block_scale.view(torch.uint8), inverse, out, n, k, triton.cdiv(k // BLOCK, 4), qdata.stride(0),
+        out.stride(0), BN=bn, BK=bk, num_warps=warps)
+    return out, 1.0 / inverse
+
+
+def linear_int8(x, qdata, scale_2, block_scale, bias=None, out_dtype=None, expand=expand_int8) -> torch.Tensor:
+    """``x`` [M, K] (16-bit) times the nvfp4 weight on int8 tensor cores: the weight expanded to int8
+    for the call (``expand``: ``expand_int8``, or ``weight_int8`` where Triton cannot run), kitchen's
+    int8 linear (the input rounded to int8 per row, as the int8 format runs) summing to float32,
+    then each output channel's scale (kitchen's takes one for the tensor, which 127 levels cannot
+    stretch over nvfp4's block scales: on MiniLM twice the error of one per channel)."""
+    w, unit = expand(qdata, block_scale)
+    acc = ck.int8_linear(x, w, torch.ones((), device=x.device), None, torch.float32)
+    out = acc * (unit * scale_2.float())
+    if bias is not None:
+        out += bias.float()
+    return out.to(out_dtype or x.dtype)
+
+
 def quantize_rows(x: torch.Tensor) -> tuple:
     """``x`` [M, K] (16-bit, contiguous) rounded to E4M3 with one scale per row (its largest
     magnitude / 448): (xq [M, K], scale [M] float32), in one kernel (each row read twice, the
@@ -166,9 +232,9 @@ def pick_config(m: int, n: int, k: int) -> tuple:
 
 if triton is not None:
     @triton.jit
-    def _weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, NCB, stride_w, BN: tl.constexpr, BK: tl.constexpr):
-        """The E4M3 tile [BN, BK] of ``weight_e4m3`` from column ``k0``, read from the
-        weight as stored."""
+    def _products(w_ptr, s_ptr, offs_n, k0, N, K, NCB, stride_w, BN: tl.constexpr, BK: tl.constexpr):
+        """The tile [BN, BK] from column ``k0`` of E2M1 value x block scale (exact in float32), read
+        from the weight as stored."""
         offs_h = tl.arange(0, BK // 2)
         offs_s = tl.arange(0, BK // 16)
         # a block scale's place in cuBLAS's tiled layout (kitchen's to_blocked): tiles of 128 rows x
@@ -183,17 +249,29 @@ if triton is not None:
         # an E2M1 code's bits placed in a float16's (sign 15, exponent+mantissa 11..9) are its
         # value x 2^-14 exactly, subnormal codes included
         half = (((codes & 7) << 9) | ((codes & 8) << 12)).to(tl.float16, bitcast=True)
-        block = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (0.125 * 16384.0)  # MULT, 2^14
+        block = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0  # 2^14
         w = tl.reshape(half.to(tl.float32), (BN, BK // 16, 16)) * block[:, :, None]
-        return tl.reshape(w, (BN, BK)).to(tl.float8e4nv)
+        return tl.reshape(w, (BN, BK))
 
     @triton.jit
     def _expand_kernel(w_ptr, s_ptr, out_ptr, N, K, NCB, stride_w, stride_o, BN: tl.constexpr, BK: tl.constexpr):
         offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
         k0 = tl.program_id(1) * BK
         offs_k = k0 + tl.arange(0, BK)
-        w = _weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, NCB, stride_w, BN, BK)
+        w = (_products(w_ptr, s_ptr, offs_n, k0, N, K, NCB, stride_w, BN, BK) * 0.125).to(tl.float8e4nv)  # MULT
         tl.store(out_ptr + offs_n[:, None] * stride_o + offs_k[None, :], w,
+                 mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
+
+    @triton.jit
+    def _expand_int8_kernel(w_ptr, s_ptr, inv_ptr, out_ptr, N, K, NCB, stride_w, stride_o, BN: tl.constexpr,
+                            BK: tl.constexpr):
+        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        k0 = tl.program_id(1) * BK
+        offs_k = k0 + tl.arange(0, BK)
+        inverse = tl.load(inv_ptr + offs_n, mask=offs_n < N, other=0.0)
+        p = _products(w_ptr, s_ptr, offs_n, k0, N, K, NCB, stride_w, BN, BK) * inverse[:, None]
+        q = tl.minimum(tl.maximum(tl.where(p >= 0, p + 0.5, p - 0.5).to(tl.int32), -127), 127)  # half away
+        tl.store(out_ptr + offs_n[:, None] * stride_o + offs_k[None, :], q.to(tl.int8),
                  mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
 
     @triton.jit
@@ -214,7 +292,7 @@ if triton is not None:
         for k0 in range(0, K, BK):
             x = tl.load(x_ptr + offs_m[:, None] * stride_x + (k0 + offs_k)[None, :],
                         mask=(offs_m[:, None] < M) & ((k0 + offs_k)[None, :] < K), other=0.0)
-            w = _weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, NCB, stride_w, BN, BK)
+            w = (_products(w_ptr, s_ptr, offs_n, k0, N, K, NCB, stride_w, BN, BK) * 0.125).to(tl.float8e4nv)  # MULT
             acc = tl.dot(x, tl.trans(w), acc)
         sx = tl.load(sx_ptr + offs_m, mask=offs_m < M, other=0.0)
         acc = acc * (sx[:, None] * (tl.load(s2_ptr) * 8.0))  # 1 / MULT

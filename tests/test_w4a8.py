@@ -44,6 +44,11 @@ def test_weights_are_kitchens_dequantization_rounded_to_e4m3():
         got = w4a8.weight_e4m3(qdata, block_scale)
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, k)
         assert float(dequant.abs().max()) * w4a8.MULT <= 448.0
+        # the int8 way's weight (no fp8 tensor cores): within half its unit of the same products
+        q8, unit = w4a8.weight_int8(qdata, block_scale)
+        assert ((q8.float() * unit[:, None] - dequant).abs() <= unit[:, None] * (0.5 + 1e-4)).all(), (n, k)
+        # each row's largest product uses the whole range (a row of zero codes stays zero)
+        assert torch.equal(q8.abs().amax(dim=1) == 127, dequant.abs().amax(dim=1) * unit.reciprocal() > 126), (n, k)
 
 
 def test_error_stays_near_the_dequantized_path():
@@ -66,10 +71,14 @@ def test_error_stays_near_the_dequantized_path():
     assert float((exact_w - stock).norm() / stock.norm()) < rel
 
 
-def test_usable_only_where_fp8_tensor_cores_meet_no_native_nvfp4(monkeypatch):
+def test_usable_only_where_8bit_tensor_cores_meet_no_native_nvfp4(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not w4a8.usable(torch.device("cpu"))
     assert not w4a8.usable(torch.device("meta"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: sm)
+    for sm, want in (((7, 0), None), ((7, 5), "int8"), ((8, 0), "int8"), ((8, 6), "int8"), ((8, 9), "fp8"),
+                     ((9, 0), "fp8"), ((10, 0), None), ((12, 0), None)):
+        assert w4a8.kind(torch.device("cuda")) == (want if w4a8.triton is not None else None), sm
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU's check (the GPU test below runs the compiled kernel)")
@@ -77,6 +86,7 @@ def test_kernels_compute_the_reference_in_the_interpreter():
     pytest.importorskip("triton", reason="Triton is not installed (requirements-test.txt pins it)")
     script = textwrap.dedent("""
         import torch
+        import comfy_kitchen as ck
         from comfy_kitchen.float_utils import to_blocked
         from comfy_modelopt import w4a8
         torch.manual_seed(0)
@@ -96,9 +106,12 @@ def test_kernels_compute_the_reference_in_the_interpreter():
             xq, sx = w4a8.quantize_rows(x)
             want_q, want_s = w4a8.rows_reference(x)
             assert torch.equal(sx, want_s) and torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
-            # the whole weight expanded to E4M3 (the expanded way's first step) is weight_e4m3's
+            # the whole weight expanded to E4M3 (the expanded way's first step) is weight_e4m3's, and
+            # to int8 (the int8 way's) weight_int8's
             got_w, want_w = w4a8.expand(qdata, block_scale), w4a8.weight_e4m3(qdata, block_scale)
             assert torch.equal(got_w.view(torch.uint8), want_w.view(torch.uint8)), (n, k)
+            (got_8, got_u), (want_8, want_u) = w4a8.expand_int8(qdata, block_scale), w4a8.weight_int8(qdata, block_scale)
+            assert torch.equal(got_8, want_8) and torch.equal(got_u, want_u), (n, k)
             x = (torch.randn(m, k) * torch.rand(m, 1) * 3).bfloat16()
             xq, sx = w4a8.rows_reference(x)
             for bias in (torch.randn(n).bfloat16(), None):
@@ -111,6 +124,15 @@ def test_kernels_compute_the_reference_in_the_interpreter():
                     out = w4a8.linear_expanded(xq, sx, qdata, s2, block_scale, bias, dtype)
                     err = float((out.float() - ref).abs().max() / ref.abs().max())
                     assert out.dtype == dtype and err < 4e-3, (n, k, m, dtype, err)
+                # the int8 way: kitchen's int8 linear on weight_int8 (its own rounding of the rows)
+                w8, unit = w4a8.weight_int8(qdata, block_scale)
+                want = ck.int8_linear(x, w8, torch.ones(()), None, torch.float32) * (unit * s2)
+                want = (want + (bias.float() if bias is not None else 0)).to(x.dtype)
+                assert torch.equal(w4a8.linear_int8(x, qdata, s2, block_scale, bias), want)
+                ref = x.float() @ ck.dequantize_nvfp4(qdata, s2, block_scale, torch.float32).t()
+                ref = ref + (bias.float() if bias is not None else 0)
+                err = float((w4a8.linear_int8(x, qdata, s2, block_scale, bias).float() - ref).norm() / ref.norm())
+                assert err < 0.03, err  # the rows' and the weights' int8 roundings
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -139,3 +161,6 @@ def test_kernels_compute_the_reference_on_a_gpu(m):
     for dtype in (torch.bfloat16, torch.float16):
         out = w4a8.linear_expanded(xq, sx, qdata, scale, block_scale, bias, dtype)
         assert out.dtype == dtype and float((out.float() - ref).norm() / ref.norm()) < 4e-3, dtype
+    # the int8 way's expansion (Turing/Ampere's) runs on any CUDA GPU: bit for bit its reference
+    (got_8, got_u), (want_8, want_u) = w4a8.expand_int8(qdata, block_scale), w4a8.weight_int8(qdata, block_scale)
+    assert torch.equal(got_8, want_8) and torch.equal(got_u, want_u)

@@ -2,8 +2,10 @@
 the input to E4M3 at one scale per row and multiplies it on fp8 tensor cores with the weight as
 ComfyUI holds it - in one kernel that expands the 4-bit weight tile by tile (``w4a8.linear``: for
 few rows), or by expanding the whole weight to E4M3 for the call and running torch's fp8 GEMM
-(``w4a8.linear_expanded``: for many) - or the dequantized path (kitchen's dequantization + one
-16-bit GEMM, what stock ComfyUI runs), whichever measured fastest for the call's shape on this GPU.
+(``w4a8.linear_expanded``: for many) - or, on a GPU with int8 tensor cores and no fp8 ones
+(Turing, Ampere), with the weight expanded to int8 for the call (``w4a8.linear_int8``) - or the
+dequantized path (kitchen's dequantization + one 16-bit GEMM, what stock ComfyUI runs), whichever
+measured fastest for the call's shape on this GPU.
 
 The choice is made by timing the ways on the first eager call of each shape (CUDA events, a warm
 call then three each; a way this torch cannot run is left out), and logged (INFO) with the times.  A call inside a CUDA-graph capture
@@ -49,19 +51,26 @@ _LINEAR = {"one kernel": w4a8.linear, "expanded": w4a8.linear_expanded}
 
 def _product(module, x2, way: str):
     w = module.weight
+    if way == "int8":
+        return w4a8.linear_int8(x2, w._qdata, w._params.scale, w._params.block_scale, bias_of(module, x2))
     xq, scale = w4a8.quantize_rows(x2)
     return _LINEAR[way](xq, scale, w._qdata, w._params.scale, w._params.block_scale, bias_of(module, x2), x2.dtype)
 
 
 def _ways(module, x2, dequantized) -> dict:
-    ways = {"expanded": lambda: _product(module, x2, "expanded"), "dequantized": lambda: dequantized(module, x2)}
+    ways = {"dequantized": lambda: dequantized(module, x2)}
+    if w4a8.kind(x2.device) == "int8":  # no fp8 tensor cores: the weight expanded to int8
+        return {"int8": lambda: _product(module, x2, "int8"), **ways} if x2.shape[0] >= w4a8.INT8_MIN_ROWS else ways
+    ways["expanded"] = lambda: _product(module, x2, "expanded")
     if x2.shape[0] <= MAX_ROWS:
         ways["one kernel"] = lambda: _product(module, x2, "one kernel")
     return ways
 
 
-def untimed(rows: int) -> str:
+def untimed(rows: int, device) -> str:
     """The way of a shape that was not timed (a CUDA-graph capture; Triton's interpreter on a CPU)."""
+    if w4a8.kind(device) == "int8":
+        return "int8" if rows >= w4a8.INT8_MIN_ROWS else "dequantized"
     return "one kernel" if rows <= MAX_ROWS else "expanded"
 
 
@@ -73,7 +82,7 @@ def forward(module, x, dequantized):
     way = _CHOICE.get(key)
     if way is None:
         if not x2.is_cuda or torch.cuda.is_current_stream_capturing():
-            way = untimed(x2.shape[0])  # on a CPU only Triton's interpreter gets here (tests)
+            way = untimed(x2.shape[0], x2.device)  # on a CPU only Triton's interpreter gets here (tests)
         else:
             took = _timed(_ways(module, x2, dequantized))
             way = _CHOICE[key] = min(took, key=took.get)

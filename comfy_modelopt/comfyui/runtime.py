@@ -98,7 +98,7 @@ def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.
     n = make_lean(patcher, dequant_cache_bytes=int(dequant_cache_gib * 2**30))
     note = f"runtime: lean ({n} quantized layers on direct kernel calls"
     w4 = fourbit.count(patcher.model.diffusion_model)
-    note += (f"; {w4} 4-bit ones run W4A8 - fp8 tensor cores on the 4-bit weights - for the shapes where it "
+    note += (f"; {w4} 4-bit ones run W4A8 - 8-bit tensor cores on the 4-bit weights - for the shapes where it "
              "times faster than dequantizing)" if w4 else ")")
     if patcher.is_dynamic():  # ComfyUI pages each layer's weight in through its cast path: not lean
         note = (f"runtime: lean set on {n} quantized layers, but ComfyUI loads this model with dynamic VRAM "
@@ -300,10 +300,11 @@ def gpu_note(fmt_name: str) -> str:
         return f"{fmt_name}: runs natively on this GPU (SM {sm[0]}.{sm[1]})"
     native = (f"{fmt_name}: needs SM {fmt.native_sm[0]}.{fmt.native_sm[1]}+ to run natively; "
               f"on this GPU (SM {sm[0]}.{sm[1]}) ")
-    if fmt.lean_emulated == "w4a8" and w4a8.usable(dev):
-        return native + ("ComfyUI dequantizes it on every step (smaller, not faster); a lean runtime computes it "
-                         "on the fp8 tensor cores from the 4-bit weights (W4A8: inputs rounded to fp8 per token) "
-                         "for the shapes where that times faster")
+    cores = w4a8.kind(dev) if fmt.lean_emulated == "w4a8" else None
+    if cores:
+        return native + (f"ComfyUI dequantizes it on every step (smaller, not faster); a lean runtime computes it "
+                         f"on the {cores} tensor cores from the 4-bit weights (W4A8: inputs rounded to {cores} per "
+                         "token) for the shapes where that times faster")
     return native + "ComfyUI dequantizes it on every step: smaller, not faster"
 
 

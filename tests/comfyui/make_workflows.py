@@ -110,7 +110,8 @@ def quantize_and_compare(info: dict, variant: str, planner: bool = False) -> dic
            f"`models/diffusion_models/{name}.safetensors` (a name that exists gets the next free counter, `_00001`; "
            "overwrite replaces it instead); ComfyUI's own Load Diffusion Model loads it."
            + ("\n\nOn a CPU or a GPU without fp8 tensor cores (before Ada) the file is smaller, not faster."
-              if not planner else "\n\nnvfp4 runs natively on Blackwell; elsewhere it is smaller, not faster."),
+              if not planner else "\n\nnvfp4 runs natively on Blackwell, and on 8-bit tensor cores from its 4-bit "
+              "weights on Turing to Hopper (this pack's runtimes: W4A8); on a CPU it is smaller, not faster."),
            (20, 640), size=(340, 460))
     return g.ui()
 

@@ -583,6 +583,17 @@ def test_nvfp4_layers_run_w4a8_where_it_can(source):
         fourbit.MAX_ROWS, fourbit._CHOICE = 0, {{}}  # every call too many rows for the one-kernel way
         got_expanded = run(patcher)
         expanded_choices = list(fourbit._CHOICE.values())
+        from comfy_modelopt import w4a8
+        kind, w4a8.kind = w4a8.kind, lambda device: "int8"  # a GPU with int8 tensor cores only (Ampere)
+        int8_calls, linear_int8 = [], w4a8.linear_int8
+        w4a8.linear_int8 = lambda x, *a, **k: int8_calls.append(x.shape[0]) or linear_int8(x, *a, **k)
+        fourbit._CHOICE = {{}}
+        run(patcher)  # calls of fewer rows than INT8_MIN_ROWS (modulation, text tokens) stay dequantized
+        per_sample_rows, int8_calls = int8_calls, []
+        min_rows, w4a8.INT8_MIN_ROWS, fourbit._CHOICE = w4a8.INT8_MIN_ROWS, 1, {{}}
+        got_int8 = run(patcher)
+        int8_choices = list(fourbit._CHOICE.values())
+        w4a8.kind, w4a8.INT8_MIN_ROWS, w4a8.linear_int8 = kind, min_rows, linear_int8
         layers = [m for m in patcher.model.diffusion_model.modules() if getattr(m, "quant_format", None)]
         # compiled blocks around the W4A8 layers (opaque), checked against eager
         from comfy_modelopt.comfyui import traced_layers
@@ -605,6 +616,9 @@ def test_nvfp4_layers_run_w4a8_where_it_can(source):
         print(json.dumps({{"layers": len(layers), "w4a8": fourbit.count(patcher.model.diffusion_model),
                           "note": note, "rel": float((got - ref).norm() / ref.norm()),
                           "rel_expanded": float((got_expanded - ref).norm() / ref.norm()),
+                          "rel_int8": float((got_int8 - ref).norm() / ref.norm()), "int8_choices": int8_choices,
+                          "int8_rows": sorted(set(per_sample_rows)), "int8_rows_all": sorted(set(int8_calls)),
+                          "min_rows": min_rows,
                           "choices": choices, "expanded_choices": expanded_choices,
                           "compiled": bool(ok), "reason": cb.reason,
                           "traced": traced, "compiled_rel": cb.checks[-1]["rel_l2"] if cb.checks else None}}))
@@ -618,9 +632,15 @@ def test_nvfp4_layers_run_w4a8_where_it_can(source):
     if torch.cuda.is_available():  # each shape timed: any way may win at these small shapes
         assert said["choices"] and set(said["choices"]) <= {"one kernel", "expanded", "dequantized"}, said
         assert said["expanded_choices"] and set(said["expanded_choices"]) <= {"expanded", "dequantized"}, said
+        assert said["int8_choices"] and set(said["int8_choices"]) <= {"int8", "dequantized"}, said
     else:  # the interpreter: nothing timed, the one-kernel way then (MAX_ROWS = 0) the expanded one
-        assert said["choices"] == said["expanded_choices"] == [], said
+        assert said["choices"] == said["expanded_choices"] == said["int8_choices"] == [], said
+        assert said["rel_int8"] > 0, said
         assert said["rel_expanded"] > 0, said  # 0 would be the dequantized path
     # the input's and the products' E4M3 roundings, nothing more (0 would be the dequantized path)
-    assert 0 < said["rel"] < 0.05 and said["rel_expanded"] < 0.05, said
+    assert 0 < said["rel"] < 0.05 and said["rel_expanded"] < 0.05 and said["rel_int8"] < 0.05, said
+    # the int8 way only for calls of INT8_MIN_ROWS rows or more (the image tokens here), every call
+    # when that is 1 (a modulation's one row too)
+    assert said["int8_rows"] and min(said["int8_rows"]) >= said["min_rows"], said
+    assert min(said["int8_rows_all"]) < said["min_rows"], said
     assert said["compiled"] and said["traced"] == 0, said  # opaque: their forward decides per call
