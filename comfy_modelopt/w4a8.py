@@ -50,8 +50,8 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 INT8_MAX = 127.0
 # the int8 way takes calls of at least this many rows: a per-sample layer's (one row a sample: the
-# time and class embeddings) int8-rounded input adds its error to every pixel of the sample - on the
-# trained conv UNet of docs/benchmarks.md 3b 6x the dequantized path's error - where fp8's stays small
+# time and class embeddings) int8-rounded input adds its error to every pixel of the sample, where
+# fp8's stays small (docs/benchmarks.md, "Turing and Ampere: the int8 way")
 INT8_MIN_ROWS = 64
 TINY = 2.0 ** -100  # the scale of an all-zero row (any positive number: its values round to zero)
 BLOCK = 16  # nvfp4's block: one E4M3 scale per 16 weights along K
@@ -198,7 +198,7 @@ def linear_int8(x, qdata, scale_2, block_scale, bias=None, out_dtype=None, expan
     for the call (``expand``: ``expand_int8``, or ``weight_int8`` where Triton cannot run), kitchen's
     int8 linear (the input rounded to int8 per row, as the int8 format runs) summing to float32,
     then each output channel's scale (kitchen's takes one for the tensor, which 127 levels cannot
-    stretch over nvfp4's block scales: on MiniLM twice the error of one per channel)."""
+    stretch over nvfp4's block scales - docs/benchmarks.md, "Turing and Ampere: the int8 way")."""
     w, unit = expand(qdata, block_scale)
     acc = ck.int8_linear(x, w, torch.ones((), device=x.device), None, torch.float32)
     out = acc * (unit * scale_2.float())

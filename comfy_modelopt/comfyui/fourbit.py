@@ -8,9 +8,9 @@ dequantized path (kitchen's dequantization + one 16-bit GEMM, what stock ComfyUI
 measured fastest for the call's shape on this GPU.
 
 The choice is made by timing the ways on the first eager call of each shape (CUDA events, a warm
-call then three each; a way this torch cannot run is left out), and logged (INFO) with the times.  A call inside a CUDA-graph capture
-never times: a shape not timed yet takes ``untimed``'s way (the graph runtime warms up eagerly
-first, so it rarely has to).  Compiled blocks leave these layers opaque (their forward decides
+call then three each; a way this torch cannot run is left out), and logged (INFO) with the times.
+A call inside a CUDA-graph capture never times: a shape not timed yet takes ``untimed``'s way (the
+graph runtime warms up eagerly first, so it rarely has to).  Compiled blocks leave these layers opaque (their forward decides
 per call, as here).
 """
 from __future__ import annotations
