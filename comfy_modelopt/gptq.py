@@ -192,11 +192,9 @@ class _BlockGraph:
     a value on a rounding boundary can round the other way (tests/test_lowrank_gptq.py bounds the
     differences)."""
 
-    ENABLED = True
-
     @classmethod
     def make(cls, wb: torch.Tensor, block: int, quantize_columns) -> "_BlockGraph | None":
-        if not (cls.ENABLED and wb.is_cuda and getattr(quantize_columns, "index_free", False)):
+        if not (wb.is_cuda and getattr(quantize_columns, "index_free", False)):
             return None
         try:
             return cls(wb, block, quantize_columns)

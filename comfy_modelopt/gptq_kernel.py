@@ -27,7 +27,6 @@ try:  # Triton comes with CUDA builds of torch on Linux; without it the eager lo
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-ENABLED = True  # benchmarks/cost.py gptq switches it off to time the loops it replaces
 TILE_ROWS = 32  # rows of W per program: 128 x 32 float32 in registers (32 per thread at 4 warps)
 _FP8 = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 _INT8, _GRID_INT, _GRID_E2M1 = 2, 3, 4
@@ -37,7 +36,7 @@ def usable(w: torch.Tensor, quantize_columns) -> bool:
     """Whether the block kernel can be asked to run GPTQ's loop for this rounder on ``w``'s device
     (Triton is there, the rounder says how to round in it).  Whether it builds and rounds as the
     eager loop does here is ``gptq.kernel_trusted``'s to check."""
-    if triton is None or getattr(quantize_columns, "fused", None) is None or not ENABLED:
+    if triton is None or getattr(quantize_columns, "fused", None) is None:
         return False
     return w.is_cuda or (w.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 

@@ -1,5 +1,7 @@
 """Small torch modules for calibration tests (plain torch; no ComfyUI)."""
+import contextlib
 import math
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -113,3 +115,16 @@ def init_sd_block(block: SDBlock, seed: int = 0, outlier_norm: bool = True):
             if name.endswith(("to_q.weight", "to_k.weight")):
                 p.data *= 0.05  # moderate attention logits, as in trained models
     return block
+
+
+@contextlib.contextmanager
+def gptq_without(kernel: bool = True, graph: bool = False):
+    """GPTQ's column loop without its Triton kernel (``kernel``) and/or its CUDA graph (``graph``):
+    the loops they replace."""
+    from comfy_modelopt import gptq, gptq_kernel
+    with contextlib.ExitStack() as stack:
+        if kernel:
+            stack.enter_context(mock.patch.object(gptq_kernel, "usable", lambda *_a: False))
+        if graph:
+            stack.enter_context(mock.patch.object(gptq._BlockGraph, "make", classmethod(lambda *_a: None)))
+        yield

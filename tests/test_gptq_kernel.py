@@ -19,7 +19,7 @@ from comfy_modelopt import gptq as gptq_mod
 from comfy_modelopt import gptq_kernel
 from comfy_modelopt.formats import get_format
 
-from helpers import gptq_problem
+from helpers import gptq_problem, gptq_without
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,6 +30,7 @@ def test_kernel_rounds_bit_for_bit_as_the_eager_loop_in_the_interpreter():
         import torch
         from comfy_modelopt import gptq, gptq_kernel
         from comfy_modelopt.formats import get_format
+        from helpers import gptq_without
         g = torch.Generator().manual_seed(3)
         for name, opts in (("int8_tensorwise", {"convrot": False}),
                            ("int8_tensorwise", {"convrot": True, "convrot_groupsize": 64}),
@@ -44,13 +45,12 @@ def test_kernel_rounds_bit_for_bit_as_the_eager_loop_in_the_interpreter():
             h = gptq.gram(xs)
             for act_order in (False, True):
                 fused = gptq.gptq(ws, h, quant, act_order=act_order, damp=gptq.DAMPING)
-                gptq_kernel.ENABLED = False
-                eager = gptq.gptq(ws, h, quant, act_order=act_order, damp=gptq.DAMPING)
-                gptq_kernel.ENABLED = True
+                with gptq_without():
+                    eager = gptq.gptq(ws, h, quant, act_order=act_order, damp=gptq.DAMPING)
                 assert torch.equal(fused, eager), (name, opts, act_order, int((fused != eager).sum()))
         print("ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
 
@@ -79,11 +79,8 @@ def test_kernel_rounds_as_the_eager_loop_on_a_gpu(name, opts, act_order):
     _fmt, ws, quant, h = gptq_problem(name, opts, 200, 640, "cuda")
     assert gptq_kernel.usable(ws, quant) and gptq_mod.kernel_trusted(ws.device, quant)
     fused = gptq_mod.gptq(ws, h, quant, act_order=act_order, damp=0.1)
-    try:
-        gptq_kernel.ENABLED, gptq_mod._BlockGraph.ENABLED = False, False
+    with gptq_without(graph=True):
         eager = gptq_mod.gptq(ws, h, quant, act_order=act_order, damp=0.1)
-    finally:
-        gptq_kernel.ENABLED, gptq_mod._BlockGraph.ENABLED = True, True
     differ = fused != eager
     assert float(differ.float().mean()) < 2e-3, float(differ.float().mean())
     assert float((fused - eager).norm() / eager.norm()) < 5e-3
@@ -107,8 +104,5 @@ def test_a_kernel_that_cannot_build_leaves_the_loop_eager(monkeypatch, caplog):
         assert not (gptq_kernel.usable(ws, quant) and gptq_mod.kernel_trusted(ws.device, quant))
     assert "not used for fp8" in caplog.text and "fp8e4nv" in caplog.text
     eager = gptq_mod.gptq(ws, h, quant, act_order=True, damp=gptq_mod.DAMPING)
-    gptq_kernel.ENABLED = False
-    try:
+    with gptq_without():
         assert torch.equal(eager, gptq_mod.gptq(ws, h, quant, act_order=True, damp=gptq_mod.DAMPING))
-    finally:
-        gptq_kernel.ENABLED = True

@@ -267,14 +267,11 @@ def test_block_graph_rounds_as_the_eager_loop(name, opts, act_order):
     from comfy_modelopt import gptq as gptq_mod
     _fmt, ws, quantize_columns, h = gptq_problem(name, opts, 96, 512, "cuda")
     assert quantize_columns.index_free
-    from comfy_modelopt import gptq_kernel
-    try:
-        gptq_kernel.ENABLED = False  # the graph is what runs where Triton is missing
+    from helpers import gptq_without
+    with gptq_without():  # the graph is what runs where Triton is missing
         graphed = [gptq(ws, h, quantize_columns, act_order=act_order, damp=d) for d in (0.01, 1.0)]
-        gptq_mod._BlockGraph.ENABLED = False
+    with gptq_without(graph=True):
         eager = [gptq(ws, h, quantize_columns, act_order=act_order, damp=d) for d in (0.01, 1.0)]
-    finally:
-        gptq_mod._BlockGraph.ENABLED, gptq_kernel.ENABLED = True, True
     for a, b in zip(graphed, eager):
         differ = a != b
         assert float(differ.float().mean()) < 2e-3, float(differ.float().mean())
