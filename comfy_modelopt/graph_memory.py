@@ -295,3 +295,21 @@ def seed_pool(pool, segments, stream, device) -> None:
         for size in ([segments] if isinstance(segments, int) else segments):
             held.append(torch.empty(size, dtype=torch.uint8, device=device))
     del held
+
+
+def recorded_need(fn, device, tensors_of):
+    """``fn()`` (a warm-up, on the work stream) with its large allocations recorded: (its output,
+    the pool a capture of the same forward needs, or None where the allocator keeps no history).
+    What the warm-up allocates for good but its output (``tensors_of(out)``) lives outside the
+    pool by the time the forward is captured (``without_unfreed``)."""
+    # its cuBLAS workspace is made where the capture's will be (at the first matmul) and freed
+    # at the end, as after a capture: the fit holds it, as the graph's pool will
+    release_blas_workspaces()
+    with AllocationTrace(device) as trace:
+        out = fn()
+        release_blas_workspaces()
+    if trace.entries is None:
+        return out, None
+    keep = {t.untyped_storage().data_ptr() for t in tensors_of(out)}
+    events = large_events(trace.entries, stream=torch.cuda.current_stream(device).cuda_stream)
+    return out, pool_need(without_unfreed(events, keep))

@@ -27,8 +27,8 @@ from comfy.patcher_extension import WrapperExecutor
 from ..cuda_streams import (allocator_backend, end_failed_capture, install_raw_pointer_launches, keep_forever,
                             on_side_stream, raw_pointer_launches, trim_graph_memory, work_stream)
 from ..device_constants import ConstantsOnDevice, HostCopies
-from ..graph_memory import (ROUND_LARGE, AllocationTrace, large_events, peak_in_use, pool_need, release_blas_workspaces,
-                            without_unfreed)
+from ..graph_memory import (ROUND_LARGE, AllocationTrace, large_events, peak_in_use, pool_need, recorded_need,
+                            release_blas_workspaces)
 from .compile_cache import key_of, kept
 from .compiled_blocks import CompiledBlocks, rel_l2, rounding_noise
 from .graph_inputs import (STEP, ModelCall, NotCapturable, PerStep, foreign, kept_state, listed, named,
@@ -49,9 +49,9 @@ class CudaGraphs:
     A signature is the shapes/dtypes of every tensor argument, the other values, and the callables
     in transformer_options by identity (``graph_inputs.ModelCall``): ControlNet residuals, patches,
     block replaces and diffusion-model wrappers are inputs of the graph, not reasons to leave it.
-    The APPLY_MODEL wrappers registered after this one run eagerly around every evaluation (they
-    may decide per call whether to evaluate at all); the weights' storage addresses are checked
-    before each replay (a model unloaded and reloaded elsewhere is captured again).
+    The APPLY_MODEL wrappers registered after this one run eagerly around every evaluation, and
+    so do DIFFUSION_MODEL wrappers that decide per call in Python (``_beneath``); the weights'
+    storage addresses are checked before each replay (a model moved is captured again).
 
     A forward whose patches read the step's sigma on the host (active over part of the schedule)
     gets one graph per step, captured at the step's first evaluation.  What a graph cannot hold
@@ -93,6 +93,7 @@ class CudaGraphs:
         self.pool_needs: dict = {}  # (signature, compiled) -> its forward's graph_memory.PoolNeed
         self.pool_sizing: list = []  # per sized first capture: seeded from its warm-up, or grown vs fitted
         self.constants_rebuilt = 0  # CPU-built constants the last capture built on the GPU instead
+        self.beneath = self._beneath  # one object: the graphs beneath other wrappers key it by identity
 
     def release(self, *_args) -> None:
         """Drop every captured graph and the memory pool they share: when ComfyUI detaches the model
@@ -112,7 +113,6 @@ class CudaGraphs:
         if not self.persistent:
             self.release()
 
-    # --------------------------------------------------------------- helpers
     def _eager(self, apply_model, call: ModelCall, reason: str, compiled: bool = False):
         """``apply_model`` on ``call``, logging ``reason`` once; ``compiled``: over the compiled
         blocks where they were checked on this GPU and hold code for these shapes (nothing is
@@ -130,17 +130,12 @@ class CudaGraphs:
             logging.info(f"[comfy-modelopt] {text}")
 
     def compute_dtype(self):
-        model = self.patcher.model
-        try:
-            dtype = model.get_dtype_inference()
-        except Exception:  # pragma: no cover - older ComfyUI
-            return None
+        dtype = self.patcher.model.get_dtype_inference()
         return dtype if dtype in (torch.float16, torch.bfloat16, torch.float32) else None
 
     def _weights_key(self):
-        model = self.patcher.model
-        return (getattr(model, "current_weight_patches_uuid", None),
-                tuple(p.data_ptr() for p in model.diffusion_model.parameters()))
+        m = self.patcher.model
+        return (getattr(m, "current_weight_patches_uuid", None), tuple(p.data_ptr() for p in m.diffusion_model.parameters()))
 
     def _blocker(self, call: ModelCall) -> str | None:
         """Why no evaluation of this model can replay now (the device last: a CPU test then sees
@@ -153,7 +148,6 @@ class CudaGraphs:
             return "not on a CUDA device"
         return None
 
-    # --------------------------------------------------------------- wrapper
     def __call__(self, executor, *args, **kwargs):
         """The wrapper: the APPLY_MODEL wrappers after this one run around the evaluation (this
         one innermost, whatever the order they were added in)."""
@@ -163,6 +157,13 @@ class CudaGraphs:
         model = executor.class_obj
         evaluate = lambda *a, **k: self._uncompiled(model, apply_model, ModelCall(a, k))  # noqa: E731
         return WrapperExecutor.new_class_executor(evaluate, model, inner).execute(*args, **kwargs)
+
+    def _beneath(self, executor, *args, **kwargs):
+        """The innermost DIFFUSION_MODEL wrapper of a call whose other wrappers decide per call in
+        Python (a first-block / TeaCache-style cache): the diffusion model's forward, captured."""
+        call, forward = ModelCall.of_forward(executor.original, args, kwargs)
+        return self.evaluate(forward, call, outer=False)
+    _beneath.comfy_modelopt_own = True
 
     def _uncompiled(self, model, apply_model, call: ModelCall):
         """``evaluate``, with the diffusion model a wrapper swapped for a ``torch.compile`` of it
@@ -182,7 +183,7 @@ class CudaGraphs:
         finally:
             model.diffusion_model = dm
 
-    def evaluate(self, apply_model, call: ModelCall):
+    def evaluate(self, apply_model, call: ModelCall, outer: bool = True):
         reason = self._blocker(call)
         if reason:
             return self._eager(apply_model, call, reason)
@@ -191,6 +192,10 @@ class CudaGraphs:
         except TypeError as e:  # pragma: no cover - every value has a signature entry
             return self._eager(apply_model, call, f"unsupported argument type {e}")
         if sig in self.failed:  # a forward that cannot be captured: no retry per call
+            if outer and call.model_wrappers():  # other packs' model wrappers decide per call: beneath them
+                self._say_once(f"CUDA graphs: {named(call.model_wrappers())} decide per call ({self.failed[sig]}): "
+                               "they run eagerly around the diffusion model's forward, which is captured")
+                return call.with_innermost(self.beneath, "comfy_modelopt.cuda_graphs").run(apply_model)
             return self._eager(apply_model, call, self.failed[sig], compiled=True)
         key = step_key(sig, call) if sig in self.per_step else sig
         weights = self._weights_key()
@@ -209,12 +214,12 @@ class CudaGraphs:
                                    compiled=True)
             except NotCapturable as e:
                 self.failed[sig] = str(e)
-                return self._eager(apply_model, call, self.failed[sig], compiled=True)
+                return self.evaluate(apply_model, call, outer)
             except Exception as e:  # capture can fail on host syncs or unsupported ops
                 if self.malloc_async:
                     keep_forever(e)  # cudaMallocAsync: what the capture allocated is never freed
                 self.failed[sig] = f"capture failed: {type(e).__name__}: {str(e)[:300]}"
-                return self._eager(apply_model, call, self.failed[sig], compiled=True)
+                return self.evaluate(apply_model, call, outer)
             self.graphs[key] = entry
             return entry["out"].clone()
         self.graphs[key] = entry  # most recently used
@@ -270,7 +275,7 @@ class CudaGraphs:
         def sized_warm_up(fn, compiled: bool):
             if not fresh or (key, compiled) in self.pool_needs:
                 return fn()
-            out, warm[(key, compiled)] = self._recorded(fn, device)
+            out, warm[(key, compiled)] = recorded_need(fn, device, tensors_of)
             return out
         if sig not in self.warmed:
             t_compile = time.perf_counter()
@@ -351,24 +356,6 @@ class CudaGraphs:
                 self.step_checked.add(sig)
         return entry
 
-    @staticmethod
-    def _recorded(fn, device):
-        """``fn()`` (a warm-up, on the work stream) with its large allocations recorded: (its
-        output, the pool a capture of the same forward needs, or None where the allocator keeps
-        no history).  What the warm-up allocates for good but its output lives outside the pool
-        by the time the forward is captured (``without_unfreed``)."""
-        # its cuBLAS workspace is made where the capture's will be (at the first matmul) and
-        # freed at the end, as after a capture: the fit holds it, as the graph's pool will
-        release_blas_workspaces()
-        with AllocationTrace(device) as trace:
-            out = fn()
-            release_blas_workspaces()
-        if trace.entries is None:
-            return out, None
-        keep = {t.untyped_storage().data_ptr() for t in tensors_of(out)}
-        events = large_events(trace.entries, stream=torch.cuda.current_stream(device).cuda_stream)
-        return out, pool_need(without_unfreed(events, keep))
-
     def _new_pool(self, segments: list, stream, device) -> None:
         """Replace the pool (its segments go back at the next capture's empty_cache, once no graph
         uses them) by a new one seeded with ``segments`` on ``stream``."""
@@ -408,12 +395,10 @@ class CudaGraphs:
         return graph, out
 
     def _quiet_for_capture(self) -> None:
-        """Nothing else runs while a graph is captured: under cudaMallocAsync no garbage of
-        earlier runs is freed during the capture.  torch's allocator there keeps one process-wide
-        "capture underway" flag, so an allocation by another thread meanwhile is taken for a
-        graph allocation and its free joins that thread's stream into the capture - which
-        invalidates it - and freeing what a failed capture allocated aborts the process
-        (cudaFreeAsync "invalid argument")."""
+        """Under cudaMallocAsync no garbage of earlier runs is freed during a capture: torch's
+        allocator keeps one process-wide "capture underway" flag, so another thread's free joins
+        its stream into the capture (invalidating it), and freeing what a failed capture
+        allocated aborts the process (cudaFreeAsync "invalid argument")."""
         if self.malloc_async:
             gc.collect()
             torch.cuda.synchronize()

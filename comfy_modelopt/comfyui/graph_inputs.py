@@ -97,6 +97,39 @@ class ModelCall:
         same = lambda t: t  # noqa: E731
         return fn(*tree_map(self.args, same), **tree_map(self.kwargs, same))
 
+    def model_wrappers(self) -> list:
+        """Other packs' DIFFUSION_MODEL wrappers in the options (run inside ``apply_model``)."""
+        wrappers = self.options.get("wrappers")
+        return foreign([w for ws in (wrappers.get(WrappersMP.DIFFUSION_MODEL, {}) if isinstance(wrappers, dict)
+                                     else {}).values() for w in ws])
+
+    def with_innermost(self, wrapper, key: str) -> "ModelCall":
+        """The same call with ``wrapper`` the innermost DIFFUSION_MODEL wrapper (in copied options)."""
+        topts = dict(self.options)
+        wrappers = topts["wrappers"] = dict(topts.get("wrappers") or {})
+        inner = wrappers[WrappersMP.DIFFUSION_MODEL] = dict(wrappers.get(WrappersMP.DIFFUSION_MODEL) or {})
+        inner.pop(key, None)
+        inner[key] = [wrapper]  # the last key's wrappers run innermost (``get_all_wrappers``)
+        return ModelCall((*self.args[:5], topts), self.kwargs)
+
+    @staticmethod
+    def of_forward(forward, args: tuple, kwargs: dict) -> tuple:
+        """A diffusion model's ``_forward(x, ...)`` arguments as a call of their own: (the call,
+        the function ``run`` calls with it) - the input first, the options where ``apply_model``'s
+        are, the rest by name."""
+        params = inspect.signature(forward).bind(*args, **kwargs).arguments
+        kinds = inspect.signature(forward).parameters
+        first = next(iter(params))
+        rest = {k: v for k, v in params.items() if k not in (first, "transformer_options")}
+        for k in [k for k in rest if kinds[k].kind is inspect.Parameter.VAR_KEYWORD]:
+            rest.update(rest.pop(k))
+        call = ModelCall((params[first], None, None, None, None, params.get("transformer_options", {})), rest)
+        return call, functools.partial(_forward_by_name, forward, first)
+
+
+def _forward_by_name(forward, first, x, _t, _c_concat, _c_crossattn, _control, transformer_options, **kwargs):
+    return forward(**{first: x}, transformer_options=transformer_options, **kwargs)
+
 
 def tensors_of(*trees) -> list:
     out: list = []
@@ -150,11 +183,12 @@ def kept_state(objects: list) -> list:
     """What the callables among ``objects`` can keep between calls: (the callable, the name of a
     closure cell or attribute, the id of its value) - a snapshot to compare after a call
     (``state_changes``)."""
-    out = []
-    for o in objects:
-        for name, value in _state_slots(o):
-            out.append((o, name, id(value), value))
-    return out
+    return [(o, name, _ident(value), value) for o in objects for name, value in _state_slots(o)]
+
+
+def _ident(v):
+    """A value's identity, and a dict's items' too (a callable's state kept in a dict it fills)."""
+    return (id(v), tuple((k, id(x)) for k, x in v.items())) if isinstance(v, dict) else id(v)
 
 
 def state_changes(before: list) -> list:
@@ -165,7 +199,7 @@ def state_changes(before: list) -> list:
     changed = []
     for o, name, ident, _old in before:
         now = dict(_state_slots(o)).get(name)
-        if id(now) != ident and _holds_tensor(now):
+        if _ident(now) != ident and _holds_tensor(now):
             changed.append(f"{getattr(o, '__qualname__', type(o).__qualname__)} ({name})")
     return sorted(set(changed))
 
