@@ -162,7 +162,7 @@ CUDA_ONLY = pytest.mark.skipif(not CUDA, reason="needs CUDA: the runtime's graph
 KEEPS = "keeps tensors it made between calls"
 EAGER = {"sag": (KEEPS,), "hypertile": ("draws random numbers on the host",)}
 BENEATH = ("first-block cache wrapper",)
-# patches that read the step's sigma on the host: one graph per step, replayed from the second image on
+# patches that read the step's sigma on the host: one graph per step, every step replayed from the second image on
 PER_STEP = ("deep shrink", "ip-adapter attn2 sigma range")
 
 
