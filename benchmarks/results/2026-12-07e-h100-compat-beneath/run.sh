@@ -16,3 +16,8 @@ python benchmarks/user_path.py --model sdxl --format nvfp4 --runs 3 --skip-stock
 python -m pytest -q tests/comfyui/test_attach.py -k "graphs_or_say_why or capture_failed" > $OUT/final/test_attach_gpu.log 2>&1
 python benchmarks/compat.py --model sdxl --runs 3 --log-info --out $OUT/final \
   --cases "plain,deep shrink,ip-adapter attn2 sigma range,first-block cache wrapper" > $OUT/final/compat_sdxl.log 2>&1
+# dynamic2/: the experiment - compiled ahead at the calibration's shapes, then again at a latent 16 px larger each
+# side with torch.compile(dynamic=None) (Dynamo's automatic dynamic shapes: a second variant, spatial dims
+# symbolic): rejected, plain 0.786 s (the dynamic variant serves the calibration's shapes too), another size 0.813 s
+python benchmarks/results/2026-12-07e-h100-compat-beneath/dynamic2.py benchmarks/compat.py --model sdxl --runs 2 --log-info \
+  --cases "plain,new size,hires fix 1.5x,controlnet" --out $OUT/dynamic2 > $OUT/dynamic2/compat_sdxl_dynamic2.log 2>&1
