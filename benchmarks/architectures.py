@@ -101,6 +101,8 @@ CHROMA_FULL = {"image_model": "chroma", "axes_dim": [16, 56, 56], "num_heads": 2
 
 CONFIGS = {
     "sd15": {"full": SD15_FULL, "small": SD15_SMALL},
+    # an inpainting model: the latent, the masked image's latent and the mask concatenated (9 channels)
+    "sd15_inpaint": {"full": dict(SD15_FULL, in_channels=9), "small": dict(SD15_SMALL, in_channels=9)},
     "sdxl": {"full": SDXL_FULL, "small": SDXL_SMALL},
     "sd3": {"full": SD3_FULL, "small": SD3_SMALL, "wide": SD3_WIDE},
     "flux": {"full": FLUX_FULL, "small": FLUX_SMALL},

@@ -427,6 +427,21 @@ def inpaint_mask(s: Setup) -> Setup:
     return s.replace(latent=torch.randn(s.latent.shape, generator=g) * 0.5, noise_mask=mask)
 
 
+def inpaint_model(s: Setup) -> Setup:
+    """InpaintModelConditioning on an inpainting model (9 input channels): the image's latent with
+    the masked part blanked and the mask go into every call as concat conditioning (``c_concat``),
+    and only the masked part is sampled again."""
+    import node_helpers
+    g = torch.Generator().manual_seed(56)
+    h, w = s.latent.shape[-2:]
+    mask = torch.zeros(1, 1, h, w)
+    mask[..., : w // 2] = 1.0
+    image = torch.randn(s.latent.shape, generator=g) * 0.5
+    values = {"concat_latent_image": image * (1 - mask), "concat_mask": mask}
+    return s.replace(positive=node_helpers.conditioning_set_values(s.positive, values),
+                     negative=node_helpers.conditioning_set_values(s.negative, values), latent=image, noise_mask=mask)
+
+
 def hires_fix(s: Setup) -> Setup:
     return s.replace(second_pass=(1.5, 0.5))
 
@@ -466,6 +481,7 @@ CASES = {
     "mask prompts": (mask, UNET + DIT + MMDIT, False),
     "img2img 0.6": (img2img, UNET + DIT + MMDIT, False),
     "inpaint (latent noise mask)": (inpaint_mask, UNET + DIT + MMDIT, False),
+    "inpainting model (concat)": (inpaint_model, ("sd15_inpaint",), False),
     "hires fix 1.5x": (hires_fix, UNET + DIT + MMDIT, False),
     "batch 2": (batch2, UNET + DIT + MMDIT, False),
     "new size": (new_size, UNET + DIT + MMDIT, False),

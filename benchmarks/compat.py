@@ -11,7 +11,7 @@ first and steady run, quantized / 16-bit speed, the final latent's distance betw
 model ran it (replayed from CUDA graphs, or eagerly and why).  Prints a table, writes JSON.
 
 Usage (COMFYUI_PATH set, the project importable, a CUDA GPU):
-  python benchmarks/compat.py --model sdxl|flux|sd15|sd3 --out DIR [--steps 20] [--runs 3] [--res 1024]
+  python benchmarks/compat.py --model sdxl|flux|sd15|sd15_inpaint|sd3 --out DIR [--steps 20] [--runs 3] [--res 1024]
                               [--cases "controlnet,freeu_v2,..."] [--format float8_e4m3fn]
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--model", default="sdxl", choices=("sd15", "sdxl", "flux", "sd3"))
+ap.add_argument("--model", default="sdxl", choices=("sd15", "sd15_inpaint", "sdxl", "flux", "sd3"))
 ap.add_argument("--out", default=os.environ.get("OUT", "compat_out"))
 ap.add_argument("--steps", type=int, default=20)
 ap.add_argument("--runs", type=int, default=3, help="runs per model and case (the first one shown apart)")
@@ -92,8 +92,8 @@ def timed(s: att.Setup):
 
 
 def model_and_conditioning():
-    res = A.res or (96 if A.cpu_tiny else 512 if A.model == "sd15" else 1024)
-    dtype = torch.float16 if A.model in ("sd15", "sdxl") else torch.bfloat16
+    res = A.res or (96 if A.cpu_tiny else 512 if A.model.startswith("sd15") else 1024)
+    dtype = torch.float16 if A.model in ("sd15", "sd15_inpaint", "sdxl") else torch.bfloat16
     if not CUDA:
         dtype = torch.float32
     _, sd = architectures.build(A.model, SIZE, seed=0, dtype=dtype, weights_device="cuda" if CUDA else "cpu")

@@ -68,7 +68,7 @@ def setups(family: str, runtime: str = "auto"):
     return s16, s16.replace(model=q)
 
 
-@pytest.fixture(scope="module", params=["sd15", "flux", "sd3"])
+@pytest.fixture(scope="module", params=["sd15", "flux", "sd3", "sd15_inpaint"])
 def pair(request):
     return request.param, *setups(request.param)
 
