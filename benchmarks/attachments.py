@@ -19,6 +19,7 @@ import comfy.controlnet
 import comfy.model_management
 import comfy.model_patcher
 import comfy.sample
+import comfy.samplers
 import comfy.utils
 from comfy.ldm.modules.attention import optimized_attention
 from comfy.patcher_extension import WrappersMP
@@ -39,6 +40,7 @@ class Setup:
     denoise: float = 1.0
     second_pass: tuple | None = None  # (scale, denoise): a hires-fix pass at scale x the size
     noise_mask: torch.Tensor | None = None  # Set Latent Noise Mask: only where it is 1 is sampled
+    guider: object = None             # SamplerCustomAdvanced: Setup -> a guider (CFGGuider, DualCFG, PerpNeg)
     pixels: int = 8                   # latent -> image size factor (ControlNet hints)
 
     def replace(self, **kw) -> "Setup":
@@ -62,6 +64,13 @@ def _sample(s: Setup, latent, denoise):
     latent = comfy.sample.fix_empty_latent_channels(s.model, latent)
     noise = comfy.sample.prepare_noise(latent, s.seed)
     mask = s.noise_mask if s.noise_mask is not None and s.noise_mask.shape[-2:] == latent.shape[-2:] else None
+    if s.guider is not None:  # SamplerCustomAdvanced: a guider, KSampler's sigmas for its denoise
+        total = s.steps if denoise >= 1.0 else int(s.steps / denoise)
+        sigmas = comfy.samplers.calculate_sigmas(s.model.get_model_object("model_sampling"), "simple", total)
+        sigmas = sigmas[-(s.steps + 1):].cpu()
+        out = s.guider(s).sample(noise, latent, comfy.samplers.sampler_object("euler"), sigmas, denoise_mask=mask,
+                                 disable_pbar=True, seed=s.seed)
+        return out.to(comfy.model_management.intermediate_device())
     return comfy.sample.sample(s.model, noise, s.steps, s.cfg, "euler", "simple", s.positive, s.negative, latent,
                                denoise=denoise, noise_mask=mask, seed=s.seed, disable_pbar=True)
 
@@ -442,6 +451,50 @@ def inpaint_model(s: Setup) -> Setup:
                      negative=node_helpers.conditioning_set_values(s.negative, values), latent=image, noise_mask=mask)
 
 
+def _guided(kind: str):
+    def case(s: Setup) -> Setup:
+        import node_helpers
+        from comfy_extras import nodes_custom_sampler, nodes_perpneg
+
+        def guider(s: Setup):
+            if kind == "cfg":
+                g = comfy.samplers.CFGGuider(s.model)
+                g.set_conds(s.positive, s.negative)
+                g.set_cfg(s.cfg)
+            elif kind == "dual":  # a second prompt between the first and the negative
+                g = nodes_custom_sampler.Guider_DualCFG(s.model)
+                middle = [[c * 0.6, dict(extra)] for c, extra in s.positive]
+                g.set_conds(s.positive, middle, s.negative)
+                g.set_cfg(s.cfg, 2.0)
+            else:  # Perp-Neg: the negative projected against an empty prompt
+                g = nodes_perpneg.Guider_PerpNeg(s.model)
+                empty = node_helpers.conditioning_set_values([[c * 0, dict(extra)] for c, extra in s.negative], {})
+                g.set_conds(s.positive, s.negative, empty)
+                g.set_cfg(s.cfg, 1.0)
+            return g
+        return s.replace(guider=guider)
+    return case
+
+
+def lora_hook_keyframes(s: Setup) -> Setup:
+    """Create Hook LoRA + Set Hook Keyframes on the positive prompt: a rank-4 LoRA on every
+    attention projection, at full strength over the first half of the steps and none after
+    (ComfyUI patches the weights per keyframe while sampling)."""
+    import comfy.hooks
+    g, lora = torch.Generator().manual_seed(57), {}
+    for name, m in s.model.model.diffusion_model.named_modules():
+        if name.endswith(("to_q", "to_k", "to_v", "to_out.0", "img_attn.qkv", "txt_attn.qkv", "linear1")):
+            n, k = m.weight.shape
+            lora[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(4, k, generator=g) / math.sqrt(k)
+            lora[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(n, 4, generator=g) * 0.1
+    hooks = comfy.hooks.create_hook_lora(lora, 1.0, 0.0)
+    keyframes = comfy.hooks.HookKeyframeGroup()
+    keyframes.add(comfy.hooks.HookKeyframe(strength=1.0, start_percent=0.0))
+    keyframes.add(comfy.hooks.HookKeyframe(strength=0.0, start_percent=0.5))
+    hooks.set_keyframes_on_hooks(keyframes)
+    return s.replace(positive=comfy.hooks.set_hooks_for_conditioning(s.positive, hooks))
+
+
 def hires_fix(s: Setup) -> Setup:
     return s.replace(second_pass=(1.5, 0.5))
 
@@ -482,6 +535,10 @@ CASES = {
     "img2img 0.6": (img2img, UNET + DIT + MMDIT, False),
     "inpaint (latent noise mask)": (inpaint_mask, UNET + DIT + MMDIT, False),
     "inpainting model (concat)": (inpaint_model, ("sd15_inpaint",), False),
+    "cfg guider (SamplerCustomAdvanced)": (_guided("cfg"), UNET + DIT + MMDIT, False),
+    "dual cfg guider": (_guided("dual"), UNET + DIT + MMDIT, False),
+    "perp-neg guider": (_guided("perpneg"), UNET + MMDIT, False),
+    "lora hook with keyframes": (lora_hook_keyframes, UNET + DIT + MMDIT, False),
     "hires fix 1.5x": (hires_fix, UNET + DIT + MMDIT, False),
     "batch 2": (batch2, UNET + DIT + MMDIT, False),
     "new size": (new_size, UNET + DIT + MMDIT, False),

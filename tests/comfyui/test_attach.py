@@ -81,7 +81,11 @@ def sampled(s) -> torch.Tensor:
 # cases stock ComfyUI gets wrong on every quantized model, its own files loaded by its own loader
 # included (checked in test_comfyui_known_wrong_on_quantized_models, which fails once ComfyUI mends it)
 COMFYUI_BUGS = {"control-lora": "ComfyUI's ControlLora copies the model's weights from diffusion_model.state_dict(), "
-                                "which holds a quantized layer's stored values without their scale"}
+                                "which holds a quantized layer's stored values without their scale",
+                "lora hook with keyframes": "ComfyUI's hook patching looks every state-dict name of a quantized layer "
+                                            "up as an attribute ('weight_scale' is inside its QuantizedTensor), then "
+                                            "sets its weight in place and copies float weights into it, which "
+                                            "ComfyUI's quantized layers refuse"}
 
 
 def test_every_attachment_moves_the_quantized_model_as_the_16bit_one(pair):
@@ -128,6 +132,23 @@ def test_comfyui_known_wrong_on_quantized_models():
     e16 = rel(sampled(att.apply("control-lora", s16)), base16)
     eq = rel(sampled(att.apply("control-lora", sq)), baseq)
     assert e16 > 0.001 and eq > 3 * e16, (e16, eq)
+
+
+def test_comfyui_hook_loras_fail_on_quantized_models():
+    """A LoRA as a hook with keyframes (Create Hook LoRA, Set Hook Keyframes) on a quantized model:
+    ComfyUI's hook patching fails in its own code - on Quantize Model's output and on the same
+    weights loaded by ComfyUI's own loader (its own quantized layers) alike, while the 16-bit model
+    takes it.  This test fails once ComfyUI mends it, so the case joins the others."""
+    s16, sq = setups("sd15")
+    sampled(att.apply("lora hook with keyframes", s16))
+    with torch.inference_mode():
+        sd = {k[len("diffusion_model."):]: v for k, v in sq.model.model_state_dict("diffusion_model.").items()}
+    assert any(k.endswith(".weight_scale") for k in sd)
+    stock = sq.replace(model=comfy.sd.load_diffusion_model_state_dict(sd))  # (it takes the dict's keys)
+    assert runner_of(stock.model) is None
+    for case in (sq, stock):
+        with pytest.raises((AttributeError, AssertionError, TypeError)):
+            sampled(att.apply("lora hook with keyframes", case))
 
 
 def test_inpainting_keeps_what_the_mask_keeps(pair):
