@@ -22,6 +22,7 @@ if not models.COMFYUI_PATH:
 
 models.setup_comfy()
 import comfy.model_management as mm  # noqa: E402
+import comfy.sample  # noqa: E402
 import comfy.sd  # noqa: E402
 
 import attachments as att  # noqa: E402
@@ -50,11 +51,11 @@ def conditioning(family: str):
     return [[ctx, {}]], [[ctx * 0.3, {}]], 5.0
 
 
-def setups(family: str, runtime: str = "auto"):
+def setups(family: str, runtime: str = "auto", seed: int = 2):
     """(the 16-bit Setup, the quantized Setup): the same conditioning and latent, the quantized
     model from Quantize Model (fp8, calibrated on the 16-bit model's sampling runs)."""
     dtype = torch.float16 if CUDA else torch.float32
-    _, sd = models.build(family, "small", seed=2, dtype=dtype)
+    _, sd = models.build(family, "small", seed=seed, dtype=dtype)
     model = comfy.sd.load_diffusion_model_state_dict(sd)
     pos, neg, cfg = conditioning(family)
     latent = torch.zeros(1, 16 if family in ("flux", "sd3") else 4, 12, 16)
@@ -149,6 +150,30 @@ def test_comfyui_hook_loras_fail_on_quantized_models():
     for case in (sq, stock):
         with pytest.raises((AttributeError, AssertionError, TypeError)):
             sampled(att.apply("lora hook with keyframes", case))
+
+
+def test_two_quantized_models_in_one_workflow():
+    """A base model and a refiner, both quantized (two KSamplerAdvanced: the first returns its
+    leftover noise at step 2, the second finishes without adding noise): the final latent is the
+    two 16-bit models' within the quantization's own distance."""
+    base16, baseq = setups("sd15")
+    ref16, refq = setups("sd15", seed=3)
+    assert refq.model.model is not baseq.model.model
+
+    def pipeline(base, refiner):
+        with torch.inference_mode():
+            noise = comfy.sample.prepare_noise(base.latent, base.seed)
+            args = (base.steps, base.cfg, "euler", "simple", base.positive, base.negative)
+            mid = comfy.sample.sample(base.model, noise, *args, base.latent, start_step=0, last_step=2,
+                                      force_full_denoise=False, seed=base.seed, disable_pbar=True)
+            return comfy.sample.sample(refiner.model, torch.zeros_like(mid), *args, mid, disable_noise=True,
+                                       start_step=2, last_step=base.steps, force_full_denoise=True,
+                                       seed=base.seed, disable_pbar=True).float()
+    out16, outq = pipeline(base16, ref16), pipeline(baseq, refq)
+    alone16, aloneq = sampled(base16), sampled(baseq)  # the base model's 4 steps alone
+    plain, e16, eq = rel(aloneq, alone16), rel(out16, alone16), rel(outq, aloneq)
+    assert torch.isfinite(outq).all() and e16 > 2 * plain and 0.7 <= eq / e16 <= 1.3, (plain, e16, eq)
+    assert rel(outq, out16) <= 1.5 * plain + 0.1 * e16, (rel(outq, out16), plain, e16)
 
 
 def test_inpainting_keeps_what_the_mask_keeps(pair):
