@@ -176,6 +176,16 @@ def test_two_quantized_models_in_one_workflow():
     assert rel(outq, out16) <= 1.5 * plain + 0.1 * e16, (rel(outq, out16), plain, e16)
 
 
+def test_torch_compile_model_after_quantize_model():
+    """TorchCompileModel after Quantize Model: the runtime leaves its whole-model compile out, said
+    once in the log (it compiles the blocks itself), and samples as without it."""
+    _, sq = setups("sd15")
+    runner = runner_of(sq.model)
+    out = sampled(att.apply("torchcompilemodel", sq))
+    assert torch.equal(out, sampled(sq))
+    assert any("TorchCompileModel's compile is left out" in w for w in runner.warned), runner.warned
+
+
 def test_inpainting_keeps_what_the_mask_keeps(pair):
     """Set Latent Noise Mask on the quantized model: the unmasked half of the latent comes back as
     it went in (but for the latent format's scaling in and out), the masked half sampled as on the
