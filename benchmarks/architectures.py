@@ -101,8 +101,6 @@ CHROMA_FULL = {"image_model": "chroma", "axes_dim": [16, 56, 56], "num_heads": 2
 
 CONFIGS = {
     "sd15": {"full": SD15_FULL, "small": SD15_SMALL},
-    # an inpainting model: the latent, the masked image's latent and the mask concatenated (9 channels)
-    "sd15_inpaint": {"full": dict(SD15_FULL, in_channels=9), "small": dict(SD15_SMALL, in_channels=9)},
     "sdxl": {"full": SDXL_FULL, "small": SDXL_SMALL},
     "sd3": {"full": SD3_FULL, "small": SD3_SMALL, "wide": SD3_WIDE},
     "flux": {"full": FLUX_FULL, "small": FLUX_SMALL},
@@ -137,10 +135,15 @@ UNKNOWN_CONFIGS = {
 }
 
 
+# Other layouts of a family above (its family name stays the family's): an inpainting model takes
+# the latent, the masked image's latent and the mask concatenated (9 channels)
+VARIANT_CONFIGS = {"sd15_inpaint": {"full": dict(SD15_FULL, in_channels=9), "small": dict(SD15_SMALL, in_channels=9)}}
+
+
 def model_config(family: str, size: str = "small"):
     setup_comfy()
     import comfy.model_detection as md
-    cfg = dict({**CONFIGS, **UNKNOWN_CONFIGS}[family][size])
+    cfg = dict({**CONFIGS, **UNKNOWN_CONFIGS, **VARIANT_CONFIGS}[family][size])
     mc = md.model_config_from_unet_config(cfg)
     if mc is None:
         raise RuntimeError(f"ComfyUI matched no model for the {family}/{size} config")
