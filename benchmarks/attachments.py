@@ -453,7 +453,6 @@ def inpaint_model(s: Setup) -> Setup:
 
 def _guided(kind: str):
     def case(s: Setup) -> Setup:
-        import node_helpers
         from comfy_extras import nodes_custom_sampler, nodes_perpneg
 
         def guider(s: Setup):
@@ -468,7 +467,7 @@ def _guided(kind: str):
                 g.set_cfg(s.cfg, 2.0)
             else:  # Perp-Neg: the negative projected against an empty prompt
                 g = nodes_perpneg.Guider_PerpNeg(s.model)
-                empty = node_helpers.conditioning_set_values([[c * 0, dict(extra)] for c, extra in s.negative], {})
+                empty = [[c * 0, dict(extra)] for c, extra in s.negative]
                 g.set_conds(s.positive, s.negative, empty)
                 g.set_cfg(s.cfg, 1.0)
             return g

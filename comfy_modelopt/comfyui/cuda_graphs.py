@@ -194,8 +194,8 @@ class CudaGraphs:
         except TypeError as e:  # pragma: no cover - every value has a signature entry
             return self._eager(apply_model, call, f"unsupported argument type {e}")
         if sig in self.failed:  # a forward that cannot be captured: no retry per call
-            if outer and call.model_wrappers():  # other packs' model wrappers decide per call: beneath them
-                self._say_once(f"CUDA graphs: {named(call.model_wrappers())} decide per call ({self.failed[sig]}): "
+            if outer and (wrappers := call.model_wrappers()):  # other packs' model wrappers decide per call
+                self._say_once(f"CUDA graphs: {named(wrappers)} decide per call ({self.failed[sig]}): "
                                "they run eagerly around the diffusion model's forward, which is captured")
                 return call.with_innermost(self.beneath, "comfy_modelopt.cuda_graphs").run(apply_model)
             return self._eager(apply_model, call, self.failed[sig], compiled=True)

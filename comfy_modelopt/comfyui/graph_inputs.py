@@ -117,8 +117,8 @@ class ModelCall:
         """A diffusion model's ``_forward(x, ...)`` arguments as a call of their own: (the call,
         the function ``run`` calls with it) - the input first, the options where ``apply_model``'s
         are, the rest by name."""
-        params = inspect.signature(forward).bind(*args, **kwargs).arguments
-        kinds = inspect.signature(forward).parameters
+        sig = inspect.signature(forward)
+        params, kinds = sig.bind(*args, **kwargs).arguments, sig.parameters
         first = next(iter(params))
         rest = {k: v for k, v in params.items() if k not in (first, "transformer_options")}
         for k in [k for k in rest if kinds[k].kind is inspect.Parameter.VAR_KEYWORD]:
