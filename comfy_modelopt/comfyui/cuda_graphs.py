@@ -26,6 +26,7 @@ from comfy.patcher_extension import WrapperExecutor
 
 from ..cuda_streams import (allocator_backend, end_failed_capture, install_raw_pointer_launches, keep_forever,
                             on_side_stream, raw_pointer_launches, trim_graph_memory, work_stream)
+from ..calls import tree_map
 from ..device_constants import ConstantsOnDevice, HostCopies
 from ..graph_memory import (ROUND_LARGE, AllocationTrace, large_events, peak_in_use, pool_need, recorded_need,
                             release_blas_workspaces)
@@ -137,7 +138,8 @@ class CudaGraphs:
 
     def _weights_key(self):
         m = self.patcher.model
-        return (getattr(m, "current_weight_patches_uuid", None), tuple(p.data_ptr() for p in m.diffusion_model.parameters()))
+        return (getattr(m, "current_weight_patches_uuid", None),
+                tuple(p.data_ptr() for p in getattr(m, "diffusion_model", m).parameters()))
 
     def _blocker(self, call: ModelCall) -> str | None:
         """Why no evaluation of this model can replay now (the device last: a CPU test then sees
@@ -223,7 +225,7 @@ class CudaGraphs:
                 self.failed[sig] = f"capture failed: {type(e).__name__}: {str(e)[:300]}"
                 return self.evaluate(apply_model, call, outer)
             self.graphs[key] = entry
-            return entry["out"].clone()
+            return tree_map(entry["out"], torch.Tensor.clone)
         self.graphs[key] = entry  # most recently used
         check = entry.pop("check", None)
         rng = torch.cuda.get_rng_state(call.args[0].device) if check else None
@@ -232,11 +234,12 @@ class CudaGraphs:
                 dst.copy_(src, non_blocking=True)
         entry["graph"].replay()
         self.replays += 1
-        out = entry["out"].clone()
+        out = tree_map(entry["out"], torch.Tensor.clone)
         if check:  # the first replay of a graph holding other packs' callables, against eager
             torch.cuda.set_rng_state(rng, call.args[0].device)  # the same random numbers as the replay drew
             ref = self._eager(apply_model, call, "checking a replay against eager", compiled=entry["compiled"])
-            err, checks = rel_l2(out, ref), self.compiled.checks if entry["compiled"] else []
+            err = max(map(rel_l2, tensors_of(out), tensors_of(ref)))  # a ControlNet's: its residuals
+            checks = self.compiled.checks if entry["compiled"] else []
             if not err <= max([_CHECK_TOL] + [3 * (c.get("eager_rounding_noise") or 0) for c in checks]):
                 del self.graphs[key]
                 self.failed[sig] = (f"its replay differs from eager by {err:.3g} (relative L2): {check} decide "

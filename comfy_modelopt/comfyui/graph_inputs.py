@@ -124,11 +124,13 @@ class ModelCall:
         for k in [k for k in rest if kinds[k].kind is inspect.Parameter.VAR_KEYWORD]:
             rest.update(rest.pop(k))
         call = ModelCall((params[first], None, None, None, None, params.get("transformer_options", {})), rest)
-        return call, functools.partial(_forward_by_name, forward, first)
+        return call, functools.partial(_forward_by_name, forward, first, "transformer_options" in params)
 
 
-def _forward_by_name(forward, first, x, _t, _c_concat, _c_crossattn, _control, transformer_options, **kwargs):
-    return forward(**{first: x}, transformer_options=transformer_options, **kwargs)
+def _forward_by_name(forward, first, with_options, x, _t, _c_concat, _c_crossattn, _control, transformer_options,
+                     **kwargs):
+    """``forward`` called by name - with ``transformer_options`` where its caller passed them."""
+    return forward(**{first: x}, **({"transformer_options": transformer_options} if with_options else {}), **kwargs)
 
 
 def tensors_of(*trees) -> list:

@@ -22,6 +22,7 @@ from ..formats import FORMATS
 from . import compile_cache, fourbit
 from .attention import ATTENTIONS
 from .compiled_blocks import STREAMED_BYTES
+from .control_graphs import ControlGraphs
 from .cuda_graphs import CudaGraphs
 from .lean import dequant_cache_of, make_lean, native_formats, release_on_detach
 from .model import compute_device
@@ -318,16 +319,21 @@ def enable_cuda_graphs(patcher, compile_blocks: bool = False):
     it.  A MODEL that already replays through this runtime (Quantize Model's default) gets a fresh
     runner with these options in place of its own."""
     clone = patcher.clone()
-    clone.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
+    for kind in (WrappersMP.APPLY_MODEL, WrappersMP.CALC_COND_BATCH):
+        clone.remove_wrappers_with_key(kind, KEY)
     for call_type in (CallbacksMP.ON_CLEANUP, CallbacksMP.ON_DETACH):
         clone.remove_callbacks_with_key(call_type, KEY)
     runner = CudaGraphs(clone, compile_blocks=compile_blocks)
     clone.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, runner)
-    clone.add_callback_with_key(CallbacksMP.ON_CLEANUP, KEY, runner.end_run)
-    # a clone's detach without unpatching keeps the graphs: the weights' addresses and patches are
-    # checked before every replay anyway
-    clone.add_callback_with_key(CallbacksMP.ON_DETACH, KEY, release_on_detach(runner.release))
-    _release_on_partial_unload(clone, runner)
+    # the step's ControlNets replayed too (``control_graphs``), their graphs going with the model's
+    controls = ControlGraphs()
+    clone.add_wrapper_with_key(WrappersMP.CALC_COND_BATCH, KEY, controls)
+    for graphs in (runner, controls):
+        clone.add_callback_with_key(CallbacksMP.ON_CLEANUP, KEY, graphs.end_run)
+        # a clone's detach without unpatching keeps the graphs: the weights' addresses and patches
+        # are checked before every replay anyway
+        clone.add_callback_with_key(CallbacksMP.ON_DETACH, KEY, release_on_detach(graphs.release))
+    _release_on_partial_unload(clone, runner, controls)
     return clone, runner
 
 
@@ -336,7 +342,7 @@ def graph_runner(patcher):
     return next(iter(patcher.get_wrappers(WrappersMP.APPLY_MODEL, KEY)), None)
 
 
-def _release_on_partial_unload(patcher, runner) -> None:
+def _release_on_partial_unload(patcher, *runners) -> None:
     """ComfyUI frees VRAM for another model by unloading part of this one
     (``LoadedModel.model_unload`` -> ``partially_unload``), with no callback for it: the graphs
     (captured over the weights' addresses, useless once they move) go first, so their pool is
@@ -345,6 +351,7 @@ def _release_on_partial_unload(patcher, runner) -> None:
     unload = patcher.partially_unload
 
     def partially_unload(*args, **kwargs):
-        runner.release()
+        for runner in runners:
+            runner.release()
         return unload(*args, **kwargs)
     patcher.partially_unload = partially_unload

@@ -51,7 +51,8 @@ def without_cuda_graphs(model):
     logging.info("[comfy-modelopt] calibration samples this MODEL without its CUDA graphs "
                  "(a replay would skip the statistics hooks)")
     clone = model.clone()
-    clone.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
+    for kind in (WrappersMP.APPLY_MODEL, WrappersMP.CALC_COND_BATCH):
+        clone.remove_wrappers_with_key(kind, KEY)
     return clone
 
 

@@ -232,13 +232,18 @@ def test_attachments_take_the_graphs_or_say_why(family):
     cannot hold runs eagerly with its reason."""
     _, sq = setups(family)
     _, lean = setups(family, runtime="lean")
-    runner = runner_of(sq.model)
+    runner, controls = runner_of(sq.model), controls_of(sq.model)
     assert runner is not None
     failures = []
     for name in ["plain"] + [n for n in att.cases_for(family, full_size=False) if n not in COMFYUI_BUGS]:
         case = sq if name == "plain" else att.apply(name, sq)
         replays, failed, steps = runner.replays, set(runner.failed.values()), len(runner.per_step)
+        control_replays = sum(r.replays for _n, _p, r in controls.runners.values())
         out = sampled(case)
+        if name.startswith("controlnet"):  # the ControlNets' networks replayed too
+            nets = [r for _n, _p, r in controls.runners.values()]
+            if sum(r.replays for r in nets) == control_replays or any(r.failed for r in nets):
+                failures.append((name, "controlnet graphs", [(r.replays, r.failed, r.warned) for r in nets]))
         if name in PER_STEP:
             replays = runner.replays
             out = sampled(case)  # the second image: every step replayed
@@ -257,6 +262,26 @@ def test_attachments_take_the_graphs_or_say_why(family):
             failures.append((name, new))
     print(runner.failed, runner.warned, runner.captures, runner.replays, runner.evictions)
     assert not failures, failures
+
+
+def controls_of(patcher):
+    """The runtime's ``ControlGraphs`` (its CALC_COND_BATCH wrapper) on a MODEL."""
+    return next(iter(patcher.get_wrappers("calc_cond_batch", "comfy_modelopt_cuda_graphs")), None)
+
+
+def test_controlnets_run_through_their_own_graph_runner():
+    """Every ControlNet in the step's conditioning - both of a stacked pair - runs through a graph
+    runner of its own for the call (on the CPU: eagerly, saying why), its network left as it was,
+    the latent the lean runtime's with the same ControlNets."""
+    _, sq = setups("sd15")
+    _, lean = setups("sd15", runtime="lean")
+    controls = controls_of(sq.model)
+    out = sampled(att.apply("controlnet x2 start/end", sq))
+    ref = sampled(att.apply("controlnet x2 start/end", lean))
+    runners = [(net, r) for net, _p, r in controls.runners.values()]
+    assert len(runners) == 2 and all("forward" not in net.__dict__ for net, _ in runners)
+    assert all(r.eager_calls and "not on a CUDA device" in r.warned for _, r in runners) or CUDA
+    assert rel(out, ref) < 1e-3
 
 
 def test_a_wrapper_that_decides_per_call_runs_around_the_captured_forward():

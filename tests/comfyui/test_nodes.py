@@ -508,10 +508,11 @@ def test_nodes_replay_cuda_graphs_by_default(env):
     again = env["nodes"].ModelOptCudaGraphs.execute(graphs, compile_blocks=True).args[0]
     runner = runner_of(again)
     assert isinstance(runner, CudaGraphs) and runner is not runner_of(graphs)
-    assert len(again.get_wrappers(WrappersMP.APPLY_MODEL, "comfy_modelopt_cuda_graphs")) == 1
+    for kind in (WrappersMP.APPLY_MODEL, WrappersMP.CALC_COND_BATCH):  # the model's graphs, the ControlNets'
+        assert len(again.get_wrappers(kind, "comfy_modelopt_cuda_graphs")) == 1
     assert runner.compiled is not None  # the node's option, not the first runner's
     for call_type in (CallbacksMP.ON_CLEANUP, CallbacksMP.ON_DETACH):
-        assert len(again.callbacks[call_type]["comfy_modelopt_cuda_graphs"]) == 1
+        assert len(again.callbacks[call_type]["comfy_modelopt_cuda_graphs"]) == 2
     assert torch.equal(sample(env, again, 2, 1), sample(env, lean, 2, 1))
     # another pack's model function wrapper (ComfyUI's single slot) keeps working around the graphs
     calls = []

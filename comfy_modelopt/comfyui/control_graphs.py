@@ -1,0 +1,76 @@
+"""ControlNets' networks replayed as CUDA graphs, beside the model's.
+
+ComfyUI computes a ControlNet's residuals in ``calc_cond_batch``, before the model is evaluated
+(``ControlNet.get_control`` -> ``control_model(x, hint, timesteps, context, ...)``), eagerly and
+in 16-bit: with the model's evaluation a graph replay, that forward's kernel launches are the
+step's host time.  ``ControlGraphs`` - the runtime's CALC_COND_BATCH wrapper - gives the network
+of each ControlNet in the step's conditioning a ``CudaGraphs`` runner of its own for the call
+(its forward an instance attribute, put back after), so it is captured and replayed as the model
+is: the same checks (a network ComfyUI streams or offloads, a forward that copies from the CPU or
+reads GPU values on the host runs eagerly, the reason logged once), its graph memory counted as
+in use.  The network and its weights are not changed; the residuals are fresh tensors per call
+(``get_control`` scales them in place).
+"""
+from __future__ import annotations
+
+import torch
+
+from .cuda_graphs import CudaGraphs
+from .graph_inputs import ModelCall
+
+
+class ControlGraphs:
+    comfy_modelopt_own = True
+
+    def __init__(self):
+        self.runners: dict = {}  # id(network) -> (the network, its ControlNet's patcher, its CudaGraphs runner)
+
+    def __call__(self, executor, model, conds, x_in, timestep, model_options):
+        installed = []
+        for net, patcher in _networks(conds):
+            entry = self.runners.get(id(net))
+            if entry is None or entry[0] is not net or entry[1] is not patcher:
+                entry = self.runners[id(net)] = (net, patcher, CudaGraphs(patcher))
+            installed.append((net, net.__dict__.get("forward")))
+            net.forward = _graphed(entry[2], net.forward)
+        try:
+            return executor(model, conds, x_in, timestep, model_options)
+        finally:
+            for net, own in reversed(installed):
+                if own is None:
+                    del net.forward
+                else:
+                    net.forward = own
+
+    def end_run(self, *_args) -> None:
+        for _net, _patcher, runner in self.runners.values():
+            runner.end_run()
+
+    def release(self, *_args) -> None:
+        for _net, _patcher, runner in self.runners.values():
+            runner.release()
+        self.runners.clear()
+
+
+def _graphed(runner: CudaGraphs, forward):
+    def forward_graphed(*args, **kwargs):
+        call, fn = ModelCall.of_forward(forward, args, kwargs)
+        return runner.evaluate(fn, call, outer=False)
+    return forward_graphed
+
+
+def _networks(conds) -> list:
+    """(network, its patcher) of every ControlNet in the conditioning, previous ones in a chain
+    included - a network ComfyUI loads through a patcher of its own (``control_model_wrapped``)."""
+    out, seen = [], set()
+    for cond_list in conds or ():
+        for c in cond_list or ():
+            control = c.get("control") if isinstance(c, dict) else None
+            while control is not None and id(control) not in seen:
+                seen.add(id(control))
+                net, patcher = getattr(control, "control_model", None), getattr(control, "control_model_wrapped", None)
+                if isinstance(net, torch.nn.Module) and getattr(patcher, "model", None) is net and \
+                        all(n is not net for n, _ in out):
+                    out.append((net, patcher))
+                control = getattr(control, "previous_controlnet", None)
+    return out
