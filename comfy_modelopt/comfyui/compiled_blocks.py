@@ -113,20 +113,15 @@ def block_independent(fn):
 class CompiledBlocks:
     """TorchInductor-compiled forwards of a model's blocks, installed on demand.
 
-    Regions are the elements of every ``nn.ModuleList`` directly under the diffusion model
-    (Flux's double/single blocks, DiT blocks); where an element (or a direct child) is an
-    ``nn.Sequential`` that the model iterates itself - a UNet's ``TimestepEmbedSequential`` - its
-    layers (ResBlock, SpatialTransformer, ...) are, and so are the blocks such a layer runs itself
-    (a SpatialTransformer's transformer blocks).  Compiling block by block keeps compile time to
-    one trace per block class and shape, where a whole-model trace would unroll the loop.  The
-    compiled function replaces the block's ``forward`` (instance attribute) only while installed,
-    so the module objects, their types and the model's own iteration stay as they are.
-    Weight-holding layers (Linear, Conv) keep their own kernels: where the layer's forward is a
-    plain kernel call (lean fp8/int8, a 16-bit Linear or Conv2d) it is one operator in the block's
-    graph (``traced_layers``; a graph break there kept tensors alive across the block), otherwise
-    it is opaque (``torch.compiler.disable``: the stock path, a patched, cast or offloaded layer, a
-    quantized or 3-D convolution) - a quantized weight is a tensor subclass the compiler cannot
-    trace, and a GEMM gains nothing from tracing."""
+    Regions are the elements of every ``nn.ModuleList`` under the diffusion model (Flux's
+    double/single blocks, DiT blocks) - for an ``nn.Sequential`` the model iterates itself (a UNet's
+    ``TimestepEmbedSequential``) its layers, and the blocks such a layer runs itself (a
+    SpatialTransformer's): one trace per block class and shape, where a whole-model trace would
+    unroll the loop.  The compiled function is the block's ``forward`` (instance attribute) only
+    while installed.  A weight-holding layer whose forward is a plain kernel call is one operator in
+    the block's graph (``traced_layers``; a graph break there kept tensors alive across the block),
+    any other is opaque (``torch.compiler.disable``): a quantized weight is a tensor subclass the
+    compiler cannot trace, and a GEMM gains nothing from tracing."""
 
     def __init__(self, diffusion_model, tol: float = 0.02, max_tol: float = 0.25, trace_layers: bool = True):
         self.tol, self.max_tol = tol, max_tol
@@ -171,24 +166,16 @@ class CompiledBlocks:
 
     def _region_forward(self, m, compiled):
         """What a region runs while installed: its compiled forward, called without the patches
-        (``transformer_options``' "patches" and "patches_replace") and without the keys in
-        ``_KEYS_LEFT_OUT`` - or its eager forward where a patch applies inside it.
+        and the keys in ``_KEYS_LEFT_OUT`` - or its eager forward where a patch applies inside it.
 
-        Patches: which of them a region's own code looks up is learnt from the region itself, at
-        its first call with patches (run eagerly, the patch dicts watched: ``patch_lookups``) - a UNet
-        transformer block looks up its attention patches and its own (block, index) replaces, a
-        Flux block its attention patches, a ResBlock none.  A region none of whose lookups hits
-        runs compiled, blind to the patches (a FreeU output-block patch or a Flux "dit" replace
-        acts between regions, in the model's own code); one where a lookup hits runs eagerly
-        with them (a PAG or IP-Adapter attention replace on that block).
-
-        Per-block keys: ComfyUI hands every block its own ``block`` / ``block_index`` for patch
-        lookups (and the sampler's ``sample_sigmas``); compiled code guards on such values, so
-        Dynamo kept one compiled variant per block (70 for SDXL's transformer block) and scanned
-        them on every call.  Without an applying patch the keys change nothing, so they are left
-        out; with a callable in the options (an attention override might read the index) they
-        are kept.  Opaque to an enclosing compiled region (a SpatialTransformer calling its
-        blocks)."""
+        Which patches a region looks up is learnt at its first call with patches (run eagerly,
+        the patch dicts watched: ``patch_lookups``).  A region none of whose lookups hits runs
+        compiled, blind to the patches (a FreeU block patch acts between regions); one where a
+        lookup hits runs eagerly (a PAG or IP-Adapter attention replace on that block).
+        ComfyUI's per-block keys (``block``, ``block_index``, ``sample_sigmas``) would make Dynamo
+        keep one variant per block and scan them all on every call: without an applying patch
+        they change nothing and are left out - kept where a callable in the options (an attention
+        override) might read them.  Opaque to an enclosing compiled region."""
         # passed by keyword (blocks) or by position (a UNet's SpatialTransformer: layer(x, context, options))
         position = _options_position(m)
         eager = m.forward
@@ -288,13 +275,10 @@ class CompiledBlocks:
         """Run the compiled blocks once (compiling them) and compare with the eager ``ref`` (None:
         compile only, on weights whose values mean nothing; no signature counts as checked by it).
 
-        Fused kernels round differently (fp32 inside a fused norm, ...), and through a deep
-        network - more so one with quantized activations, where a rounding flip moves a value by
-        a whole quantization step - that grows well beyond one rounding.  So the allowed
-        difference is measured, not guessed: ``perturbed()`` runs the eager model on the input
-        rounded once more (relative noise of half the dtype's epsilon), and the compiled output
-        may differ from ``ref`` by at most 3x that (at least ``tol``, never more than
-        ``max_tol``).  A miscompilation shows up as a far larger difference."""
+        Fused kernels round differently, and through a deep network with quantized activations
+        that grows well beyond one rounding, so the allowed difference is measured: ``perturbed()``
+        runs the eager model on the input rounded once more, and the compiled output may differ
+        from ``ref`` by 3x that (within [``tol``, ``max_tol``]).  A miscompilation differs far more."""
         if not self.enabled:
             return False
         before = compile_account()
@@ -331,21 +315,15 @@ class CompiledBlocks:
 
     def compile_for(self, call, diffusion_model, device, dtype=None, options=None, may_stream=None,
                     check: bool = True) -> bool:
-        """Compile the blocks for the shapes of ``call`` (``calls.RecordedCall``: the
-        diffusion model's first call while calibrating, replayed on ``device``) and check them
-        against eager, before any image: a later evaluation of the same shapes and options finds
-        them compiled and only checks them again (a Dynamo cache hit, three forwards).  The call
-        is made as the sampler will call this model: in its compute ``dtype``, with its own
-        transformer ``options`` (the MODEL's, e.g. an attention override the calibrated model did
-        not have) merged in as ComfyUI's sampler merges them - first, then the recorded ones.
+        """Compile the blocks for the shapes of ``call`` (``calls.RecordedCall``: the diffusion
+        model's first call while calibrating, replayed on ``device``) and check them against eager,
+        before any image (the first image then finds them compiled).  The call is made as the
+        sampler will make it: in the compute ``dtype``, the MODEL's transformer ``options`` merged
+        in first as ComfyUI's sampler merges them.
 
-        ``may_stream()`` (a model ComfyUI loads with dynamic VRAM): True when, after the first
-        evaluation, the model is not wholly on the GPU.  Then the second eager evaluation - the
-        perturbed one the check needs anyway, made before compiling - must not copy weights from
-        the CPU: a model that does not fit in the GPU's free memory streams its weights at every
-        evaluation, which no CUDA graph can capture, so compiling would only cost time (Flux fp8
-        with too little memory left to ComfyUI compiled, then every capture failed).  Asked first
-        because the check costs a forward under a dispatch mode.
+        ``may_stream()`` (dynamic VRAM): True when the model is not wholly on the GPU after the
+        first evaluation.  Then the perturbed evaluation must not copy weights from the CPU: a
+        model streamed at every evaluation cannot be captured, so compiling would only cost time.
 
         ``check=False`` (the weights are placeholders, ``runtime.borrowed_on``): compiled, not
         compared with eager - the first evaluation on the real weights checks them."""

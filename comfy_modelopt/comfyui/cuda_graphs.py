@@ -49,20 +49,16 @@ _CHECK_TOL = 1e-3
 class CudaGraphs:
     """ComfyUI's APPLY_MODEL wrapper: capture each input signature's evaluation once, then replay.
 
-    A signature is the shapes/dtypes of every tensor argument, the other values, and the callables
+    A signature is the shapes/dtypes of the tensor arguments, the other values, and the callables
     in transformer_options by identity (``graph_inputs.ModelCall``): ControlNet residuals, patches,
-    block replaces and diffusion-model wrappers are inputs of the graph, not reasons to leave it.
-    The APPLY_MODEL wrappers registered after this one run eagerly around every evaluation, and
-    so do DIFFUSION_MODEL wrappers that decide per call in Python (``_beneath``); the weights'
-    storage addresses are checked before each replay (a model moved is captured again).
-
-    A forward whose patches read the step's sigma on the host (active over part of the schedule)
-    gets one graph per step, captured at the step's first evaluation.  What a graph cannot hold
-    runs eagerly (over the compiled blocks where they hold code for those shapes), the reason
-    logged once: a partially loaded model, a forward that reads other GPU values on the host or
-    draws random numbers there, patches that keep tensors between calls (Self-Attention
-    Guidance), a replay that differs from eager at its first replay (checked once per signature
-    holding other packs' callables), a failed capture."""
+    replaces and wrappers are inputs of the graph.  APPLY_MODEL wrappers registered after this one,
+    and DIFFUSION_MODEL wrappers that decide per call in Python (``_beneath``), run eagerly around
+    it; the weights' addresses are checked before each replay.  Patches that read the step's sigma
+    on the host get one graph per step.  What a graph cannot hold runs eagerly, the reason logged
+    once: a partially loaded model, a forward that reads GPU values on the host or draws random
+    numbers there, patches that keep tensors between calls (Self-Attention Guidance), a replay
+    that differs from eager at its first replay (checked where other packs' callables are held),
+    a failed capture."""
 
     replays_skip_hooks = True  # module hooks (calibration statistics) run only while capturing
 
@@ -400,22 +396,19 @@ class CudaGraphs:
         return graph, out
 
     def _quiet_for_capture(self) -> None:
-        """Under cudaMallocAsync no garbage of earlier runs is freed during a capture: torch's
-        allocator keeps one process-wide "capture underway" flag, so another thread's free joins
-        its stream into the capture (invalidating it), and freeing what a failed capture
-        allocated aborts the process (cudaFreeAsync "invalid argument")."""
+        """Under cudaMallocAsync no garbage is freed during a capture: another thread's free would
+        join its stream into the capture, and freeing a failed capture's memory aborts the process."""
         if self.malloc_async:
             gc.collect()
             torch.cuda.synchronize()
 
     def _model_call(self, apply_model, call: ModelCall, check: list | None = None, step: bool = False):
-        """The model evaluation a capture and its warm-ups run, constants the forward builds on the
-        CPU built on the GPU (``device_constants``: Wan 2.1's timestep embedding).  ``check`` (a
-        signature's first warm-up: the foreign callables the call holds): what a graph cannot hold
-        fails the signature here, before any capture - a copy from the CPU, a GPU value read on the
-        host or random numbers drawn there, a callable that keeps a tensor it made; where the only
-        values read are the step's sigmas, one graph per step instead (``PerStep``; ``step``: a
-        step's warm-up, its sigmas already on the host)."""
+        """The evaluation a capture and its warm-ups run, CPU-built constants built on the GPU
+        (``device_constants``).  ``check`` (a signature's first warm-up: the foreign callables
+        held): what a graph cannot hold fails the signature here, before any capture - a copy
+        from the CPU, a GPU value read on the host, random numbers drawn there, a callable keeping
+        a tensor it made; where only the step's sigmas are read, one graph per step (``PerStep``;
+        ``step``: a step's warm-up)."""
         mode = ConstantsOnDevice()
         state = kept_state(check) if check else []
         with HostCopies() if check is not None else contextlib.nullcontext() as host, mode:

@@ -1,38 +1,26 @@
 """comfy-modelopt's own loader, for the layers stock ComfyUI cannot run.
 
-Such layers carry a format name that is not a ComfyUI ``QUANT_ALGOS`` key
-(``modelopt_lowrank_<base>``), so stock ComfyUI refuses the file instead of silently dropping
-their extra tensors.  This loader rewrites them to their stock base format, lets ComfyUI's own
-loader build the model (its mixed-precision ops under this pack's layer classes,
-``lean.operations``; model management, LoRA all unchanged), then gives each such layer its extra
-computation, which the layer's class runs from its record (``LayerRecord.own_forward``):
+Such layers carry a format name that is not a ComfyUI ``QUANT_ALGOS`` key, so stock ComfyUI
+refuses the file instead of silently dropping their extra tensors.  This loader rewrites them to
+their stock base format, lets ComfyUI's own loader build the model (under this pack's layer
+classes, ``lean.operations``), then gives each such layer its extra computation, run from its
+record (``LayerRecord.own_forward``):
 
-    y = base(x * smooth_scale) + (x * smooth_scale) @ lowrank_down^T @ lowrank_up^T
+- a low-rank layer (``modelopt_lowrank_<base>``): ``y = base(x * s) + (x * s) @ down^T @ up^T``,
+  ``base`` the stock quantized layer holding the 4-bit residual;
+- an fp8 convolution (``modelopt_conv_fp8``; ComfyUI 0.29 quantizes only Linear layers), stored
+  2-D with one float32 scale per output channel (so stock ComfyUI fails on its shape): ComfyUI
+  gets a zero-memory 16-bit placeholder, the layer dequantizes per call from any device.
 
-where ``base`` is the stock (or lean) quantized layer holding the 4-bit residual.
+LoRA and other weight patches on such a layer are mapped into its stored basis (``W / s`` per
+input column, ``W / scale`` per output channel) by a function filed with each delta in the
+patcher's ``patches`` (ComfyUI applies it in the full and the lowvram path alike; an ``ON_CLONE``
+callback gives every clone the same map), so the output changes as for a 16-bit model.
 
-fp8 convolutions (``modelopt_conv_fp8``; ComfyUI 0.29 quantizes only Linear layers) are stored
-2-D ``[O, I*kh*kw]`` with one float32 scale per output channel, so stock ComfyUI fails on their
-shape instead of running raw fp8 values.  ComfyUI's loader gets a zero-memory 16-bit placeholder
-of the real shape; the layer then holds the fp8 weight (4-D view) and dequantizes it per call -
-from any device, so offloading keeps working, and with the lowvram weight functions applied in
-the stored basis like a regular patch.
-
-LoRA and other weight patches: ComfyUI adds a patch's delta to the stored weight, which for a
-smoothed layer lives in the smoothed basis (``W / smooth_scale`` per input column) and for an
-fp8 convolution in its scaled basis (``W / scale`` per output channel).  The patcher this loader
-returns maps every delta on such a layer into that basis, so the layer's output changes exactly
-as for a 16-bit model (up to re-quantization): its ``patches`` map files each delta on such a layer
-with a function that divides it into the stored basis (ComfyUI applies a patch's function to its
-delta, in the full and the lowvram path alike), and an ``ON_CLONE`` callback gives every clone
-the same map - the patcher keeps ComfyUI's class.
-
-Nothing it reads is trusted: ``load_file`` checks the header (sizes, counts, layout), every
-tensor's size against the memory there is, and every layer against its format's contract with
-every scale and 16-bit value read (verify.py) before ComfyUI sees a tensor; an error inside
-ComfyUI's own loader comes back as one line naming the file; and the model ComfyUI built is
-compared with what the file gave it - a parameter the file does not hold (which ComfyUI would
-leave uninitialised) or a layer the model does not have is an error naming it.
+Nothing it reads is trusted: the header, every tensor's size against the memory there is, and
+every layer against its format's contract (verify.py) are checked before ComfyUI sees a tensor;
+an error inside ComfyUI's loader comes back as one line naming the file; a parameter the file
+does not hold or a layer the model does not have is an error naming it.
 """
 from __future__ import annotations
 
