@@ -11,6 +11,7 @@ families in its ``families``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -24,7 +25,7 @@ import comfy.utils
 from comfy.ldm.modules.attention import optimized_attention
 from comfy.patcher_extension import WrappersMP
 
-UNET, DIT, MMDIT = ("sd15", "sdxl"), ("flux",), ("sd3",)
+UNET, DIT, MMDIT, QWEN = ("sd15", "sdxl"), ("flux",), ("sd3",), ("qwen_image",)
 
 
 @dataclasses.dataclass
@@ -190,20 +191,50 @@ def flux_instantx_controlnet(model, seed: int = 16, union_modes: int = 10):
         _diffusers_layout(random_weights(net, seed, scale=0.5), comfy.utils.flux_to_diffusers(config)))
 
 
+def qwen_instantx_controlnet(model, seed: int = 18):
+    """An InstantX Qwen-Image ControlNet as deep as ``model`` (``controlnet_x_embedder``, the blocks,
+    ``controlnet_blocks``: its file's names are ComfyUI's), through ComfyUI's loader."""
+    import comfy.ldm.qwen_image.controlnet
+    config = {k: v for k, v in model.model.model_config.unet_config.items() if k not in ("dtype", "image_model")}
+    with torch.device("meta"):
+        net = comfy.ldm.qwen_image.controlnet.QwenImageControlNetModel(operations=comfy.ops.disable_weight_init,
+                                                                        **config)
+    return comfy.controlnet.load_controlnet_state_dict(random_weights(net, seed, scale=0.5))
+
+
+@functools.lru_cache(maxsize=1)  # 1.8B parameters, whatever the model (ControlNetApply copies it)
+def qwen_fun_controlnet(seed: int = 19):
+    """A Qwen-Image Fun ControlNet (its five control blocks, which call the model's own input
+    layers as it runs), through ComfyUI's loader."""
+    import comfy.ldm.qwen_image.controlnet
+    with torch.device("meta"):
+        net = comfy.ldm.qwen_image.controlnet.QwenImageFunControlNetModel(operations=comfy.ops.disable_weight_init)
+    return comfy.controlnet.load_controlnet_state_dict(random_weights(net, seed, scale=0.5))
+
+
 class LatentOfImage:
     """What Apply ControlNet's VAE input gives a ControlNet that takes latents (InstantX): the hint
     image as a latent of the model's channels, 8x smaller (a fixed random projection) - the
-    ControlNet's path through the model, not a VAE's quality."""
+    ControlNet's path through the model, not a VAE's quality; ``video``: with a frame axis, as the
+    Wan VAE of Qwen-Image encodes."""
 
-    def __init__(self, channels: int):
-        self.channels = channels
+    def __init__(self, channels: int, video: bool = False):
+        self.channels, self.video = channels, video
 
     def spacial_compression_encode(self) -> int:
         return 8
 
     def encode(self, pixels):
         x = torch.nn.functional.avg_pool2d(pixels.movedim(-1, 1).float(), 8)
-        return torch.einsum("bchw,cd->bdhw", x, torch.randn(3, self.channels, generator=torch.Generator().manual_seed(3)))
+        x = torch.einsum("bchw,cd->bdhw", x, torch.randn(3, self.channels, generator=torch.Generator().manual_seed(3)))
+        return x.unsqueeze(2) if self.video else x
+
+
+def qwen_controlnet(kind: str):
+    def case(s: Setup) -> Setup:
+        net = qwen_instantx_controlnet(s.model) if kind == "instantx" else qwen_fun_controlnet()
+        return with_control(s, net, vae=LatentOfImage(s.latent.shape[1], video=True))
+    return case
 
 
 def with_control(s: Setup, net, strength=0.8, start=0.0, end=1.0, vae=None) -> Setup:
@@ -514,6 +545,8 @@ CASES = {
     "controlnet x2 start/end": (controlnet_stacked, UNET + DIT, False),
     "control-lora": (control_lora_case, UNET, False),
     "controlnet instantx union": (instantx_union, DIT, False),
+    "controlnet qwen instantx": (qwen_controlnet("instantx"), QWEN, False),
+    "controlnet qwen fun": (qwen_controlnet("fun"), QWEN, False),
     "t2i-adapter": (t2i, UNET, True),
     "freeu_v2": (freeu, UNET, False),
     "pag": (pag, UNET, False),
@@ -529,9 +562,9 @@ CASES = {
     "dit replace (pulid-style)": (dit_replace, DIT, False),
     "modelsamplingflux": (model_sampling_flux, DIT, False),
     "reference latents": (reference_latent, DIT, False),
-    "area prompts": (area, UNET + DIT + MMDIT, False),
+    "area prompts": (area, UNET + DIT + MMDIT + QWEN, False),
     "mask prompts": (mask, UNET + DIT + MMDIT, False),
-    "img2img 0.6": (img2img, UNET + DIT + MMDIT, False),
+    "img2img 0.6": (img2img, UNET + DIT + MMDIT + QWEN, False),
     "inpaint (latent noise mask)": (inpaint_mask, UNET + DIT + MMDIT, False),
     "inpainting model (concat)": (inpaint_model, ("sd15_inpaint",), False),
     "cfg guider (SamplerCustomAdvanced)": (_guided("cfg"), UNET + DIT + MMDIT, False),
@@ -539,8 +572,8 @@ CASES = {
     "perp-neg guider": (_guided("perpneg"), UNET + MMDIT, False),
     "lora hook with keyframes": (lora_hook_keyframes, UNET + DIT + MMDIT, False),
     "hires fix 1.5x": (hires_fix, UNET + DIT + MMDIT, False),
-    "batch 2": (batch2, UNET + DIT + MMDIT, False),
-    "new size": (new_size, UNET + DIT + MMDIT, False),
+    "batch 2": (batch2, UNET + DIT + MMDIT + QWEN, False),
+    "new size": (new_size, UNET + DIT + MMDIT + QWEN, False),
 }
 # by name only (compat.py --cases): the 16-bit model's whole-model compile takes minutes
 EXTRA = {"torchcompilemodel": torch_compile}

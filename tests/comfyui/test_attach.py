@@ -47,6 +47,9 @@ def conditioning(family: str):
     if family == "sd3":
         ctx, pooled = torch.randn(1, 77, 4096, generator=g), torch.randn(1, 2048, generator=g)
         return [[ctx, {"pooled_output": pooled}]], [[ctx * 0.3, {"pooled_output": pooled * 0.3}]], 5.0
+    if family == "qwen_image":  # Qwen2.5-VL's hidden states
+        ctx = torch.randn(1, 12, 3584, generator=g)
+        return [[ctx, {}]], [[ctx * 0.3, {}]], 4.0
     ctx = torch.randn(1, 77, 768, generator=g)
     return [[ctx, {}]], [[ctx * 0.3, {}]], 5.0
 
@@ -58,7 +61,7 @@ def setups(family: str, runtime: str = "auto", seed: int = 2):
     _, sd = models.build(family, "small", seed=seed, dtype=dtype)
     model = comfy.sd.load_diffusion_model_state_dict(sd)
     pos, neg, cfg = conditioning(family)
-    latent = torch.zeros(1, 16 if family in ("flux", "sd3") else 4, 12, 16)
+    latent = torch.zeros(1, 16 if family in ("flux", "sd3", "qwen_image") else 4, 12, 16)
     s16 = att.Setup(family, model, pos, neg, latent, cfg, steps=4)
     mm.load_models_gpu([model])
     stats = calibrate(model.model.diffusion_model, lambda _m: att.run(s16), CalibrationOptions())
@@ -69,7 +72,7 @@ def setups(family: str, runtime: str = "auto", seed: int = 2):
     return s16, s16.replace(model=q)
 
 
-@pytest.fixture(scope="module", params=["sd15", "flux", "sd3", "sd15_inpaint"])
+@pytest.fixture(scope="module", params=["sd15", "flux", "sd3", "sd15_inpaint", "qwen_image"])
 def pair(request):
     return request.param, *setups(request.param)
 
