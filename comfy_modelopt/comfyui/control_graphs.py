@@ -26,8 +26,11 @@ class ControlGraphs:
         self.runners: dict = {}  # id(network) -> (the network, its ControlNet's patcher, its CudaGraphs runner)
 
     def __call__(self, executor, model, conds, x_in, timestep, model_options):
-        installed = []
-        for net, patcher in _networks(conds):
+        installed, nets = [], _networks(conds)
+        # the graphs of networks no longer in the conditioning (another ControlNet chosen) go
+        for gone in set(self.runners) - {id(net) for net, _ in nets}:
+            self.runners.pop(gone)[2].release()
+        for net, patcher in nets:
             entry = self.runners.get(id(net))
             if entry is None or entry[0] is not net or entry[1] is not patcher:
                 entry = self.runners[id(net)] = (net, patcher, CudaGraphs(patcher))

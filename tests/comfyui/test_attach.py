@@ -285,6 +285,8 @@ def test_controlnets_run_through_their_own_graph_runner():
     assert len(runners) == 2 and all("forward" not in net.__dict__ for net, _ in runners)
     assert all(r.eager_calls and "not on a CUDA device" in r.warned for _, r in runners) or CUDA
     assert rel(out, ref) < (0.05 if CUDA else 1e-3)  # on a GPU: over compiled blocks, the lean run not
+    sampled(att.apply("controlnet", sq))  # another ControlNet: the two before go, with their graphs
+    assert len(controls.runners) == 1 and not {id(net) for net, _ in runners} & set(controls.runners)
 
 
 def test_a_wrapper_that_decides_per_call_runs_around_the_captured_forward():
