@@ -11,7 +11,7 @@ first and steady run, quantized / 16-bit speed, the final latent's distance betw
 model ran it (replayed from CUDA graphs, or eagerly and why).  Prints a table, writes JSON.
 
 Usage (COMFYUI_PATH set, the project importable, a CUDA GPU):
-  python benchmarks/compat.py --model sdxl|flux|sd15|sd15_inpaint|sd3 --out DIR [--steps 20] [--runs 3] [--res 1024]
+  python benchmarks/compat.py --model sdxl|flux|sd15|sd15_inpaint|sd3|qwen_image --out DIR [--steps 20] [--runs 3] [--res 1024]
                               [--cases "controlnet,freeu_v2,..."] [--format float8_e4m3fn]
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--model", default="sdxl", choices=("sd15", "sd15_inpaint", "sdxl", "flux", "sd3"))
+ap.add_argument("--model", default="sdxl", choices=("sd15", "sd15_inpaint", "sdxl", "flux", "sd3", "qwen_image"))
 ap.add_argument("--out", default=os.environ.get("OUT", "compat_out"))
 ap.add_argument("--steps", type=int, default=20)
 ap.add_argument("--runs", type=int, default=3, help="runs per model and case (the first one shown apart)")
@@ -112,27 +112,35 @@ def model_and_conditioning():
     elif A.model == "sd3":  # SD3.5 Large's layout at full size
         ctx, pooled = torch.randn(1, 77 if A.cpu_tiny else 333, 4096, generator=g), torch.randn(1, 2048, generator=g)
         pos, neg, cfg = [[ctx, {"pooled_output": pooled}]], [[ctx * 0, {"pooled_output": pooled * 0}]], 4.5
+    elif A.model == "qwen_image":  # Qwen2.5-VL's hidden states
+        ctx = torch.randn(1, 12 if A.cpu_tiny else 128, 3584, generator=g)
+        pos, neg, cfg = [[ctx, {}]], [[ctx * 0, {}]], 4.0
     else:
         ctx = torch.randn(1, 77, 768, generator=g)
         pos, neg, cfg = [[ctx, {}]], [[ctx * 0, {}]], 7.0
-    latent = torch.zeros(1, 16 if A.model in ("flux", "sd3") else 4, res // 8, res // 8)
+    latent = torch.zeros(1, 16 if A.model in ("flux", "sd3", "qwen_image") else 4, res // 8, res // 8)
     return sd, att.Setup(A.model, model, pos, neg, latent, cfg, steps=A.steps)
 
 
-def runner_state(runner):
+def runner_state(runner, controls=None):
+    """Per graph runner (the model's - or, with ``controls``, the runtime's ControlGraphs, its
+    ControlNets' runners): its counts, so that what a run did is the difference of two states."""
     if runner is None:
         return None
-    return {"captures": runner.captures, "replays": runner.replays, "eager": runner.eager_calls,
-            "failed": set(runner.failed.values()), "warned": set(runner.warned)}
+    runners = [runner] if controls is None else [r for _n, _p, r in controls.runners.values()]
+    return {id(r): (r.captures, r.replays, r.eager_calls, set(r.failed.values()) | set(r.warned)) for r in runners}
 
 
 def how_it_ran(before, after) -> str:
     if after is None:
         return "no graph runtime"
-    new = sorted((after["failed"] - before["failed"]) | (after["warned"] - before["warned"]))
-    replays, eager = after["replays"] - before["replays"], after["eager"] - before["eager"]
-    text = f"{after['captures'] - before['captures']} captures, {replays} replays, {eager} eager"
-    return text + (f" ({'; '.join(r[:160] for r in new)})" if new else "")
+    counts, new = [0, 0, 0], set()
+    for key, (*now, said) in after.items():  # a runner made during the run counts from zero
+        *then, said_then = before.get(key, (0, 0, 0, set()))
+        counts = [c + n - t for c, n, t in zip(counts, now, then)]
+        new |= said - said_then
+    text = f"{counts[0]} captures, {counts[1]} replays, {counts[2]} eager"
+    return text + (f" ({'; '.join(r[:160] for r in sorted(new))})" if new else "")
 
 
 def main():
@@ -154,6 +162,7 @@ def main():
     log(f"Quantize Model {RES['quantize_s']} s; {RES['runtime_note']}")
     sq = s16.replace(model=q)
     runner = graph_runner(q)
+    controls = next(iter(q.get_wrappers("calc_cond_batch", "comfy_modelopt_cuda_graphs")), None)
     names = [n.strip() for n in A.cases.split(",") if n.strip()] or \
         ["plain"] + att.cases_for(A.model, full_size=not A.cpu_tiny) + ["merge"] * (A.model != "flux")
     other = None
@@ -172,13 +181,15 @@ def main():
             else:
                 c16, cq = att.apply(name, s16), att.apply(name, sq)
             out16, t16 = timed(c16)
-            before = runner_state(runner)
+            before, controls_before = runner_state(runner), runner_state(runner, controls)
             outq, tq = timed(cq)
             if name == A.profile:
                 profile(name, cq)
             row = {"case": name, "16bit_s": [round(t, 3) for t in t16], "quant_s": [round(t, 3) for t in tq],
                    "speed": round(min(t16[1:] or t16) / min(tq[1:] or tq), 3), "latent": round(rel(outq, out16), 5),
                    "ran": how_it_ran(before, runner_state(runner))}
+            if controls is not None and controls.runners:  # the ControlNets' own networks
+                row["controlnets_ran"] = how_it_ran(controls_before, runner_state(runner, controls))
             if name == "plain":
                 base = {"16": out16, "q": outq}
             elif out16.shape == base["16"].shape and c16.second_pass is None and c16.denoise == 1.0:
@@ -222,7 +233,8 @@ def table() -> str:
         effect = f"{r['effect_16bit']:.4f} / {r['effect_quant']:.4f}" if "effect_16bit" in r else "-"
         lat = f"{r['latent']:.4f}" + (f" ({r['latent'] / plain:.2f}x plain)" if plain else "")
         lines.append(f"| {r['case']} | {first(r['16bit_s'])} | {first(r['quant_s'])} | {r['speed']:.2f}x | {lat} | "
-                     f"{effect} | {r['ran']} |")
+                     f"{effect} | {r['ran']}" + (f"; ControlNets: {r['controlnets_ran']}" if "controlnets_ran" in r else "")
+                     + " |")
     return "\n".join(lines)
 
 
