@@ -160,8 +160,7 @@ except AttributeError:  # pragma: no cover - a torch without scaled_mm: kitchen'
 def _fp8_forward(module, x, fast_accum: bool):
     w, x2 = module.weight, x.reshape(-1, x.shape[-1])
     qdtype, scale = w._qdata.dtype, module.input_scale
-    small = x2.numel() <= _TORCH_ROUNDING_MAX and not (x2.is_cuda and torch.cuda.is_current_stream_capturing())
-    inverse = _inverse(module, scale, x2, qdtype) if small else None
+    inverse = _inverse(module, scale, x2, qdtype) if x2.numel() <= _TORCH_ROUNDING_MAX else None
     xq = _quantize_fp8(x2, scale, qdtype) if inverse is None else fp8_round(x2, inverse, qdtype)
     out = fp8_gemm(xq, w._qdata, scale, w._params.scale, _bias(module, x), fast_accum, x.dtype)
     return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -172,8 +171,8 @@ def _fp8_forward(module, x, fast_accum: bool):
 # (an allocation, the stream, three DLPack exports) costs more host time than a small layer's
 # GEMM takes on the GPU - where eager SDXL is host-bound.  Taken per layer and input dtype only
 # where the two agree bit for bit on every value of that dtype at the layer's scale (``_inverse``).
-# Larger inputs keep the one-pass kernel (the operations read and write them three times), and so
-# does any input captured into a CUDA graph, where no host time is left to save.
+# Larger inputs keep the one-pass kernel (the operations read and write them three times); inside a
+# CUDA-graph capture either rounds as fast (docs/benchmarks.md, "ControlNets replayed as graphs").
 _TORCH_ROUNDING_MAX = 1 << 22
 _EVERY: dict = {}  # (dtype, device) -> every finite and infinite value of a 16-bit dtype
 
