@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -126,7 +127,28 @@ def _gptq_batch(w: torch.Tensor, hs: list[torch.Tensor], quantize_columns, block
     return list(q.transpose(1, 2).contiguous())
 
 
-_TRUSTED: dict = {}  # (device, rounder kind) -> None where the block kernel works, else why not
+@dataclass(frozen=True)
+class KernelRounding:
+    """How a column rounder rounds, for GPTQ's block kernel (``gptq_kernel``; a rounder without
+    one keeps the eager loop): fp8 - one ``scale`` (float) and the fp8 ``dtype``; int8 - a
+    ``scale`` per row; grid - a ``scale`` per (row, ``block`` of columns), ``anchor`` elements at
+    +-``qmax``, values on the ``grid`` ("int": integers; "e2m1": nvfp4's) ``round_fn`` rounds to."""
+    kind: str  # "fp8" | "int8" | "grid"
+    scale: object
+    dtype: torch.dtype | None = None
+    block: int = 1
+    anchor: torch.Tensor | None = None
+    qmax: float = 0.0
+    grid: str | None = None
+    round_fn: Callable | None = None
+
+    @property
+    def variant(self):
+        """What makes the kernel's code differ within a kind (checked once per device and variant)."""
+        return self.dtype if self.kind == "fp8" else self.grid
+
+
+_TRUSTED: dict = {}  # (device, rounder kind and variant) -> None where the block kernel works, else why not
 
 
 def kernel_trusted(device: torch.device, quantize_columns) -> bool:
@@ -134,7 +156,7 @@ def kernel_trusted(device: torch.device, quantize_columns) -> bool:
     ``device``: checked once per device and kind on a test block (Triton cannot cast to fp8
     before Ada, say); where not, the reason is logged and the loop runs without the kernel."""
     spec = quantize_columns.fused
-    key = (str(device), spec[0], spec[2] if spec[0] == "fp8" else spec[5] if spec[0] == "grid" else None)
+    key = (str(device), spec.kind, spec.variant)
     if key not in _TRUSTED:
         _TRUSTED[key] = _kernel_check(device, spec)
         if _TRUSTED[key] is not None:
@@ -143,20 +165,19 @@ def kernel_trusted(device: torch.device, quantize_columns) -> bool:
     return _TRUSTED[key] is None
 
 
-def _kernel_check(device: torch.device, spec: tuple) -> str | None:
+def _kernel_check(device: torch.device, spec: KernelRounding) -> str | None:
     """One block of a small problem with a rounder of ``spec``'s kind through the kernel and
     through the eager loop: None where they agree, else the reason not to use the kernel."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 128, generator=g).to(device)
     hinv = _upper_inverse_factor(damped(gram(torch.randn(256, 128, generator=g)), 0.1)).to(device)
-    if spec[0] == "fp8":
-        quant = fp8_column_quantizer(float(w.abs().max()) / float(torch.finfo(spec[2]).max), spec[2])
-    elif spec[0] == "int8":
+    if spec.kind == "fp8":
+        quant = fp8_column_quantizer(float(w.abs().max()) / float(torch.finfo(spec.dtype).max), spec.dtype)
+    elif spec.kind == "int8":
         quant = int8_column_quantizer(w.abs().amax(dim=1) / 127.0)
     else:
-        qmax, grid, round_fn = spec[4], spec[5], spec[6]
-        scale = w.abs().reshape(64, 8, 16).amax(dim=-1) / qmax
-        quant = grid_column_quantizer(scale, 16, anchors(w, 16), qmax, round_fn, grid=grid)
+        scale = w.abs().reshape(64, 8, 16).amax(dim=-1) / spec.qmax
+        quant = grid_column_quantizer(scale, 16, anchors(w, 16), spec.qmax, spec.round_fn, grid=spec.grid)
     wb = w.T.contiguous()[None]  # [1, B, N], as the layer's loop holds it
     try:
         q1, e1 = torch.empty_like(wb), torch.empty_like(wb)
@@ -249,7 +270,7 @@ def fp8_column_quantizer(scale: float, dtype: torch.dtype):
     def quant(cols, _index):
         return (cols * (1.0 / scale)).clamp(-fmax, fmax).to(dtype).float() * scale
     quant.index_free = True  # one scale for every column: a block's loop can be a CUDA graph
-    quant.fused = ("fp8", scale, dtype)  # ... or one Triton kernel (gptq_kernel)
+    quant.fused = KernelRounding("fp8", scale, dtype)  # ... or one Triton kernel (gptq_kernel)
     return quant
 
 
@@ -259,7 +280,7 @@ def int8_column_quantizer(row_scale: torch.Tensor):
     def quant(cols, _index):
         return (cols / s).round().clamp(-128, 127) * s
     quant.index_free = True  # per-row scales, the same for every column
-    quant.fused = ("int8", s)
+    quant.fused = KernelRounding("int8", s)
     return quant
 
 
@@ -293,8 +314,8 @@ def grid_column_quantizer(scale: torch.Tensor, block: int, anchor: torch.Tensor,
         q = torch.where(a, torch.where(cols < 0, -to, to), q)
         return torch.where(s == 0, torch.zeros_like(q), q * s)
     if grid is not None and anchor_to is None:
-        quant.fused = ("grid", scale.contiguous(), block, anchor.to(torch.uint8).contiguous(), float(qmax), grid,
-                       round_fn)
+        quant.fused = KernelRounding("grid", scale.contiguous(), block=block, qmax=float(qmax), grid=grid,
+                                     anchor=anchor.to(torch.uint8).contiguous(), round_fn=round_fn)
     return quant
 
 

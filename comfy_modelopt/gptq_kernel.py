@@ -47,16 +47,17 @@ def run_block(w1: torch.Tensor, hinv1: torch.Tensor, q1: torch.Tensor, err1: tor
     the inverse-Hessian factor), rounded columns into ``q1`` [D, B, N] and the columns' scaled
     errors into ``err1`` [D, B, N] (contiguous); ``places`` [B] (int32, on the device): each
     column's index in the weight (act-order permutes them), where per-block scales are read."""
-    kind, *args = quantize_columns.fused
+    spec = quantize_columns.fused  # gptq.KernelRounding
     d, b, n = w1.shape
     scale, anchor, inv, mul, fmax, blk = err1, err1, 1.0, 1.0, 0.0, 1
-    if kind == "fp8":
-        mode, inv, mul, fmax = _FP8[args[1]], 1.0 / float(args[0]), float(args[0]), float(torch.finfo(args[1]).max)
-    elif kind == "int8":
-        mode, scale = _INT8, args[0]
+    if spec.kind == "fp8":
+        mode, inv, mul = _FP8[spec.dtype], 1.0 / float(spec.scale), float(spec.scale)
+        fmax = float(torch.finfo(spec.dtype).max)
+    elif spec.kind == "int8":
+        mode, scale = _INT8, spec.scale
     else:  # "grid": per-(row, block) scales, anchored elements at +-qmax; integer or E2M1 values
-        scale, blk, anchor, fmax, grid = args[:5]
-        mode = _GRID_INT if grid == "int" else _GRID_E2M1
+        scale, blk, anchor, fmax = spec.scale, spec.block, spec.anchor, spec.qmax
+        mode = _GRID_INT if spec.grid == "int" else _GRID_E2M1
     grid_ = (triton.cdiv(n, TILE_ROWS), d)
     _block[grid_](w1, hinv1, q1, err1, scale, anchor, places, n,
                   *w1.stride(), *hinv1.stride(), *q1.stride(), *err1.stride(), scale.stride(0), anchor.stride(0),

@@ -63,7 +63,7 @@ def test_kernel_is_only_for_rounders_that_say_how():
     nvfp4, _ = get_format("nvfp4").gptq_rounding(w, None)
     mxfp8, _ = get_format("mxfp8").gptq_rounding(w, None)
     assert getattr(mxfp8, "fused", None) is None
-    assert fp8.fused[0] == "fp8" and nvfp4.fused[0] == "grid"
+    assert fp8.fused.kind == "fp8" and nvfp4.fused.kind == "grid"
     if os.environ.get("TRITON_INTERPRET") != "1":
         assert not gptq_kernel.usable(w, fp8)
 
@@ -84,7 +84,7 @@ def test_kernel_rounds_as_the_eager_loop_on_a_gpu(name, opts, act_order):
     differ = fused != eager
     assert float(differ.float().mean()) < 2e-3, float(differ.float().mean())
     assert float((fused - eager).norm() / eager.norm()) < 5e-3
-    if quant.fused[0] != "grid":  # one scale per tensor or row: the rounded weights are on its grid
+    if quant.fused.kind != "grid":  # one scale per tensor or row: the rounded weights are on its grid
         assert torch.equal(quant(fused, slice(0, fused.shape[1])), fused)
 
 
