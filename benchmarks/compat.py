@@ -127,7 +127,7 @@ def runner_state(runner, controls=None):
     ControlNets' runners): its counts, so that what a run did is the difference of two states."""
     if runner is None:
         return None
-    runners = [runner] if controls is None else [r for _n, _p, r in controls.runners.values()]
+    runners = [runner] if controls is None else list(controls.runners.values())
     return {id(r): (r.captures, r.replays, r.eager_calls, set(r.failed.values()) | set(r.warned)) for r in runners}
 
 

@@ -23,19 +23,19 @@ class ControlGraphs:
     comfy_modelopt_own = True
 
     def __init__(self):
-        self.runners: dict = {}  # id(network) -> (the network, its ControlNet's patcher, its CudaGraphs runner)
+        self.runners: dict = {}  # id(network) -> its CudaGraphs runner (``patcher``: the ControlNet's, of the network)
 
     def __call__(self, executor, model, conds, x_in, timestep, model_options):
         installed, nets = [], _networks(conds)
         # the graphs of networks no longer in the conditioning (another ControlNet chosen) go
         for gone in set(self.runners) - {id(net) for net, _ in nets}:
-            self.runners.pop(gone)[2].release()
+            self.runners.pop(gone).release()
         for net, patcher in nets:
-            entry = self.runners.get(id(net))
-            if entry is None or entry[0] is not net or entry[1] is not patcher:
-                entry = self.runners[id(net)] = (net, patcher, CudaGraphs(patcher))
+            runner = self.runners.get(id(net))
+            if runner is None or runner.patcher is not patcher:  # (a network's id reused after it went)
+                runner = self.runners[id(net)] = CudaGraphs(patcher)
             installed.append((net, net.__dict__.get("forward")))
-            net.forward = _graphed(entry[2], net.forward)
+            net.forward = _graphed(runner, net.forward)
         try:
             return executor(model, conds, x_in, timestep, model_options)
         finally:
@@ -46,11 +46,11 @@ class ControlGraphs:
                     net.forward = own
 
     def end_run(self, *_args) -> None:
-        for _net, _patcher, runner in self.runners.values():
+        for runner in self.runners.values():
             runner.end_run()
 
     def release(self, *_args) -> None:
-        for _net, _patcher, runner in self.runners.values():
+        for runner in self.runners.values():
             runner.release()
         self.runners.clear()
 

@@ -241,10 +241,10 @@ def test_attachments_take_the_graphs_or_say_why(family):
     for name in ["plain"] + [n for n in att.cases_for(family, full_size=False) if n not in COMFYUI_BUGS]:
         case = sq if name == "plain" else att.apply(name, sq)
         replays, failed, steps = runner.replays, set(runner.failed.values()), len(runner.per_step)
-        control_replays = sum(r.replays for _n, _p, r in controls.runners.values())
+        control_replays = sum(r.replays for r in controls.runners.values())
         out = sampled(case)
         if name.startswith("controlnet"):  # the ControlNets' networks replayed too
-            nets = [r for _n, _p, r in controls.runners.values()]
+            nets = list(controls.runners.values())
             if sum(r.replays for r in nets) == control_replays or any(r.failed for r in nets):
                 failures.append((name, "controlnet graphs", [(r.replays, r.failed, r.warned) for r in nets]))
         if name in PER_STEP:
@@ -281,7 +281,7 @@ def test_controlnets_run_through_their_own_graph_runner():
     controls = controls_of(sq.model)
     out = sampled(att.apply("controlnet x2 start/end", sq))
     ref = sampled(att.apply("controlnet x2 start/end", lean))
-    runners = [(net, r) for net, _p, r in controls.runners.values()]
+    runners = [(r.patcher.model, r) for r in controls.runners.values()]
     assert len(runners) == 2 and all("forward" not in net.__dict__ for net, _ in runners)
     assert all(r.eager_calls and "not on a CUDA device" in r.warned for _, r in runners) or CUDA
     assert rel(out, ref) < (0.05 if CUDA else 1e-3)  # on a GPU: over compiled blocks, the lean run not
