@@ -11,7 +11,8 @@ factory builds on the CPU from Python numbers alone - ``torch.arange`` with inte
 ``torch.zeros``/``ones``/``full`` - and when such a tensor, untouched since (no torch function
 has seen it: ComfyUI samples in inference mode, where tensors keep no version counter, so an
 in-place change or a view cannot be told apart from a harmless read), is moved to another
-device, builds it there instead.  The values are the same
+device, builds it there instead; ``torch.tensor`` of a few Python numbers with another device
+(Flux's union ControlNet builds its mode index so) is filled there number by number.  The values are the same
 numbers (integers and fill values are exact on every device), so a graph captured so replays
 what eager computes, bit for bit, and its kernel is part of the graph.  Anything else - a CPU
 tensor with data from elsewhere, modified in place, or derived by another op - is copied as
@@ -58,6 +59,15 @@ class ConstantsOnDevice(TorchFunctionMode):
             for a in (*args, *kwargs.values()):
                 if isinstance(a, torch.Tensor):
                     self.recipes.pop(id(a), None)
+        if func is torch.tensor and kwargs.get("device") is not None and len(args) == 1 and \
+                _python_numbers(args[0], False) and torch.device(kwargs["device"]).type != "cpu":
+            host = func(*args, **{**kwargs, "device": "cpu"})
+            if host.numel() <= 64:
+                out = torch.empty(host.shape, dtype=host.dtype, device=kwargs["device"])
+                for i, v in enumerate(host.flatten().tolist()):  # a kernel each, the number its argument
+                    out.view(-1)[i].fill_(v)
+                self.rebuilt += 1
+                return out
         out = func(*args, **kwargs)
         if func in _FACTORIES and self._constant(func, args, kwargs, out):
             self.recipes[id(out)] = (weakref.ref(out), func, args, kwargs)

@@ -25,7 +25,9 @@ def test_factory_constants_are_built_on_the_target_device():
         z = torch.zeros(2, 3).to("meta", torch.float16)
         f = torch.full((4,), 0.25).to(pos)
         i = torch.arange(2, 10, 3, dtype=torch.float64).to(device="meta")
-    assert copies.ops == [] and mode.rebuilt == 4
+        t = torch.tensor([[3, 1]], device="meta")
+        big = torch.tensor(list(range(65)), device="meta")  # not a few numbers: built as torch builds it
+    assert copies.ops == [] and mode.rebuilt == 5 and (t.shape, t.dtype, big.shape) == ((1, 2), torch.int64, (65,))
     assert out2.shape == out.shape and out2.device == out.device
     assert (z.dtype, f.dtype, i.dtype) == (torch.float16, torch.float32, torch.float64)
 
@@ -81,7 +83,8 @@ def test_a_cuda_graph_captures_constants_moved_every_way():
     def forward():
         return (wan_timestep_embedding(16, pos), torch.arange(8).cuda() * 2, torch.ones(3).cuda(0) + pos[:3],
                 torch.full((2,), 0.25).cuda(device=pos.device) * pos[:2],
-                torch.zeros(4).to("cuda", torch.float16) + 1, torch.arange(1, 9, 2).to(pos) * pos[:4])
+                torch.zeros(4).to("cuda", torch.float16) + 1, torch.arange(1, 9, 2).to(pos) * pos[:4],
+                torch.tensor([2, 0, 1], device=pos.device), torch.tensor([[0.5, 1e-3]], device="cuda") * pos[:2])
 
     with torch.inference_mode():
         eager = forward()
@@ -96,7 +99,7 @@ def test_a_cuda_graph_captures_constants_moved_every_way():
                 captured = forward()
         graph.replay()
         torch.cuda.synchronize()
-    assert mode.rebuilt == 12  # six constants, warm-up and capture
+    assert mode.rebuilt == 16  # eight constants, warm-up and capture
     for got, want in zip(captured, eager):
         assert got.device.type == "cuda" and got.dtype == want.dtype and torch.equal(got, want)
 
