@@ -38,6 +38,16 @@ def rounding_noise(x, dtype=None):
     return (x.float() * (1 + noise * (eps / 2))).to(x.dtype)
 
 
+def latent_shapes(values) -> tuple:
+    """What the blocks' shapes follow in a model call's ``values`` (its arguments less ControlNet
+    residuals and options): the shapes of its tensors of two or more dimensions - the latent, the
+    text conditioning, reference latents."""
+    if isinstance(values, torch.Tensor):
+        return (tuple(values.shape),) if values.dim() >= 2 else ()
+    items = values.values() if isinstance(values, dict) else values if isinstance(values, (list, tuple)) else ()
+    return tuple(sorted(s for v in items for s in latent_shapes(v)))
+
+
 def _options_position(m) -> int | None:
     """Where ``m.forward`` takes ``transformer_options`` (positional index after self), or None."""
     try:
@@ -134,6 +144,8 @@ class CompiledBlocks:
         self.compile_new_shapes = True
         self.enabled, self.reason = True, None
         self.checks: list = []  # one dict per validated input signature
+        self.shapes: set = set()  # the ``latent_shapes`` compiled for (ahead, or in the background)
+        self.landed = 0  # background compilations that compiled new code (``background_compile``)
         self.regions = [m for m in _block_regions(diffusion_model) if not _is_weight_layer(m)]
         self.opaque = [m for m in diffusion_model.modules() if _is_weight_layer(m)]
         self._wrappers: dict = {}
@@ -271,14 +283,16 @@ class CompiledBlocks:
             self._wrappers[id(m)] = cached
         return cached[1]
 
-    def validate(self, run, ref, perturbed=None, compile_new_shapes: bool | None = None) -> bool:
+    def validate(self, run, ref, perturbed=None, compile_new_shapes: bool | None = None, fail=None) -> bool:
         """Run the compiled blocks once (compiling them) and compare with the eager ``ref`` (None:
         compile only, on weights whose values mean nothing; no signature counts as checked by it).
 
         Fused kernels round differently, and through a deep network with quantized activations
         that grows well beyond one rounding, so the allowed difference is measured: ``perturbed()``
         runs the eager model on the input rounded once more, and the compiled output may differ
-        from ``ref`` by 3x that (within [``tol``, ``max_tol``]).  A miscompilation differs far more."""
+        from ``ref`` by 3x that (within [``tol``, ``max_tol``]).  A miscompilation differs far more.
+        ``fail(reason)`` (default ``disable``) answers a failed compilation or check."""
+        fail = fail or self.disable
         if not self.enabled:
             return False
         before = compile_account()
@@ -293,7 +307,7 @@ class CompiledBlocks:
             with self.installed(compiles):
                 out = run()
         except Exception as e:  # an untraceable block, a compiler error: stay eager
-            return self.disable(f"compile failed: {type(e).__name__}: {str(e)[:200]}")
+            return fail(f"compile failed: {type(e).__name__}: {str(e)[:200]}")
         seconds, spent = time.perf_counter() - t0, compile_account(before)
         compiled = spent.pop("frames")
         check = {"rel_l2": None, "frames_compiled": compiled, "seconds": round(seconds, 3), "compile": spent}
@@ -308,7 +322,7 @@ class CompiledBlocks:
         limit = min(self.max_tol, max(self.tol, 3.0 * noise))
         check.update(rel_l2=err, eager_rounding_noise=noise, limit=limit)
         if not err <= limit:  # also catches NaN
-            return self.disable(f"compiled output differs from eager by {err:.4f} (relative L2; allowed "
+            return fail(f"compiled output differs from eager by {err:.4f} (relative L2; allowed "
                                  f"{limit:.4f} = 3x eager's own rounding noise {noise:.4f}, at least {self.tol})")
         logging.info(f"{done}, relative L2 vs eager {err:.2e} (eager rounding noise {noise:.2e})")
         return True
@@ -340,7 +354,9 @@ class CompiledBlocks:
 
         def perturbed():
             return run(lambda x: rounding_noise(x, dtype))
-        ref = run()  # the first evaluation: a dynamic model's weights are paged in here
+        # the first evaluation: a dynamic model's weights are paged in here
+        ref = run(fn=lambda *a, **k: (self.shapes.add(latent_shapes((a, {n: v for n, v in k.items() if n not in (
+            "control", "transformer_options")}))), diffusion_model(*a, **k))[1])
         if not check:  # compiled after that eager call all the same, as a checked compile is
             return self.validate(run, None, compile_new_shapes=True)
         if may_stream is not None and may_stream():

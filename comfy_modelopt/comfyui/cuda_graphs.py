@@ -4,8 +4,8 @@
 captures each distinct input signature once and replays it; what it cannot capture runs eagerly
 with the reason logged.  With ``compile_blocks`` the graphs are captured over TorchInductor-
 compiled blocks (``compiled_blocks``), checked against eager at a signature's first capture -
-compiled there, or (``auto``) only ahead, for the calibration's shapes, so that another size runs
-its blocks uncompiled instead of compiling at its first image.
+compiled there, or (``auto``) ahead for the calibration's shapes and in the background after a
+run at other shapes, whose graphs replay over the uncompiled blocks until they are in.
 
 The graphs stay while the model stays loaded and go when ComfyUI unloads it (wholly or partly) or
 the weights or weight patches change.  Their memory is accounted as ComfyUI counts memory in use
@@ -31,7 +31,8 @@ from ..device_constants import ConstantsOnDevice, HostCopies
 from ..graph_memory import (ROUND_LARGE, AllocationTrace, large_events, peak_in_use, pool_need, recorded_need,
                             release_blas_workspaces)
 from .compile_cache import key_of, kept
-from .compiled_blocks import CompiledBlocks, rel_l2, rounding_noise
+from .background_compile import BACKGROUND, compile_later
+from .compiled_blocks import CompiledBlocks, latent_shapes, rel_l2, rounding_noise
 from .graph_inputs import (STEP, ModelCall, NotCapturable, PerStep, foreign, kept_state, listed, named,
                            state_changes, step_key, tensors_of)
 from .graph_pool import GraphPool, pool_accounting
@@ -88,6 +89,8 @@ class CudaGraphs:
         self.max_step_graphs = max_step_graphs
         self.step_checked: set = set()  # per-step signatures whose first replay was checked
         self.validated: set = set()  # signatures whose compiled blocks matched eager
+        self.uncompiled: dict = {}  # signature -> key: captured over blocks without code for its shapes
+        self.landed_at: dict = {}  # latent_shapes -> ``compiled.landed`` once compiled in the background
         self.graph_memory_trimmed = None  # cudaMallocAsync: whether the last release trimmed
         self.pool_needs: dict = {}  # (signature, compiled) -> its forward's graph_memory.PoolNeed
         self.pool_sizing: list = []  # per sized first capture: seeded from its warm-up, or grown vs fitted
@@ -108,7 +111,10 @@ class CudaGraphs:
             self.releases += 1
 
     def end_run(self, *_args) -> None:
-        """ComfyUI's cleanup after a sampling run: the graphs stay (persistent) or go."""
+        """ComfyUI's cleanup after a sampling run: blocks for a signature that ran uncompiled in it
+        compile in the background (one per run); the graphs stay (persistent) or go."""
+        if self.compiled is not None:
+            compile_later(self)
         if not self.persistent:
             self.release()
 
@@ -118,7 +124,8 @@ class CudaGraphs:
         compiled here)."""
         self._say_once(f"CUDA graphs: running eagerly ({reason})", reason)
         self.eager_calls += 1
-        if compiled and self.compiled is not None and self.compiled.enabled and self.validated:
+        if compiled and self.compiled is not None and self.compiled.enabled and self.validated \
+                and not BACKGROUND.is_set():
             with self.compiled.installed(compile_new_shapes=False):
                 return call.run(apply_model)
         return call.run(apply_model)
@@ -203,7 +210,14 @@ class CudaGraphs:
         if entry is not None and entry["weights"] != weights:
             self.graphs.clear()
             entry = None
+        elif entry is not None and self.landed_at.get(entry.get("shapes"), -1) > entry.get("landed", 0) \
+                and not BACKGROUND.is_set():  # its blocks compiled since (in the background): captured again
+            self.pool_needs.pop((key, True), None)
+            entry = None
         if entry is None:
+            if BACKGROUND.is_set():
+                return self._eager(apply_model, call, "blocks compiling in the background: nothing is captured "
+                                   "until they are in")
             self._evict(key is not sig)
             try:
                 entry = self._capture(apply_model, call, weights, sig, key)
@@ -294,6 +308,9 @@ class CudaGraphs:
                         lambda: static.replace_input(rounding_noise(static.args[0], dtype)).run(apply_model))
             use_compiled = on_side_stream(warm_up, device)
             self.warmed.add(sig)
+            if use_compiled and not self.compiled.compile_new_shapes and not others and \
+                    latent_shapes((static.args[:4], static.kwargs)) not in self.compiled.shapes:
+                self.uncompiled[sig] = key  # compiled after the run (``background_compile``)
             if self.compiled is not None:
                 self.compile_seconds.append(round(time.perf_counter() - t_compile, 3))
             if use_compiled:
@@ -350,7 +367,8 @@ class CudaGraphs:
         self.pool.occupy()
         self.capture_seconds.append(round(time.perf_counter() - t0, 3))
         entry = {"graph": graph, "call": static, "static": static.tensors(), "out": out, "weights": weights,
-                 "compiled": use_compiled}
+                 "compiled": use_compiled, "apply": apply_model, "landed": getattr(self.compiled, "landed", 0),
+                 "shapes": latent_shapes((static.args[:4], static.kwargs))}
         if others and sig not in self.step_checked:  # checked against eager at its first replay (evaluate)
             entry["check"] = named(others)
             if step:  # once per signature, not per step

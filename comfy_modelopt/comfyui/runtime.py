@@ -54,8 +54,9 @@ RUNTIMES = {r.label: r for r in (
 # auto: graphs over compiled blocks where the blocks compile before the first image (Quantize Model
 # with a calibration, Load Quantized Model on a calibrated file), else lean + graphs; FP8 attention
 # where it runs (Hopper with fa3-fwd, self-attention of attention.FP8_MIN_TOKENS+ tokens).  Chosen
-# by whole runs through the nodes: docs/benchmarks.md section 0.  Another image size, patches,
-# ControlNets and wrappers run through the same graphs, compiling nothing (cuda_graphs).
+# by whole runs through the nodes: docs/benchmarks.md section 0.  Patches, ControlNets and wrappers
+# run through the same graphs; another image size too, its blocks compiled after its first run, in
+# the background (background_compile).
 DEFAULT_RUNTIME = AUTO
 
 RUNTIME_TOOLTIP = ("auto (default): the fastest measured - CUDA graphs over compiled blocks where they compile "
@@ -188,7 +189,8 @@ def _compile_ahead(patcher, runner, first_call) -> str:
         return f" (compiled blocks off: {runner.compiled.reason})"
     return (f" (blocks compiled for the calibration's shapes in {time.perf_counter() - t0:.1f} s"
             + (", from the compiled code an earlier process kept" if cache.loaded and cache.saved is None else "")
-            + ("; another image size runs them uncompiled, compiling nothing" if not runner.compiled.compile_new_shapes
+            + ("; another image size runs them uncompiled until they compile for it in the background, after its "
+               "first image" if not runner.compiled.compile_new_shapes
                else "; another image size compiles at its first image") + ")")
 
 

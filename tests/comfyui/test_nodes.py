@@ -931,6 +931,71 @@ def test_compiled_blocks_keep_patches_where_they_apply(env, monkeypatch):
     assert cb.enabled
 
 
+def test_another_size_compiles_in_the_background_and_is_captured_again(env, monkeypatch):
+    """``auto`` compiles the blocks ahead only: a signature at another size is captured over the
+    uncompiled blocks, and after its run (ComfyUI's cleanup) they compile for its shapes in a
+    thread - checked against eager - while the caller goes on; nothing is captured meanwhile (a
+    new signature runs eagerly).  Once they are in, the graph captured before is captured again
+    at its next replay, and the blocks run compiled at those shapes, compiling nothing more."""
+    import time
+    import torch._dynamo.utils
+    runtime, bg = pack_module("runtime"), pack_module("background_compile")
+    ModelCall, latent_shapes = pack_module("graph_inputs").ModelCall, pack_module("compiled_blocks").latent_shapes
+    cpu_free_memory(monkeypatch)
+    model, _ = quantize(env, format="float8_e4m3fn", runtime="lean")
+    torch._dynamo.reset()
+    clone, runner = runtime.enable_cuda_graphs(model, compile_blocks=True)
+    assert "blocks compiled" in runtime._compile_ahead(clone, runner, env["stats"].first_call)
+    cb = runner.compiled
+    cb.compile_new_shapes = False  # as auto runs them
+    comfy.model_management.load_models_gpu([clone])
+    dev, g = clone.load_device, torch.Generator().manual_seed(0)
+    apply_model = clone.model._apply_model  # what the runner's APPLY_MODEL wrapper is handed
+    with torch.inference_mode():
+        call = ModelCall((torch.randn(2, 4, 12, 8, generator=g).to(dev), torch.tensor([0.5, 0.5], device=dev), None,
+                          torch.randn(2, 77, 768, generator=g).to(dev)), {})  # as ComfyUI passes them, by position
+        shapes = latent_shapes((call.args[:4], call.kwargs))
+        assert cb.shapes and shapes not in cb.shapes  # the calibration's 8x8 latent was compiled ahead, not this
+        captured = []
+
+        def capture(apply_model, call, weights, sig, key):  # what _capture leaves (a graph replaying nothing)
+            captured.append(key)
+            static = call.static(dev)
+            return {"graph": types.SimpleNamespace(replay=lambda: None), "weights": weights, "compiled": True,
+                    "call": static, "static": [], "out": call.run(apply_model), "apply": apply_model,
+                    "landed": cb.landed, "shapes": latent_shapes((static.args[:4], static.kwargs))}
+        runner._blocker, runner._capture, runner.pool = (lambda c: None), capture, FAKE_POOL
+        bg.BACKGROUND.set()  # another thread compiling: nothing is captured, the call runs eagerly
+        runner.evaluate(apply_model, call)
+        bg.BACKGROUND.clear()
+        assert captured == [] and runner.eager_calls == 1
+        runner.evaluate(apply_model, call)
+        sig = call.signature()
+        assert captured == [sig]
+        runner.uncompiled[sig] = sig  # as _capture registers it
+        runner.pool = types.SimpleNamespace(reserved_bytes=lambda kind: 0, vacate=lambda: None, accounting="mempool")
+        frames = torch._dynamo.utils.counters["frames"]["ok"]
+        assert bg.compile_later(runner)
+        deadline = time.monotonic() + 600
+        while bg.BACKGROUND.is_set() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        check = cb.checks[-1]
+        assert cb.enabled and cb.landed == 1 and shapes in cb.shapes and runner.landed_at[shapes] == 1, cb.reason
+        assert torch._dynamo.utils.counters["frames"]["ok"] > frames and check["frames_compiled"] > 0
+        assert check["rel_l2"] <= check["limit"]
+        assert not bg.compile_later(runner)  # nothing left to compile
+        runner.evaluate(apply_model, call)  # captured again over the compiled blocks
+        assert captured == [sig, sig]
+        frames = torch._dynamo.utils.counters["frames"]["ok"]
+        with cb.installed():  # as a capture runs them: code for these shapes, nothing compiled
+            out = call.run(apply_model)
+        assert torch._dynamo.utils.counters["frames"]["ok"] == frames
+        ref = call.run(apply_model)
+        assert float((out - ref).norm() / ref.norm()) <= check["limit"]
+    runner.release()
+    comfy.model_management.unload_all_models()
+
+
 def test_compiling_ahead_borrows_the_weights_and_leaves_the_load_to_the_sampler(env, monkeypatch):
     """Compiling ahead runs on copies of the weights that ComfyUI does not know of (moved as its
     load moves them - new parameters even on the CPU): afterwards ComfyUI holds no load of the
