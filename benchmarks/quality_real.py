@@ -121,6 +121,8 @@ VARIANTS = [
      dict(format="int8_tensorwise", convrot=True, gptq=True, budget=0.35, gptq_act_order=False), True),
     ("nvfp4", "planner: budget 0.30 (nvfp4 / fp8 / int8+convrot, gptq)",
      dict(format="int8_tensorwise", convrot=True, gptq=True, budget=0.30, gptq_act_order=False), True),
+    ("nvfp4", "planner: budget 0.30 (nvfp4 / fp8), gptq act-order",
+     dict(gptq=True, gptq_act_order=True, budget=0.30, candidates=("nvfp4", "float8_e4m3fn")), True),
     ("nvfp4", "planner: budget 0.35, gptq act-order",
      dict(format="int8_tensorwise", convrot=True, gptq=True, gptq_act_order=True, budget=0.35), True),
     ("nvfp4", "planner: budget 0.30, gptq act-order",

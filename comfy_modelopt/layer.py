@@ -78,8 +78,9 @@ def measure(w: torch.Tensor, x: torch.Tensor | None, deq: torch.Tensor, work: Wo
     if x is not None:
         scale = work.input_scale if not layer.weight_only else None
 
-        def out_err(xs: torch.Tensor, scale=scale) -> float:  # rows in the smoothed basis: xs @ smoothed^T == x @ w^T
-            act = fmt.fake_act(xs, scale, **opts)
+        def out_err(xs: torch.Tensor, scale=scale, rounded: bool = True) -> float:
+            # rows in the smoothed basis: xs @ smoothed^T == x @ w^T; not ``rounded``: 16-bit inputs
+            act = fmt.fake_act(xs, scale, **opts) if rounded else fmt.search_space(xs, **opts)
             if lowrank is None:
                 q_out = act @ fmt.search_space(deq, **opts).T
             else:  # the branch sees the (smoothed) 16-bit input; only the residual GEMM is quantized
@@ -89,8 +90,9 @@ def measure(w: torch.Tensor, x: torch.Tensor | None, deq: torch.Tensor, work: Wo
         report.out_err = out_err(work.x)
         if work.split is not None:
             report.held_err = out_err(work.split.held)
-            if scale is not None:  # what rounding the activations adds to the weight's error (held out; >= 0)
-                report.act_err = max(report.held_err - out_err(work.split.held, None), 0.0)
+            if scale is not None or not (fmt.needs_input_scale or layer.weight_only):
+                # what rounding the activations adds to the weight's error (held out; >= 0)
+                report.act_err = max(report.held_err - out_err(work.split.held, rounded=False), 0.0)
         if work.recipe.sensitivity:
             report.sensitivity = sensitivity(w, x[:SENSITIVITY_ROWS], layer_stats)
     if work.input_scale is not None:

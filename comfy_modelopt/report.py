@@ -38,7 +38,7 @@ class LayerReport:
     rel_err: float = 0.0         # ||W - deq(Q(W))|| / ||W||  (kitchen dequantization)
     out_err: float = -1.0        # relative output error on calibration inputs (-1: not measured)
     held_err: float = -1.0       # ... on the held-out prompts' inputs, which no search saw (-1: none)
-    act_err: float = -1.0        # W8A8: held_err less the same weight's error computed 16-bit (weight-only):
+    act_err: float = -1.0        # held_err less the same weight's error on 16-bit inputs (weight-only):
                                  # what rounding the activations costs on held-out prompts (-1: not measured)
     alpha: float = 1.0           # chosen clip factor (mean over rows for per-row formats)
     input_scale: float = 0.0     # static input_scale written (0: none)
@@ -186,9 +186,15 @@ class QuantReport:
         act = sorted((l for l in q if l.act_err >= 0), key=lambda l: -l.act_err)
         if act:
             worst = ", ".join(f"{l.name} +{l.act_err:.4f}" for l in act[:ACT_WORST])
-            lines.append(f"activation rounding (W8A8 vs the same weights computed 16-bit, held-out prompts): mean "
-                         f"+{sum(l.act_err for l in act) / len(act):.4f} over {len(act)} layers; most: {worst} "
-                         f"(weight_only patterns store such layers without an input scale: 16-bit compute there)")
+            share = sum(l.act_err for l in act) / max(sum(l.held_err for l in act), 1e-12)
+            four = {l.format for l in act if FORMATS[l.format].values_per_element > 1}
+            lines.append(f"activation rounding (inputs rounded as a GPU computing the format natively rounds them, "
+                         f"vs the same weights on 16-bit inputs; held-out prompts): mean "
+                         f"+{sum(l.act_err for l in act) / len(act):.4f} over {len(act)} layers, {share:.0%} of their "
+                         f"output error; most: {worst} (fp8: weight_only patterns store such layers without an input "
+                         "scale, 16-bit compute there" + (f"; 4-bit: budget {total / base + 0.02:.2f} with candidates "
+                                                          f"{','.join(sorted(four))},float8_e4m3fn keeps the costliest "
+                                                          "at 8-bit" if four and base else "") + ")")
         convs = self.convs
         if convs:
             lines.append(f"convolutions: {len(convs)} fp8 (per output channel, own loader), weight error "

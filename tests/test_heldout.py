@@ -152,7 +152,7 @@ def test_activation_rounding_cost_reported_and_weight_only_by_pattern():
     out, _m, report = quantize(_sd(model), Recipe(gptq=False), stats, family="generic")
     by = {l.name: l for l in report.quantized}
     assert all(l.act_err > 0 and not l.weight_only for l in by.values())
-    assert "activation rounding (W8A8" in report.summary() and "0 +" in report.summary()
+    assert "activation rounding (inputs rounded" in report.summary() and "0 +" in report.summary()
     out2, _m, report2 = quantize(_sd(model), Recipe(gptq=False, weight_only=("2",)), stats, family="generic")
     by2 = {l.name: l for l in report2.quantized}
     assert "2.input_scale" not in out2 and "0.input_scale" in out2 and "2.input_scale" in out
@@ -184,3 +184,23 @@ def test_layers_named_weight_only_are_not_reported_as_never_calibrated():
     _sd_out, _meta, report = quantize(_sd(skips), Recipe(), stats, family="generic")
     assert [n for n in report.notes if "never ran" in n] == [
         "1 layers never ran during calibration (written weight-only), e.g. b"], report.notes
+
+
+def test_four_bit_activation_rounding_reported_with_the_budget_that_keeps_it_8_bit():
+    """4-bit layers report what rounding their inputs to 4 bits costs on held-out prompts (as a GPU
+    computing nvfp4 natively does), and the summary names the planner's budget - 2% of the 16-bit
+    bytes beyond this file - with fp8 among the candidates; that recipe runs within it."""
+    import re
+    model = _model()
+    batches = [torch.randn(8, 64) * (1 + 10 * (torch.rand(64) < 0.05)) for _ in range(8)]
+    stats = _calibrate(model, batches)
+    _out, _m, report = quantize(_sd(model), Recipe("nvfp4", gptq=False), stats, family="generic")
+    assert all(l.act_err > 0 for l in report.quantized)
+    hint = re.search(r"4-bit: budget ([0-9.]+) with candidates nvfp4,float8_e4m3fn", report.summary())
+    assert hint, report.summary()
+    budget = float(hint.group(1))
+    assert abs(budget - report.total_bytes() / report.total_bytes_16bit() - 0.02) < 0.006
+    _out, _m, planned = quantize(_sd(model), Recipe("nvfp4", gptq=False, budget=budget,
+                                                    candidates=("nvfp4", "float8_e4m3fn")), stats, family="generic")
+    assert planned.total_bytes() <= budget * planned.total_bytes_16bit()
+    assert {l.format for l in planned.quantized} <= {"nvfp4", "float8_e4m3fn"}
