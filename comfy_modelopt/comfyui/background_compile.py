@@ -71,8 +71,7 @@ def compile_later(runner) -> bool:
                     if blocks.validate(run, run(), perturbed, compile_new_shapes=True, fail=fail) and \
                             blocks.checks[-1]["frames_compiled"]:
                         blocks.landed += 1
-                        blocks.shapes.add(entry["shapes"])
-                        runner.landed_at[entry["shapes"]] = blocks.landed
+                        blocks.shapes.add(entry["shapes"])  # its graphs are captured again (CudaGraphs.evaluate)
             except Exception as e:  # out of memory in the eager reference: these shapes stay uncompiled
                 logging.warning(f"[comfy-modelopt] compiling blocks in the background failed: {type(e).__name__}: "
                                 f"{str(e)[:200]}")

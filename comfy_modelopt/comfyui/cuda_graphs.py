@@ -90,7 +90,6 @@ class CudaGraphs:
         self.step_checked: set = set()  # per-step signatures whose first replay was checked
         self.validated: set = set()  # signatures whose compiled blocks matched eager
         self.uncompiled: dict = {}  # signature -> key: captured over blocks without code for its shapes
-        self.landed_at: dict = {}  # latent_shapes -> ``compiled.landed`` once compiled in the background
         self.graph_memory_trimmed = None  # cudaMallocAsync: whether the last release trimmed
         self.pool_needs: dict = {}  # (signature, compiled) -> its forward's graph_memory.PoolNeed
         self.pool_sizing: list = []  # per sized first capture: seeded from its warm-up, or grown vs fitted
@@ -210,7 +209,7 @@ class CudaGraphs:
         if entry is not None and entry["weights"] != weights:
             self.graphs.clear()
             entry = None
-        elif entry is not None and self.landed_at.get(entry.get("shapes"), -1) > entry.get("landed", 0) \
+        elif entry is not None and entry.get("awaits_code") and entry["shapes"] in self.compiled.shapes \
                 and not BACKGROUND.is_set():  # its blocks compiled since (in the background): captured again
             self.pool_needs.pop((key, True), None)
             entry = None
@@ -273,6 +272,7 @@ class CudaGraphs:
         # GPU in every call, which a capture refuses: the static copies live on the input's device
         device = call.args[0].device
         static = call.static(device)
+        shapes = latent_shapes((static.args[:4], static.kwargs))
         step = key is not sig
         if step:  # read on the host by the forward (no sync, nothing a capture refuses); fixed by the key
             sigmas = call.options["sigmas"]
@@ -309,7 +309,7 @@ class CudaGraphs:
             use_compiled = on_side_stream(warm_up, device)
             self.warmed.add(sig)
             if use_compiled and not self.compiled.compile_new_shapes and not others and \
-                    latent_shapes((static.args[:4], static.kwargs)) not in self.compiled.shapes:
+                    shapes not in self.compiled.shapes:
                 self.uncompiled[sig] = key  # compiled after the run (``background_compile``)
             if self.compiled is not None:
                 self.compile_seconds.append(round(time.perf_counter() - t_compile, 3))
@@ -367,8 +367,8 @@ class CudaGraphs:
         self.pool.occupy()
         self.capture_seconds.append(round(time.perf_counter() - t0, 3))
         entry = {"graph": graph, "call": static, "static": static.tensors(), "out": out, "weights": weights,
-                 "compiled": use_compiled, "apply": apply_model, "landed": getattr(self.compiled, "landed", 0),
-                 "shapes": latent_shapes((static.args[:4], static.kwargs))}
+                 "compiled": use_compiled, "apply": apply_model, "shapes": shapes,
+                 "awaits_code": use_compiled and shapes not in self.compiled.shapes}  # replayed over uncompiled blocks
         if others and sig not in self.step_checked:  # checked against eager at its first replay (evaluate)
             entry["check"] = named(others)
             if step:  # once per signature, not per step
