@@ -1,11 +1,6 @@
 """Collect ActivationStats from real forward passes: hooks on every Linear input, and the
 module's first call kept (``calls.RecordedCall``: the shapes sampling uses, for a runtime to
-compile ahead).
-
-``calibrate(module, forward_loop)`` hooks the input of every Linear layer of any torch module
-(ComfyUI's ``comfy.ops`` Linear classes are ``torch.nn.Linear`` subclasses), runs
-``forward_loop(module)`` - which owns the data: prompts, sampler, steps - and returns the
-statistics.  Hooks are always removed, also when the loop raises or is interrupted.
+compile ahead).  Design: docs/design.md, ``calibrate.py``.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
 """``comfy-modelopt demo``: the whole file path on a small built-in model, verified.
-
-Builds a small checkpoint in Flux.1's exact key layout (deterministic random weights made here,
-hidden size 256), quantizes it to every format, reads each output back, rebuilds every quantized
-layer with comfy-kitchen from the stored tensors and checks its dequantization against the
-original weight and against the error the quantizer reported.
+Design: docs/design.md, ``demo.py``.
 """
 from __future__ import annotations
 

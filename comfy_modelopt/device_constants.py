@@ -1,22 +1,5 @@
 """Constants built on the device they are moved to, for CUDA-graph capture.
-
-A model forward that builds a constant on the CPU and moves it to the GPU - Wan 2.1's
-``sinusoidal_embedding_1d`` (ComfyUI's ``comfy/ldm/wan/model.py``) runs
-``torch.arange(half).to(position)`` on every call - cannot be captured: a host-to-device copy is
-refused inside a capture ("Cannot copy between CPU and CUDA tensors during CUDA graph capture"),
-and a captured copy from pinned memory would replay whatever the host buffer holds later.
-
-``ConstantsOnDevice`` (a torch function mode, so per thread) remembers every tensor that a
-factory builds on the CPU from Python numbers alone - ``torch.arange`` with integer bounds,
-``torch.zeros``/``ones``/``full`` - and when such a tensor, untouched since (no torch function
-has seen it: ComfyUI samples in inference mode, where tensors keep no version counter, so an
-in-place change or a view cannot be told apart from a harmless read), is moved to another
-device, builds it there instead; ``torch.tensor`` of a few Python numbers with another device
-(Flux's union ControlNet builds its mode index so) is filled there number by number.  The values are the same
-numbers (integers and fill values are exact on every device), so a graph captured so replays
-what eager computes, bit for bit, and its kernel is part of the graph.  Anything else - a CPU
-tensor with data from elsewhere, modified in place, or derived by another op - is copied as
-before (and a capture then fails as before, logged).
+Design: docs/design.md, ``device_constants.py``.
 """
 from __future__ import annotations
 

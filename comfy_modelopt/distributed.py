@@ -1,29 +1,5 @@
 """Calibration and quantization across processes with torch.distributed (NCCL between GPUs,
-gloo between CPU processes), launched by ``torchrun``.
-
-Calibration, data-parallel: every rank holds the model and samples its share of the prompts
-(``shard_prompts``), then ``all_reduce_stats`` merges the statistics so every rank holds the
-statistics one process would have collected over all prompts:
-
-- exact statistics reduce exactly: per-channel absmax by max (and the amax from it), per-channel
-  sums of |x|, histogram counts, row/call/non-finite counts by sum;
-- the reservoir (a uniform sample of at most ``capacity`` rows per layer) merges into a uniform
-  sample of the union: how many rows come from each rank is drawn from the multivariate
-  hypergeometric distribution (``capacity`` draws without replacement from all rows seen,
-  partitioned by rank), and that many are taken uniformly from the rank's own reservoir - itself
-  a uniform sample of its rows, never smaller than the draw.  Every subset of the union's rows
-  of that size is then equally likely, as for one process (it is not the same subset: that
-  depends on the order rows arrived in).  Seeded by the statistics' seeds, so every rank draws
-  the same sample.  Rows keep their calibration group (prompt index), so held-out searches
-  split the merged sample by prompt as before.
-
-Quantization, layer-sharded: every rank plans the same file; each quantized layer is encoded
-(scale searches, GPTQ, low-rank) by one rank, chosen to balance the work (``Shard.assign``:
-costliest layers first, to the least-loaded rank; a layer's cost grows like k (n + k)), which
-sends the encoded tensors - whose dtypes and shapes the plan already fixed - and the layer's
-report to rank 0 without waiting (a few layers in flight), and rank 0, the only rank that reads
-unquantized tensors and writes the file (the streamed atomic writer), encodes its own layers and
-takes each other rank's when its cost model says it is ready (``Shard.collect_order``).
+gloo between CPU processes), launched by ``torchrun``.  Design: docs/design.md, ``distributed.py``.
 """
 from __future__ import annotations
 

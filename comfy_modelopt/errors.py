@@ -1,9 +1,4 @@
-"""The errors comfy-modelopt raises on purpose.
-
-Every one is a ``ModelOptError`` whose message is one line naming the file, layer or key at
-fault and, where there is one, what to do.  The CLI prints such a message and exits 2; anything
-else escaping is a bug (the fuzz tests in ``tests/test_hostile_files.py`` hold every reader to it).
-"""
+"""The errors comfy-modelopt raises on purpose.  Design: docs/design.md, ``errors.py``."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,13 +1,5 @@
 """Model families: how to recognise them from state-dict keys, and which layers stay 16-bit.
-
-Keys here are relative to the diffusion model (no ``model.diffusion_model.`` prefix).  Patterns
-are shell-style globs matched against layer names (the weight key without ``.weight``).
-
-What stays 16-bit, and why:
-- layers whose weight shape ComfyUI's model detection reads (``detect_unet_config``): packed or
-  padded storage would change the detected architecture, so they are never quantized;
-- the first and last layers of the network (input/output projections, timestep, text and
-  pooled-vector embedders, final layers): few parameters, large quality effect.
+Design: docs/design.md, ``families.py``.
 """
 from __future__ import annotations
 

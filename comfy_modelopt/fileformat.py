@@ -1,14 +1,5 @@
 """The on-disk format, in one place: ComfyUI's native quantized layout and comfy-modelopt's keys.
-
-ComfyUI (``comfy/ops.py``, ``comfy/quant_ops.py``) reads a quantized Linear layer ``L`` from
-``L.weight`` plus ``L.weight_scale`` / ``L.weight_scale_2`` / ``L.input_scale`` and a
-``L.comfy_quant`` uint8 tensor holding the layer's JSON config; the file's
-``_quantization_metadata`` header entry repeats the configs.  comfy-modelopt adds its own
-``comfy_modelopt.*`` header entries (recipe, report, provenance) and two layer kinds only its
-loader runs (``modelopt_lowrank_<base>``, ``modelopt_conv_fp8``).
-
-Every reader and writer of checkpoints uses the names and codecs here; decoding never trusts
-the file: a malformed entry is a ``CheckpointError`` naming the file and the key.
+Design: docs/design.md, ``fileformat.py``.
 """
 from __future__ import annotations
 

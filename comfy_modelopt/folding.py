@@ -1,24 +1,5 @@
 """Where smoothing scales fold exactly into a stock ComfyUI checkpoint.
-
-Dividing a layer's input channel j by s_j is free when the input is produced by an op that is
-linear in that channel: multiply the producer's output channel j by 1/s_j instead.  Exact folds:
-
-- an affine LayerNorm feeding the layer (weight and bias divided by s);
-- a Linear whose output channels reach the layer unchanged through attention (the V projection
-  feeding the attention output projection: softmax(QK^T) mixes tokens, not channels);
-- the value half of a GEGLU projection feeding the FF output (value * gelu(gate) is linear in value);
-- an adaLN modulation feeding the layer (Flux's and HunyuanVideo's double and single blocks,
-  SD3's joint blocks, Qwen-Image's blocks): the input is
-  ``(1 + scale) * LN(x) + shift`` with ``shift`` and ``scale`` chunks of a modulation Linear's
-  output, so ``input / s`` is the same expression with ``shift' = shift / s`` (rows and bias
-  divided by s) and ``scale' = (1 + scale) / s - 1`` (rows divided by s, bias ``(b + 1) / s - 1``).
-
-Everything else (GELU/SiLU MLPs, joint attention across two streams - Flux's output projection
-sees V rows of both streams) has no exact fold: smoothing there is reported as skipped.
-
-``plan_folds`` searches the smoothing scales of every fold group of a plan; the pipeline then
-rescales the producers' rows as it copies them (``read_rows_scaled``) and the consumers' weights
-as it quantizes them.
+Design: docs/design.md, ``folding.py``.
 """
 from __future__ import annotations
 

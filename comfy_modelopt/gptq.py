@@ -1,21 +1,6 @@
 """GPTQ: error-compensated rounding (Frantar et al., 2022), for formats whose scales are fixed
 before rounding and that kitchen re-encodes exactly from the rounded values.
-
-Columns are rounded one at a time; the rounding error of each is spread over the columns not
-yet rounded, weighted by the inverse Hessian of the layer's output error (H = X^T X from the
-calibration inputs).  Which formats can use it, and with which column rounder, is theirs to
-say (``Format.gptq_rounding``), on the weight in the format's search space (rotated for
-ConvRot, where the rounding happens; the rotation is its own inverse).
-
-Scales the encoder derives from the weight itself (nvfp4's per-16 block scales, ConvRot W4A4's
-per-row scale) are fixed from the unrounded weight, and each block's (row's) largest element is
-*anchored*: rounded to the grid's end (+-6, +-7) whatever error compensation did to it, that
-error compensated like any other.  The rounded block's maximum then is exactly the fixed scale's,
-so kitchen re-derives the same scale and keeps every value (tests/test_lowrank_gptq.py).
-mxfp8's block scale is a power of two, 2^ceil(log2(amax / 448)): it is the same after rounding
-as long as the block's largest magnitude stays in (224, 448] scales - a nearest-rounded
-maximum just above 224 could round down to 224 and halve it.  So its anchor is rounded *up* on
-the e4m3 grid (to at least 240, the first grid value above 224): ``e4m3_up``.
+Design: docs/design.md, ``gptq.py``.
 """
 from __future__ import annotations
 

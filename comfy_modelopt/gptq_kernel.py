@@ -1,19 +1,5 @@
 """GPTQ's column loop for a block of 128 columns as one Triton kernel (a CUDA GPU with Triton).
-
-The eager loop (``gptq._columns``) is about eight tiny kernels per column - launch-bound on a
-GPU: ~20 us a column even replayed from a CUDA graph, so Flux's 1.75 million columns cost about
-half a minute per pass.  GPTQ's rows are independent (each row's columns are rounded in the
-same order with the same inverse-Hessian weights), so one program owns a tile of rows, holds the
-block's [128 x tile] weights in registers and runs its 128 columns in turn: one launch per
-block.  Only for rounders that say how to round in the kernel (``quantize_columns.fused``: fp8's
-per-tensor scale, int8's per-row scales, and the anchored grids of nvfp4, ConvRot int8 and
-convrot_w4a4 - ``gptq.grid_column_quantizer``); mxfp8's rounds its anchors up and keeps the
-eager loop.
-
-The arithmetic is the eager loop's, operation for operation (IEEE division, no fused
-multiply-add), so on a CPU under ``TRITON_INTERPRET=1`` it rounds bit for bit like it
-(tests/test_gptq_kernel.py); on a GPU the eager loop's cuBLAS update may sum differently in the
-last bit, as the CUDA-graph replay's does.
+Design: docs/design.md, ``gptq_kernel.py``.
 """
 from __future__ import annotations
 

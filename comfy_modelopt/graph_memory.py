@@ -1,19 +1,5 @@
 """How much memory a CUDA graph's private pool needs, and a pool sized to it.
-
-A graph keeps the high-water mark of its private memory pool for as long as it lives.  PyTorch's
-caching allocator grows that pool one ``cudaMalloc`` segment at a time, each sized to the
-request that found no free block big enough, and never merges segments: a forward whose
-temporaries grow and shrink layer by layer leaves the pool at several times what is ever in
-use at once (Flux.1-dev's captured fp8 forward about twice: docs/benchmarks.md, section 0c).
-Expandable segments would avoid it, but the allocator does not use them for private pools.
-
-So the forward is recorded once (the allocator's own alloc/free history, ``AllocationTrace``:
-its eager warm-up less what that keeps for good, ``without_unfreed``, or a capture), the
-allocator's best-fit placement is replayed on that sequence (``simulate_pool``) to find the
-smallest segments that serve every request (``pool_need``: one arena, plus a segment or two
-sized to the largest requests where that packs tighter), and the capture is made into a pool
-that holds just those segments (``seed_pool``): every request then splits them.  This
-module is plain PyTorch; the ComfyUI adapter (``comfyui/cuda_graphs.py``) uses it.
+Design: docs/design.md, ``graph_memory.py``.
 """
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
 """Held-out checks for every search: choose on some calibration prompts, score on others.
-
-A search scored on the samples it was chosen on overfits them: measured on real trained weights
-(benchmarks/quality_real.py), percentile input clipping and SmoothQuant's strongest migration
-looked best on the calibration rows and were several times worse on new prompts, whose inputs
-run past the calibration max.  So the sampled rows of a layer are split by calibration group
-(prompt; ``LayerStats.held_out_split``): searches choose on the fit rows, the result is compared
-with the search's no-op on the held-out rows, and the no-op wins unless the search is better
-there.  The same split measures how far an unseen prompt's inputs go past the seen max
-(``growth``), which static input scales get as headroom.
+Design: docs/design.md, ``heldout.py``.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """One layer: its ``steps`` (smoothing, low-rank branch, input scale, weight clip, GPTQ, ...),
-kitchen's encoding, and ``measure`` (the layer's report).
-
-``quantize_layer`` runs them on one float weight of a plan.  The whole-model pipeline that
-streams a source through it lives in ``pipeline``.
+kitchen's encoding, and ``measure`` (the layer's report).  Design: docs/design.md, ``layer.py``.
 """
 from __future__ import annotations
 

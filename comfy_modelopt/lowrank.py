@@ -1,11 +1,5 @@
 """Low-rank branch for 4-bit formats (SVDQuant-style): W = L1 @ L2 + R, R quantized.
-
-After smoothing has pushed the activation outliers into the weight (W * s), the largest singular
-directions of the weight carry most of its energy; keeping a rank-r part in 16-bit and
-quantizing only the residual R shrinks the residual's range and therefore its rounding error.
-
-This module holds the math and the measurement; storage and runtime of the branch belong to the
-own loader (stock ComfyUI cannot run it).
+Design: docs/design.md, ``lowrank.py``.
 """
 from __future__ import annotations
 

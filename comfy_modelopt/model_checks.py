@@ -2,19 +2,7 @@
 layer errors do not add up to the model's it runs the quantized model on a few calibration
 calls (``CalibrationOptions.check_calls``: drawn over the whole sampling) against the source's
 outputs, and keeps an alternative only where the model's output error there goes down.
-
-Two alternatives, each measured on a trained conv UNet (docs/benchmarks.md#conv-unet):
-
-- **per-sample layers computed weight-only.**  A Linear layer that sees one input row per
-  sample (at most ``PER_SAMPLE_ROWS`` rows per call: a noise-level, class or modulation
-  embedding) runs a GEMV, where quantized activations buy no compute, and its rounding error is
-  added to every pixel or token of the sample instead of averaging out over them.  Its stored
-  weight stays as it is; ``full_precision_matrix_mult`` in its ``.comfy_quant`` makes ComfyUI
-  compute it with the weight dequantized and the activation in 16 bits (comfy/ops.py, any
-  format).  Such layers are found by the calibration's rows per call, not by their names.
-- **fp8 convolutions with one scale per weight tensor** instead of one per output channel
-  (``layer.conv_fp8``): the same stored layout; on the conv UNet the two had the same per-layer
-  errors and far apart model errors.
+Design: docs/design.md, ``model_checks.py``.
 """
 from __future__ import annotations
 

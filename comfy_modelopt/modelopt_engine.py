@@ -1,37 +1,5 @@
 """NVIDIA ModelOpt as an optional calibration engine (``pip install comfy-modelopt[modelopt]``).
-
-``modelopt_calibrate(module, forward_loop, recipe, algorithm)`` runs ``mtq.quantize`` on a copy
-of ``module`` (the caller's module is never changed) with a configuration restricted to what
-ComfyUI's native format can express - the weight and input quantizers of Linear layers, nothing
-else (ModelOpt's default configurations also quantize other modules' inputs) - and reads back,
-per Linear layer, what its calibration chose:
-
-- ``input_amax``: the static activation range (fp8 W8A8 ``input_scale`` = amax / 448; nvfp4's
-  optional static input scale);
-- ``weight_amax``: the weight range ModelOpt quantized with - recorded; its weight calibrators
-  take the absmax, which is what the export's weight scales use (kitchen's absmax encoding);
-- ``smooth``: SmoothQuant's / AWQ's per-channel scale, as ``s`` with the layer computing
-  ``(x / s) @ (W * s)^T`` (ModelOpt's ``pre_quant_scale`` is ``1 / s``);
-- ``lowrank``: SVDQuant's 16-bit branch ``(up [N, r], down [r, K])`` of the smoothed weight -
-  ModelOpt's ``svdquant_lora_b`` / ``svdquant_lora_a`` - whose residual ``W * s - up @ down`` is
-  the part quantized.
-
-``quantize_module(..., engine=EngineResult)`` / ``quantize(..., engine=...)`` then write the same
-files as the own engine, encoded by comfy-kitchen: the smoothing scales are folded exactly into
-their producers where the file allows it (``folding``: one scale per fold group, the geometric
-mean of its layers' ModelOpt scales) and dropped - with a report note - where it does not.
-Own-loader files (``lowrank`` > 0) carry them per layer instead, and SVDQuant's branch goes into
-the own loader's low-rank layers (``modelopt_lowrank_*``): the same computation as ModelOpt's
-``SVDQuantLinear``, the branch on the smoothed, unquantized input.
-
-Algorithms: ``max`` (fp8, int8, nvfp4; runs on a CPU), ``smoothquant`` (int8; CPU),
-``awq_lite``, ``awq_full`` and ``svdquant`` (nvfp4; ModelOpt's fp4 fake quantization needs CUDA -
-refused without it; svdquant's rank is the recipe's ``lowrank``, 32 when it is 0, and Quantize
-Model must write that rank).  ``awq_full`` is AWQ-lite's smoothing plus ModelOpt's clip search
-(``awq_clip``), which for nvfp4 shrinks the per-tensor amax: read back as ``EngineLayer.weight_clip``
-and written as the weight's clip factor where the layer is smoothed as ModelOpt smoothed it (or not
-at all); where a stock file cannot carry its smoothing, the ratio - chosen for the smoothed
-weight - goes too.
+Design: docs/design.md, ``modelopt_engine.py``.
 """
 from __future__ import annotations
 

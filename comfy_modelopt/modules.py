@@ -1,18 +1,5 @@
 """Quantize any torch module, and run it the way ComfyUI runs the file.
-
-    quantize_module(module, recipe, stats=None) -> module whose Linear layers are QuantLinear
-    export_state_dict(module) -> (state_dict, metadata): what ``quantize_file`` writes
-    export_file(module, path): that, written atomically
-
-``QuantLinear`` holds one stored layer (kitchen's QuantizedTensor, ``input_scale``, bias, and
-for own-loader layers the low-rank branch and ``smooth_scale``) and computes what ComfyUI's
-mixed-precision Linear (``comfy/ops.py`` ``MixedPrecisionOps.Linear.forward``, inference path)
-computes for it: the activation quantized by the layer's layout where ComfyUI quantizes it,
-then ``F.linear`` on kitchen's QuantizedTensors, so kitchen's dispatch picks the same kernel
-(its CUDA/Triton kernels where the device has them, its eager reference elsewhere).
-tests/comfyui/test_modules.py holds it equal to real ComfyUI's layer for every format.
-
-The core stays ComfyUI-free: this module never imports ``comfy``.
+Design: docs/design.md, ``modules.py``.
 """
 from __future__ import annotations
 

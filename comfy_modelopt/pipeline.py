@@ -1,9 +1,6 @@
 """Whole-model quantization: plan the output, stream the source through ``quantize_layer`` into a
 sink (the atomic file writer, or an in-memory state dict for ComfyUI), one layer at a time.
-
-Sources and sinks (sources.py): a source is anything with ``tensors`` (key -> (safetensors
-dtype, shape)), ``metadata`` and ``read(key)``; a sink has ``open(entries, metadata)``,
-``write(key, tensor)``, ``close(metadata)`` and ``abort()``.
+Design: docs/design.md, ``pipeline.py``.
 """
 from __future__ import annotations
 

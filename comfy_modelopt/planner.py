@@ -1,24 +1,7 @@
 """Mixed precision under a size budget: each Linear layer gets the format that buys the most
 output accuracy per byte, the whole file staying within ``Recipe.budget`` x its 16-bit bytes -
 or, with ``Recipe.max_error``, the smallest file whose summed predicted error stays within it.
-
-ComfyUI's format is per layer (``.comfy_quant``), so a mixed file loads in stock ComfyUI.
-
-1. Measure: for every quantizable layer and candidate format (``Recipe.candidates``, default
-   ``DEFAULT_CANDIDATES``) the relative output error on the layer's sampled calibration inputs
-   (``smoothing.output_error``: the format's weight rounding with absmax scales, and its
-   activation rounding as ComfyUI runs it - fp8 with its static input scale), and the bytes the
-   layer's tensors take.  Keeping 16-bit costs the 16-bit bytes and no error.
-2. Choose: a multiple-choice knapsack over layers minimising the summed relative output error
-   under the byte budget, solved greedily on each layer's lower convex hull of (bytes, error):
-   every layer starts at its smallest option and the upgrade with the largest error drop per
-   byte is taken while it fits.  The sum of per-layer errors is the objective because each layer
-   adds its own error to a residual network's stream; it is what the report predicts.
-3. The chosen format is laid out per layer like a single-format plan, so the rest of the
-   pipeline (scales, GPTQ, held-out checks, the report's measured error) runs unchanged.
-
-A format the GPU only dequantizes (nvfp4/mxfp8 before Blackwell, fp8 before Ada) is smaller,
-not faster, there: the report says which chosen formats need which GPU to be fast.
+Design: docs/design.md, ``planner.py``.
 """
 from __future__ import annotations
 

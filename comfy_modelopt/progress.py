@@ -1,10 +1,5 @@
 """Progress of long work as lines a person can follow: the phase, item i/N, time so far and an ETA.
-
-One reporter for the command line (a bar redrawn in place on a terminal) and ComfyUI's console
-(a logged line every 10% or 30 s).  A job's passes are phases of their own - the planner
-pricing layers, the smoothing search, quantizing, sampling - named from the item the pipeline
-reports ("planning <layer>", "smoothing <layer>", else the phase given); each phase restarts the
-clock, so an ETA is the phase's own pace and does not jump when a new pass starts at 0.
+Design: docs/design.md, ``progress.py``.
 """
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
 """ConvRot per layer: the Hadamard rotation (int8_tensorwise's ``convrot``) stays on a layer only
 where it lowers that layer's output error - its weight and its activations rounded as ComfyUI
 computes the layer (per-row int8 of both, rotated or not) - on the calibration's sampled inputs.
-
-The rotation spreads an input's outlier channels over their group, which is what per-row int8 of
-a transformer's activations needs; on an input without outliers (a timestep's sinusoidal
-embedding, values in [-1, 1]) it makes the rows spikier and their rounding error several times
-larger - and such a layer can feed every block.  Decided while planning (before the file's
-header is written), each from the layer's weight and its sampled rows; a layer without sampled
-rows keeps the recipe's choice.  The choice is the layer's ``convrot`` in its ``.comfy_quant``,
-which ComfyUI reads per layer.
+Design: docs/design.md, ``rotation.py``.
 """
 from __future__ import annotations
 

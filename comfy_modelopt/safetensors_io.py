@@ -1,16 +1,5 @@
 """Bounded-memory safetensors reading and atomic, streamed writing.
-
-The reader validates the header against the file (offsets, sizes, dtypes) and reads one tensor
-at a time with positioned reads, so memory never holds more than the tensor asked for (no mmap:
-touched mmap pages would count as resident for the whole run).
-
-The writer plans the whole header first (names, dtypes, shapes -> offsets), reserves the file,
-then takes tensors in any order and writes each at its offset.  It writes to a temporary file in
-the destination folder and renames it into place only after every tensor arrived and the data is
-fsynced (publish.py); on any error the temporary file is removed, so an interrupted run leaves
-no output.
-Its bytes equal ``safetensors.torch.save`` of the same tensors and metadata (same ordering:
-dtype rank descending then name, same JSON, same 8-byte padding).
+Design: docs/design.md, ``safetensors_io.py``.
 """
 from __future__ import annotations
 

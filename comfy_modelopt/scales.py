@@ -1,8 +1,5 @@
 """Choosing scales (never encoding them): weight clip factors by MSE search.
-
-A clip factor ``alpha`` multiplies the absmax scale of a format's free scale (per tensor or
-per output row).  ``alpha = 1`` is naive absmax, and it is always among the candidates, so the
-chosen scale is never worse than absmax on the objective it was chosen for.
+Design: docs/design.md, ``scales.py``.
 """
 from __future__ import annotations
 

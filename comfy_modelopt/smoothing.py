@@ -1,19 +1,6 @@
 """SmoothQuant and AWQ: per-input-channel scales that move quantization difficulty from
 activations to weights, searched to minimise the layer's output error.
-
-With ``s`` [K] the layer computes ``(x / s) @ (W * s)^T == x @ W^T`` exactly in float; quantizing
-``W * s`` and ``x / s`` instead of ``W`` and ``x`` flattens outlier input channels:
-
-- SmoothQuant: ``s_j = max|x_j|^a / max|W_:,j|^(1-a)`` (balances activation and weight ranges);
-- AWQ: ``s_j = mean|x_j|^a`` (protects the weight columns that meet large activations).
-
-The migration strength ``a`` is searched on sampled calibration inputs by the real objective:
-``|| x W^T - Qa(x / s) Qw(W s)^T ||`` with the format's own activation (Qa) and weight (Qw)
-rounding.  ``a = 0`` (no smoothing) is always a candidate, so the result is never worse on
-that objective.
-
-Where the scales go is the caller's business: folded exactly into the producing layer
-(see ``folding``), or stored as ``pre_quant_scale`` for a runtime that applies it.
+Design: docs/design.md, ``smoothing.py``.
 """
 from __future__ import annotations
 

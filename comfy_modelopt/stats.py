@@ -1,21 +1,5 @@
 """ActivationStats: what the inputs of every Linear layer looked like during calibration.
-
-Per layer, streamed over every forward call (many prompts x every timestep):
-- ``amax``: largest |x|;
-- ``channel_absmax`` / ``channel_abssum`` [K]: per-input-channel max and sum of |x| (SmoothQuant,
-  AWQ);
-- ``hist``: counts of |x| by its bf16 exponent and top 5 mantissa bits (32 bins per octave over
-  the whole bf16 range, zeros in bin 0), exact and order-independent, for percentile and MSE
-  activation clipping; computed from the bit pattern, so it costs two integer passes;
-- a reservoir of input rows (uniform sample over every row seen, bounded by a byte budget) for
-  the activation-aware searches.
-
-Streaming equals batch: every statistic above is identical whether the rows arrive in one call
-or many (sums are float64; which rows enter the reservoir is a function of the global row index
-and the seed, not of call boundaries).
-
-Saved as safetensors: tensors per layer plus a JSON header (forward calls, timesteps seen, the
-model fingerprint = Linear layer names and shapes).  Loading for another model is refused.
+Design: docs/design.md, ``stats.py``.
 """
 from __future__ import annotations
 

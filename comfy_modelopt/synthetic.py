@@ -1,8 +1,5 @@
 """Deterministic random checkpoints in real families' key layouts (demo, tests, benchmarks).
-
-The key sets match ComfyUI's own model classes for the same configuration (checked against a
-real ComfyUI tree in tests/comfyui).  Weights are seeded per key, so any tensor can be
-regenerated alone and a full-size file can be written one tensor at a time.
+Design: docs/design.md, ``synthetic.py``.
 """
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
 """What a model file holds, checked before anything builds a model from it.
-
-One verifier, three users: Load Quantized Model (``comfyui/ownloader.py``) runs it on every file
-before ComfyUI sees a tensor, ``inspect`` reports what it finds (``--verify`` reads the values
-too), and ``quantize`` checks its 16-bit source with the same rules.  It takes names, dtypes and
-shapes (a safetensors header, or a state dict) and a ``read(key)`` for the values:
-
-- each quantized layer against its format's contract (``Format.stored_options``, ``planned``,
-  ``value_problem``: the config's fields in their domains, every stored tensor present with the
-  dtype and shape kitchen lays out for the weight, scales finite and > 0, no NaN codes), and the
-  layer config ComfyUI will use (``_quantization_metadata`` overrides ``.comfy_quant``);
-- every other tensor: a weight that is not a float needs a quantization config (else ComfyUI
-  casts its raw codes), a scale needs a quantized layer, 16-bit values are finite;
-- completeness: a layer with some of its tensors but no weight, and a layer missing from one
-  of a run of identical blocks (``completeness.missing_layers``), are named.
-
-Every problem is one line: the key and the rule it breaks.
+Design: docs/design.md, ``verify.py``.
 """
 from __future__ import annotations
 

@@ -1,36 +1,5 @@
 """W4A8: an nvfp4 layer computed on 8-bit tensor cores, its weight resident in 4 bits.
-
-Before Blackwell a GPU has no 4-bit tensor cores, and ComfyUI computes an nvfp4 layer by
-dequantizing the whole weight to 16 bits and running a 16-bit GEMM - 4 bits buy memory, not
-speed.  Hopper and Ada have fp8 tensor cores: this kernel reads the nvfp4 weight as stored (two
-E2M1 values a byte, an E4M3 scale per 16, kitchen's layout), expands each tile in registers to
-E4M3 - the E2M1 value times its block's scale, times a power of two that keeps the largest product
-in range - and multiplies it with the input rounded to E4M3 with one scale per row (token), summing
-in fp32; the row's scale and the weight's per-tensor factors are applied once to the sum.  The
-input's scale is its row's largest value, found when the layer runs (``quantize_rows``: one kernel,
-as nvfp4's own input scale is found when it runs on Blackwell unless a file stores a static one):
-a row, not the tensor, because a token's values share a scale best with each other.
-
-Against the dequantized path it adds two roundings: the input to E4M3 and each weight's product of
-2+4 significant bits to E4M3's 4 (at most 2^-4 of that weight).  The file is the stock nvfp4
-file: only the runtime changes, and Blackwell still computes it natively.
-
-The kernels read the weight's tensors as ComfyUI holds them (the block scales in cuBLAS's tiled
-layout too): nothing is copied or kept beside them.  Two ways to the product: ``linear``, one
-kernel that expands each weight tile in registers (it reads a quarter of the bytes: the way for
-few rows, where the product is bound by reading the weight), and ``linear_expanded``, which
-expands the whole weight to E4M3 once (``expand``) into a buffer that lives for the call and runs
-torch's fp8 GEMM (the way for many rows: in Triton the expansion in registers takes more issue
-slots than the fp8 MMA saves, and ``linear`` pays it once per tile of rows).  ``reference`` is
-their arithmetic in torch operations (the oracle of the tests, with kitchen's ``from_blocked``).
-Which is faster is measured per shape (``comfyui/fourbit``; docs/benchmarks.md, "4-bit weights on
-8-bit tensor cores").
-
-Turing and Ampere have int8 tensor cores and no fp8 ones: there ``linear_int8`` expands the weight
-to int8 for the call (``expand_int8``: one scale per output channel, the largest product its row
-can hold at 127) and runs kitchen's int8 linear (the input rounded to int8 per row, as the int8
-format runs).  The products of 2+4 significant bits lose more to 127 even levels than to E4M3
-where a block's scale is small against its row's largest.
+Design: docs/design.md, ``w4a8.py``.
 """
 from __future__ import annotations
 

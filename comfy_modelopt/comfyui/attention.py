@@ -2,18 +2,7 @@
 (SageAttention-style, Hadamard-rotated Q/K) - installed only where it was not measured slower end
 to end (``SLOWER_ON``: on Hopper cuDNN's 16-bit flash attention is faster) - and FlashAttention-3's
 FP8 forward (the ``fa3-fwd`` package, Hopper) for long sequences.
-
-FP8 attention (``fp8_attention``): FlashAttention-3's FP8 forward, its output 16-bit, on Q/K/V
-cast to e4m3 with one scale per batch and head (the kernel's descale factors), after subtracting
-each key channel's mean over the tokens (SageAttention's K smoothing: every query's logits move by
-one constant, the softmax not at all) and each value channel's mean (added back to the output:
-softmax rows sum to one) - so outlier channels do not set every head's scale.  Only for
-self-attention of at least ``FP8_MIN_TOKENS`` tokens: below, quantizing Q/K/V costs more than the
-kernel saves; at video lengths attention is most of the forward.  Below that length the same
-override hands 128-wide heads' self-attention of ``FA3_16BIT_MIN_TOKENS`` or more to
-FlashAttention-3's 16-bit forward on Q/K/V as they are: another 16-bit kernel, as exact as
-torch's, not a rounding.  Per-call and whole-run figures: docs/benchmarks.md (section 0,
-"FlashAttention-3's 16-bit forward below the FP8 length"; "8-bit attention on Hopper").
+Design: docs/design.md, ``comfyui/attention.py``.
 """
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
 """Blocks compiled in the background for the shapes a run replayed uncompiled.
-
-``auto`` compiles the blocks ahead for the calibration's shapes only: compiling at a new size's
-first image costs tens of seconds, far more than the image.  Another size (a hires-fix pass,
-batch 2) is captured over the uncompiled blocks, and after that run (``CudaGraphs.end_run``) its
-blocks compile in a thread - on a copy of its inputs and a CUDA stream of their own, checked
-against eager as every compilation is - while later runs replay the uncompiled graph; once they
-are in, its graphs are captured again over them (``CudaGraphs.evaluate``).
-
-One thread at a time, process-wide (``BACKGROUND``), and nothing is captured while it runs (under
-cudaMallocAsync a free in another thread joins a capture): a signature new meanwhile runs
-eagerly.  A check that fails after the weights changed under the thread (ComfyUI patching a LoRA
-in for the next prompt) proves nothing and is dropped; one that fails on the same weights turns
-compiled blocks off, as at any compilation.
+Design: docs/design.md, ``comfyui/background_compile.py``.
 """
 from __future__ import annotations
 

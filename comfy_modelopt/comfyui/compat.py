@@ -1,9 +1,5 @@
 """What this node pack needs of the packages ComfyUI installs, checked when ComfyUI loads it.
-
-comfy-kitchen is ComfyUI's own dependency (ComfyUI 0.29 pins 0.2.24); the pack's requirements
-accept that pin rather than replace it: the real-ComfyUI suite passes with 0.2.24 as with 0.2.40
-(docs/status.md), but 0.2.24 has no INT8 attention kernel, so that runtime is refused there with
-the reason; older kitchens are refused.
+Design: docs/design.md, ``comfyui/compat.py``.
 """
 from __future__ import annotations
 

@@ -2,15 +2,7 @@
 capture (``cuda_graphs``) - kept for the next process: torch's own portable form of its compile
 caches (``torch.compiler.save_cache_artifacts``) saved after a compilation that missed them, and
 loaded into them before the next compilation of the same model at the same shapes, in any process.
-
-Why: torch keeps those caches in a temporary folder (``/tmp/torchinductor_<user>`` on Linux),
-which a reboot or a fresh container empties; a server's first quantized prompt then compiles
-cold, its compilation several times longer than from the code kept here (docs/benchmarks.md, section 0).
-
-Trust: the artifacts hold compiled code and pickles, so they are read only from the pack's
-system-user folder under ComfyUI's user directory (``user/__comfy_modelopt``: ComfyUI gives HTTP
-clients no access to system users), where only this machine's processes write.
-``COMFY_MODELOPT_COMPILE_CACHE=0`` turns it off.
+Design: docs/design.md, ``comfyui/compile_cache.py``.
 """
 from __future__ import annotations
 

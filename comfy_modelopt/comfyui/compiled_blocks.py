@@ -1,14 +1,5 @@
 """Compiled blocks: the repeated transformer blocks of a model compiled by TorchInductor, for
-use under CUDA-graph capture (``cuda_graphs``).
-
-The 16-bit, memory-bound work between the GEMMs - norms, modulation, gated residuals, RoPE,
-concatenations, the activation function - is fused into fewer kernels, while every
-weight-holding layer keeps its own kernel (the quantized layers' tensor subclasses are not
-traceable, and a GEMM gains nothing from tracing): a lean fp8/int8 layer or a 16-bit Linear as
-one operator inside the block's graph (``traced_layers``), anything else opaque.  Inductor
-output is never trusted: the first evaluation of every input signature is run both ways and
-compared, and a difference beyond 3x eager's own rounding noise (``CompiledBlocks.validate``)
-turns compilation off for the model, logged.
+use under CUDA-graph capture (``cuda_graphs``).  Design: docs/design.md, ``comfyui/compiled_blocks.py``.
 """
 from __future__ import annotations
 

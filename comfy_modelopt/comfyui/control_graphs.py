@@ -1,15 +1,5 @@
 """ControlNets' networks replayed as CUDA graphs, beside the model's.
-
-ComfyUI computes a ControlNet's residuals in ``calc_cond_batch``, before the model is evaluated
-(``ControlNet.get_control`` -> ``control_model(x, hint, timesteps, context, ...)``), eagerly and
-in 16-bit: with the model's evaluation a graph replay, that forward's kernel launches are the
-step's host time.  ``ControlGraphs`` - the runtime's CALC_COND_BATCH wrapper - gives the network
-of each ControlNet in the step's conditioning a ``CudaGraphs`` runner of its own for the call
-(its forward an instance attribute, put back after), so it is captured and replayed as the model
-is: the same checks (a network ComfyUI streams or offloads, a forward that copies from the CPU or
-reads GPU values on the host runs eagerly, the reason logged once), its graph memory counted as
-in use.  The network and its weights are not changed; the residuals are fresh tensors per call
-(``get_control`` scales them in place).
+Design: docs/design.md, ``comfyui/control_graphs.py``.
 """
 from __future__ import annotations
 

@@ -1,18 +1,4 @@
-"""CUDA-graph replay of whole model evaluations.
-
-``CudaGraphs`` (ComfyUI's APPLY_MODEL wrapper on a clone, so it works for 16-bit models too)
-captures each distinct input signature once and replays it; what it cannot capture runs eagerly
-with the reason logged.  With ``compile_blocks`` the graphs are captured over TorchInductor-
-compiled blocks (``compiled_blocks``), checked against eager at a signature's first capture -
-compiled there, or (``auto``) ahead for the calibration's shapes and in the background after a
-run at other shapes, whose graphs replay over the uncompiled blocks until they are in.
-
-The graphs stay while the model stays loaded and go when ComfyUI unloads it (wholly or partly) or
-the weights or weight patches change.  Their memory is accounted as ComfyUI counts memory in use
-(``GraphPool``), and under the caching allocator the pool is sized to the forward
-(``graph_memory``: the eager warm-up before a first capture is recorded and the graph captured
-into segments fitted to it).
-"""
+"""CUDA-graph replay of whole model evaluations.  Design: docs/design.md, ``comfyui/cuda_graphs.py``."""
 from __future__ import annotations
 
 import contextlib

@@ -5,13 +5,7 @@ few rows), or by expanding the whole weight to E4M3 for the call and running tor
 (``w4a8.linear_expanded``: for many) - or, on a GPU with int8 tensor cores and no fp8 ones
 (Turing, Ampere), with the weight expanded to int8 for the call (``w4a8.linear_int8``) - or the
 dequantized path (kitchen's dequantization + one 16-bit GEMM, what stock ComfyUI runs), whichever
-measured fastest for the call's shape on this GPU.
-
-The choice is made by timing the ways on the first eager call of each shape (CUDA events, a warm
-call then three each; a way this torch cannot run is left out), and logged (INFO) with the times.
-A call inside a CUDA-graph capture never times: a shape not timed yet takes ``untimed``'s way (the
-graph runtime warms up eagerly first, so it rarely has to).  Compiled blocks leave these layers opaque (their forward decides
-per call, as here).
+measured fastest for the call's shape on this GPU.  Design: docs/design.md, ``comfyui/fourbit.py``.
 """
 from __future__ import annotations
 

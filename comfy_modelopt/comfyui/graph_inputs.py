@@ -1,14 +1,7 @@
 """One model evaluation's arguments as a CUDA graph keeps them (``ModelCall``): static copies of
 its tensors on the model's device, the tensors in a fixed order (replays copy new values into
 them), the call's signature that picks a captured graph, and fresh containers for every run.
-
-The arguments are ``BaseModel.apply_model``'s: the latent, the timestep, the conditioning -
-ControlNet residuals included (``control``: lists the UNet pops as it adds them, so each run gets
-lists of its own) - and ``transformer_options`` with the patches, replaces and wrappers other
-nodes put there.  Those are part of the signature by identity, so a graph replays only the
-callables it was captured with; what ComfyUI makes anew for every sampling run and no forward
-reads (the conds' uuids) and what never runs inside the evaluation (lifecycle callbacks, wrappers
-around it) are left out of it.
+Design: docs/design.md, ``comfyui/graph_inputs.py``.
 """
 from __future__ import annotations
 

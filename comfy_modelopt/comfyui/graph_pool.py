@@ -1,11 +1,5 @@
 """The memory pool a model's CUDA graphs share, and how it stays counted as memory in use.
-
-ComfyUI frees memory for the next model by what the device and the allocator report; graphs kept
-between sampling runs hold memory only they can use.  Under the caching allocator the pool is a
-``MemPool`` whose idle blocks are held by placeholder tensors between captures (so ComfyUI's
-free-memory estimate, reserved minus active, does not count them); under cudaMallocAsync the
-driver holds graph memory and the device reports it as used.  ``cuda_graphs`` owns one pool per
-model and gives it back when ComfyUI unloads the model.
+Design: docs/design.md, ``comfyui/graph_pool.py``.
 """
 from __future__ import annotations
 

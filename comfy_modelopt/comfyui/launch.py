@@ -2,23 +2,7 @@
 a ``torchrun`` job, each rank sampling its share of the prompts, the statistics merged exactly
 (``distributed.calibrate_sharded``) and written by rank 0 - the file Calibrate Model saves, for
 Load Calibration -> Quantize Model, or the CLI's ``--stats``.  ComfyUI itself stays one process;
-this runs beside it on the same model files.
-
-    torchrun --standalone --nproc-per-node 2 -m comfy_modelopt.comfyui.launch \\
-        --comfyui /path/to/ComfyUI --unet flux1-dev.safetensors \\
-        --clip clip_l.safetensors --clip t5xxl_fp16.safetensors --clip-type flux \\
-        --num-prompts 16 --steps 20 --cfg 1 --guidance 3.5 -o flux-dev-stats
-
-Sampling is Calibrate Model's: prompt i (one per line of ``--prompts``, or the built-in set)
-sampled with seed + i from an empty latent, every step through ComfyUI's sampler; prompt i is
-calibration group i on every rank, so held-out searches split by prompt as in one process.
-Without torchrun it runs in one process.
-
-``--model-out`` also quantizes the model from those statistics (the CLI's recipe options:
-``--format``, ``--gptq``, ...; the layers encoded across the ranks, rank 0 writing) into the file
-Quantize Model -> Save Quantized Model would write.  ``--engine modelopt`` calibrates with NVIDIA
-ModelOpt as well (Calibrate Model's ``engine = modelopt``: the same sampling runs, its choices
-written into that file); ModelOpt calibrates in one process, so it runs without torchrun.
+this runs beside it on the same model files.  Design: docs/design.md, ``comfyui/launch.py``.
 """
 from __future__ import annotations
 

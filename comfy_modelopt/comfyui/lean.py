@@ -1,26 +1,5 @@
 """Lean runtime: the same quantized layers and kernels as stock ComfyUI, without its per-call
-Python dispatch.
-
-The models this pack builds (Quantize Model, Load Quantized Model: ``ownloader``) are made by
-ComfyUI's own loader with ComfyUI's own operations - picked as its loader picks them - whose
-Linear and Conv2d classes are ours (``operations``: ``LeanForward`` over ComfyUI's), as
-ComfyUI-GGUF's layers are made.  ``make_lean(patcher)`` then gives each quantized layer, in its
-record, a direct call of the kernel the stock path ends in (the format's ``lean_kernel``), which
-the class's forward takes whenever the call allows it:
-
-- fp8 with a static input scale: kitchen's activation quantizer (a small input: torch's operations
-  where they round every value as it does, ``_inverse``) + ``scaled_mm`` (bit-exact with stock;
-  ``fast_accum`` trades exactness for Hopper's fast fp8 accumulation);
-- int8 / int8+ConvRot: kitchen's ``int8_linear`` op (what the stock dispatch calls);
-- formats this GPU cannot compute (nvfp4/mxfp8 before Blackwell, fp8 weight-only, ...): kitchen's
-  dequantization kernel + one 16-bit GEMM, as stock does - or, within the budget of a
-  ``DequantCache`` (``dequant_cache_bytes``), the GEMM alone on a kept 16-bit copy.
-
-Whenever a layer is offloaded, patched by a LoRA at run time (weight functions), or holds a
-16-bit weight, ComfyUI's forward runs instead; a hook on top (ComfyUI's bypass LoRA) calls the
-class's forward underneath, and the own loader's layer kinds compute around it.
-Whole-evaluation replay lives in ``cuda_graphs``, fused blocks in ``compiled_blocks``, the
-runtime table the nodes offer in ``runtime``.
+Python dispatch.  Design: docs/design.md, ``comfyui/lean.py``.
 """
 from __future__ import annotations
 

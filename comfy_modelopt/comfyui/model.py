@@ -1,10 +1,4 @@
-"""MODEL <-> weights.
-
-- ``PatcherSource``: a ModelPatcher's diffusion-model weights with its patches (LoRA...) applied,
-  read one tensor at a time onto the compute device; the input MODEL is never modified.
-- ``build_quantized_model``: the stock ComfyUI quantized MODEL, through the same
-  ``comfy.sd.load_diffusion_model_state_dict`` that "Load Diffusion Model" uses.
-"""
+"""MODEL <-> weights.  Design: docs/design.md, ``comfyui/model.py``."""
 from __future__ import annotations
 
 import logging

@@ -1,26 +1,5 @@
 """comfy-modelopt's own loader, for the layers stock ComfyUI cannot run.
-
-Such layers carry a format name that is not a ComfyUI ``QUANT_ALGOS`` key, so stock ComfyUI
-refuses the file instead of silently dropping their extra tensors.  This loader rewrites them to
-their stock base format, lets ComfyUI's own loader build the model (under this pack's layer
-classes, ``lean.operations``), then gives each such layer its extra computation, run from its
-record (``LayerRecord.own_forward``):
-
-- a low-rank layer (``modelopt_lowrank_<base>``): ``y = base(x * s) + (x * s) @ down^T @ up^T``,
-  ``base`` the stock quantized layer holding the 4-bit residual;
-- an fp8 convolution (``modelopt_conv_fp8``; ComfyUI 0.29 quantizes only Linear layers), stored
-  2-D with one float32 scale per output channel (so stock ComfyUI fails on its shape): ComfyUI
-  gets a zero-memory 16-bit placeholder, the layer dequantizes per call from any device.
-
-LoRA and other weight patches on such a layer are mapped into its stored basis (``W / s`` per
-input column, ``W / scale`` per output channel) by a function filed with each delta in the
-patcher's ``patches`` (ComfyUI applies it in the full and the lowvram path alike; an ``ON_CLONE``
-callback gives every clone the same map), so the output changes as for a 16-bit model.
-
-Nothing it reads is trusted: the header, every tensor's size against the memory there is, and
-every layer against its format's contract (verify.py) are checked before ComfyUI sees a tensor;
-an error inside ComfyUI's loader comes back as one line naming the file; a parameter the file
-does not hold or a layer the model does not have is an error naming it.
+Design: docs/design.md, ``comfyui/ownloader.py``.
 """
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
 """What the runtime changed on a ComfyUI module or model, in one record each.
-
-A layer given a direct kernel, traced by compiled blocks or given its extras by the own loader,
-and a model given a dequantized-weight cache or a stored basis, carry one ``_modelopt`` attribute: a
-``LayerRecord`` / ``ModelRecord`` that says what was changed and holds what the changed forwards
-need - instead of one private attribute per concern on ComfyUI's and torch's objects, so that
-what the runtime did to a module is one read (``layer_record(m)``), and a test or a benchmark can
-print it.  (An attribute rather than a side table: compiled blocks read a layer's record inside
-the code Dynamo traces, where an attribute read is a plain guarded load.)
+Design: docs/design.md, ``comfyui/records.py``.
 """
 from __future__ import annotations
 

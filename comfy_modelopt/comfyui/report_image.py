@@ -1,17 +1,6 @@
 """Pictures a user looks at: the quantization report (Quantize Model's ``report_image``) and the
 quantized model's images beside the 16-bit model's (Compare Images).
-
-The report: one bar per Linear layer in model order, its height the layer's measured
-error (output error on held-out calibration prompts where measured, else on all calibration
-prompts, else the weight's own error), its colour the format chosen; layers kept 16-bit are grey
-ticks under the axis, their reasons counted in the legend.  Below, the file's bytes by format
-against the 16-bit model, with the planner's budget where one was set.
-
-The comparison: the 16-bit image, the quantized one and their difference, amplified, with the
-error as numbers - where the quantization changed the picture.
-
-Drawn with Pillow (which ComfyUI ships) in its scalable default font, sized to stay readable where
-Preview Image shows the picture at about half its width; no plotting library is needed.
+Design: docs/design.md, ``comfyui/report_image.py``.
 """
 from __future__ import annotations
 

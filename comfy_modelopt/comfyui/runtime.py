@@ -1,9 +1,5 @@
 """The runtimes a quantized MODEL can run under, as the nodes and benchmarks offer them.
-
-Each ``Runtime`` is a combination of the concerns in their own modules: lean layers and the
-dequantized-weight cache (``lean``), CUDA-graph replay (``cuda_graphs``) over optionally
-compiled blocks (``compiled_blocks``), and 8-bit attention (``attention``).  ``apply_runtime``
-installs one; ``gpu_note`` says what this GPU does with a format.
+Design: docs/design.md, ``comfyui/runtime.py``.
 """
 from __future__ import annotations
 

@@ -1,32 +1,7 @@
 """Weight layers the compiler sees through: while compiled blocks are installed
 (``compiled_blocks``), a weight layer whose forward is a plain kernel call - the lean fp8 and
 int8 kernels, a 16-bit GEMM or 2-D convolution - reaches Dynamo as one opaque operator in the
-block's graph instead of a graph break.
-
-Why: a graph break splits a block into one compiled graph per stretch between layers, and every
-stretch resumes inside the previous one's frame, which keeps that frame's values alive until
-the block returns.  In the allocator's history of Flux's warm-up the compiled double block held
-its attention's q/k/v, the QKV output and RoPE's output through the MLP - more in use at once
-than the uncompiled forward, as were Wan 2.1's blocks - memory a CUDA graph then keeps for good.
-With the layers as operators the block is one graph whose buffers Inductor frees at their last
-use.
-
-The operator is torch's or kitchen's (``fp8_gemm``: ``torch._scaled_mm``; kitchen's ``int8_linear``
-op; the 16-bit ``linear`` ComfyUI's cast path ends in when the weight is already on the device in
-the input's dtype).  An fp8 layer's static-scale input rounding is traced as torch operations (kitchen's
-formula, ``_fp8_input``) so that TorchInductor fuses it into the kernel that produced the input -
-the norm, modulation or GELU before it writes e4m3 instead of 16-bit, and no separate pass reads
-the activation again (Wan's wide FFN input at 81 frames); it computes
-in float32 where kitchen's CUDA kernel may round the product to 16-bit first, so a rare input lands
-one e4m3 step away.  The int8 and 16-bit layers' outputs are bit-identical to eager; a 16-bit Conv2d is
-``F.conv2d`` with its geometry, as torch's Conv2d calls it (Inductor may hand it another memory
-layout, so cuDNN may pick another algorithm: the compiled block is checked against eager's
-rounding noise as a whole, ``CompiledBlocks.validate``).  Taken only where
-nothing else can apply at call time: the layer's forward is the lean one (or the class's own for
-a 16-bit layer), no weight or bias function (LoRA patches), no cast flags (but a convolution's
-own class's: ``lean.unpatched``), the weight on the device.  Any other layer - and any call from
-outside a compilation (another thread running the block eagerly) - runs its own forward, opaque
-to the compiler as before.
+block's graph instead of a graph break.  Design: docs/design.md, ``comfyui/traced_layers.py``.
 """
 import types
 

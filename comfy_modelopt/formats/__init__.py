@@ -1,9 +1,7 @@
 """Quantization formats, one per ComfyUI ``QUANT_ALGOS`` key, one file each (base.py holds the
 contract every format fulfils).  ``FORMATS`` is the one table of them; no other module tests a
 format's name.  A new format is its file, its line in ``TABLE`` and its test.
-
-``NAMES`` (and the ConvRot groups) are plain values, importable without torch - the command
-line's help lists them; the formats themselves are imported from their files on first use.
+Design: docs/design.md, ``formats/__init__.py``.
 """
 from __future__ import annotations
 

@@ -1,23 +1,5 @@
 """The Format contract: one ComfyUI ``QUANT_ALGOS`` key, what it stores and how it rounds.
-
-Each format lives in a file of its own in this package (fp8.py, int8.py, convrot_w4a4.py,
-nvfp4.py, mxfp8.py) and is listed once in ``FORMATS`` (``__init__.py``).
-
-A Format is the only owner of what its format can do; no other module tests a format's name.
-It knows:
-- ``shape_problem``: whether a ``[N, K]`` Linear weight can use it (kernel and layout rules);
-- ``encode``: the on-disk tensors, produced by comfy-kitchen (never re-implemented here), and
-  ``conf``: its ``.comfy_quant`` fields;
-- ``fake_quant`` / ``fake_act``: a fast torch re-statement of the same rounding of weights and
-  activations, used only to *search* scales; the tests hold it equal to kitchen's round trip;
-- its capabilities: the recipe options it reads (``options``), its activation limit for a
-  static input scale (``input_fmax``) and how that scale is searched (``input_search``),
-  GPTQ (``gptq_rounding``), a low-rank branch (``lowrank``), whether one scale covers the
-  whole weight (``one_weight_scale``), and how ComfyUI runs it (``native_sm``, ``native_gate``,
-  ``lean_kernel``).
-
-A scale choice is a clip factor ``alpha`` (a 0-d tensor, or one value per output row) relative
-to the absmax scale: ``alpha == 1`` is the naive absmax encoding.
+Design: docs/design.md, ``formats/base.py``.
 """
 from __future__ import annotations
 

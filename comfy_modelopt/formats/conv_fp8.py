@@ -1,10 +1,5 @@
 """fp8 convolutions (``modelopt_conv_fp8``), a layer kind only comfy-modelopt's loader runs:
-ComfyUI 0.29 quantizes only Linear layers.
-
-An fp8 Conv2d weight is stored 2-D ``[O, I*kh*kw]`` float8_e4m3fn with one float32 scale per
-output channel and its 4-D shape in the layer config; stock ComfyUI then fails on the shape
-("size mismatch for <layer>.weight") instead of copying raw fp8 values into a 16-bit
-convolution.  Not a ``Format``: it has no kitchen layout and no entry in ``FORMATS``.
+ComfyUI 0.29 quantizes only Linear layers.  Design: docs/design.md, ``formats/conv_fp8.py``.
 """
 from __future__ import annotations
 

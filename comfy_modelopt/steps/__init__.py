@@ -1,12 +1,5 @@
 """The algorithms applied to one layer, each a room with a door: a module here defining ``STEP``.
-
-A step names the recipe fields it reads (``fields``), says whether it applies to a layer
-(``applies``) and changes that layer's ``Work`` - the weight in the basis it is encoded in, the
-sampled inputs, the clip, the input scale, the encoded tensors - adding the note the report
-shows.  Every module of this package that defines ``STEP`` is found when the package is
-imported (``STEPS`` where one file holds several) and run in ``order``, so a new algorithm is one file (and its recipe field) here;
-``register`` adds one from outside.  ``layer.quantize_layer`` runs them, encodes plainly (round
-to nearest at the chosen clip) where no step encoded, and measures the result.
+Design: docs/design.md, ``steps/__init__.py``.
 """
 from __future__ import annotations
 
