@@ -43,6 +43,7 @@ ap.add_argument("--input-scale", action="append", default=[], metavar="METHOD",
                      "in one process, the 16-bit runs shared")
 ap.add_argument("--lowrank", type=int, default=0)
 ap.add_argument("--budget", type=float, default=0.0)
+ap.add_argument("--candidates", default="", metavar="FMT,FMT", help="the planner's formats with --budget (the Quantize node's candidates)")
 ap.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=None, help="default: the recipe's")
 ap.add_argument("--gptq-act-order", action=argparse.BooleanOptionalAction, default=None, help="default: the recipe's")
 ap.add_argument("--convrot", action=argparse.BooleanOptionalAction, default=None, help="default: the recipe's")
@@ -325,7 +326,8 @@ def quantize_node(base, stats, runtime, chosen, input_scale):
                                                   smoothing=A.smoothing, static_nvfp4_input=False,
                                                   keep="", runtime=runtime, lowrank=A.lowrank, calibration=stats,
                                                   **({"weight_only": A.weight_only} if A.weight_only else {}),
-                                                  **chosen, **({"budget": A.budget} if A.budget else {}))
+                                                  **chosen, **({"budget": A.budget} if A.budget else {}),
+                                                  **({"candidates": A.candidates} if A.candidates else {}))
     t0 = time.perf_counter()
     out = profiled(f"node_{A.model}_{A.format}", node) if A.profile_node else node()
     return out, time.perf_counter() - t0
