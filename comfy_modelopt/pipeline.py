@@ -8,6 +8,7 @@ import contextlib
 import os
 import sys
 import time
+from dataclasses import replace
 from typing import Callable, Mapping, NamedTuple
 
 import torch
@@ -16,7 +17,7 @@ from .errors import ModelOptError, OutputError, PlanError, QuantizeError
 from .families import GENERIC, Family, family_named
 from .folding import Folds, plan_folds, read_rows_scaled
 from .plan import ConvPlan, Plan, make_plan
-from .planner import plan_budget
+from .planner import allowance_recipe, plan_budget
 from .layer import kept_report, quantize_conv, quantize_layer
 from .recipe import Recipe
 from .rotation import choose_rotations
@@ -136,8 +137,9 @@ def _quantize_into(source, sink, recipe: Recipe, stats, source_info, progress, c
         raise PlanError(f"{', '.join(needs)} needs activation statistics: calibrate the model and pass the "
                         f"statistics (--stats FILE, or the calibration input of Quantize Model)")
     no_gptq = stats is None and recipe.gptq
-    recipe = recipe.without_statistics() if stats is None else recipe
+    recipe = (recipe.without_statistics() if stats is None else recipe).effective()
     if engine is not None:
+        recipe = replace(recipe, fp8_allowance=0.0)  # ModelOpt's choices, not the planner's
         engine.check(recipe, stats)
     if prices is not None and not recipe.planned:
         raise PlanError("prices are the planner's: give a budget or max_error too")
@@ -180,7 +182,8 @@ def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto
         check_source(source, plan.prefix, complete=family is not GENERIC)
         if stats is not None:
             stats.check_model({l.rel: (l.n, l.k) for l in plan.layers})
-        summary = plan_budget(plan, source, stats, recipe, progress, prices) if recipe.planned else None
+        planned = recipe if recipe.planned else allowance_recipe(plan, recipe, stats)
+        summary = plan_budget(plan, source, stats, planned, progress, prices) if planned else None
         plan.rotation = choose_rotations(plan, source.read, stats, progress)
         return summary
     plan = make_plan(source.tensors, recipe, stats=stats, refuse_unknown=refuse_unknown, family=family, engine=engine,

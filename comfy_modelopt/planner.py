@@ -6,7 +6,7 @@ Design: docs/design.md, ``planner.py``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -170,6 +170,17 @@ def priced(layer, prices: dict, candidates: dict, planned_bytes) -> list[Option]
                              for name, fmt, lopts in allowed(layer.n, layer.k, candidates) if name in prices]
 
 
+def allowance_recipe(plan, recipe, stats):
+    """The planner's recipe for a 4-bit file's ``fp8_allowance``: the plan's bytes plus the
+    allowance as its budget, the format and its 8-bit partner as candidates; None without one."""
+    total16 = sum(l.n * l.k * 2 for l in plan.layers)
+    if not recipe.fp8_allowance or stats is None or not total16:
+        return None
+    fmt = FORMATS[recipe.format]
+    used = sum(entries_nbytes(l.tensors) for l in plan.layers)
+    return replace(recipe, budget=min(used / total16 + recipe.fp8_allowance, 1.0), candidates=(fmt.name, fmt.eight_bit))
+
+
 def plan_budget(plan, source, stats, recipe, progress=None, prices: dict | None = None) -> dict:
     """Reassign formats of ``plan``'s eligible, calibrated layers under ``recipe.budget``
     (reads each weight once from ``source``); returns the summary the report shows.
@@ -217,6 +228,6 @@ def plan_budget(plan, source, stats, recipe, progress=None, prices: dict | None 
             assign(layer, fmt, recipe, opts, stats)
             lay_out(layer, fmt, recipe)
         layer.predicted = o.error
-    return {"budget": recipe.budget, "max_error": recipe.max_error, "fraction": (used + fixed) / total16 if total16 else 0.0,
+    return {"budget": recipe.budget, "max_error": recipe.max_error, "allowance": recipe.fp8_allowance, "fraction": (used + fixed) / total16 if total16 else 0.0,
             "counts": counts, "predicted": sum(c.chosen.error for c in choices), "layers": len(choices),
             "speed": speed_note(counts), "priced": "end to end" if prices is not None else "per layer"}

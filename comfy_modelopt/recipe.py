@@ -143,6 +143,11 @@ class Recipe:
                              help="From an fp32 model: the tensors that stay unquantized (norms, biases, layers "
                                   "kept) in 16-bit (default: the source's 16-bit dtype, else bf16 - a quantized file "
                                   "is never larger than the 16-bit one) or keep them fp32")
+    fp8_allowance: float = _opt(0.02, metavar="FRACTION", bounds=(0.0, 0.5, 0.01),
+                                help="nvfp4 ({stats}): the layers whose 4-bit rounding (inputs included) costs most "
+                                     "per byte are stored fp8 instead, within this share of the 16-bit Linear bytes "
+                                     "- the planner's choice, on every layer's calibration inputs, reported. 0: every "
+                                     "layer nvfp4")
 
     def __post_init__(self):
         if self.format not in NAMES:
@@ -156,6 +161,8 @@ class Recipe:
             raise ValueError(f"convrot_groupsize must be a power of 4 (16..1024), got {self.convrot_groupsize}")
         if not 0.0 < self.percentile <= 100.0:
             raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
+        if not 0.0 <= self.fp8_allowance <= 0.5:
+            raise ValueError(f"fp8_allowance is a share of the 16-bit Linear bytes in [0, 0.5], got {self.fp8_allowance}")
         if self.lowrank < 0:
             raise ValueError(f"lowrank must be >= 0, got {self.lowrank}")
         if self.lowrank and self.format not in lowrank_formats():
@@ -189,7 +196,14 @@ class Recipe:
     def without_statistics(self) -> "Recipe":
         """This recipe as it runs without activation statistics: GPTQ (on by default) needs them,
         so it is off - a file records what was done to it."""
-        return replace(self, gptq=False) if self.gptq else self
+        return replace(self, gptq=False, fp8_allowance=0.0) if self.gptq or self.fp8_allowance else self
+
+    def effective(self) -> "Recipe":
+        """This recipe as it runs: no fp8 allowance where it cannot act - a format without an 8-bit
+        partner, a budget of the user's, smoothing or the low-rank branch (the planner takes neither)."""
+        from .formats import FORMATS
+        acts = FORMATS[self.format].eight_bit and not self.planned and self.smoothing == "none" and not self.lowrank
+        return self if acts or not self.fp8_allowance else replace(self, fp8_allowance=0.0)
 
     def needs_statistics(self) -> list[str]:
         """The options set here that mean nothing without activation statistics (refused then)."""

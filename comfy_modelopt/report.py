@@ -193,9 +193,9 @@ class QuantReport:
                          f"vs the same weights on 16-bit inputs; held-out prompts): mean "
                          f"+{sum(l.act_err for l in act) / len(act):.4f} over {len(act)} layers, {share:.0%} of their "
                          f"output error; most: {worst} (fp8: weight_only patterns store such layers without an input "
-                         "scale, 16-bit compute there" + (f"; 4-bit: budget {total / base + 0.02:.2f} with candidates "
-                                                          f"{','.join(sorted(four))},float8_e4m3fn keeps the costliest "
-                                                          "at 8-bit" if four and base else "") + ")")
+                         "scale, 16-bit compute there" + ("; 4-bit: fp8_allowance stores the costliest at 8-bit"
+                                                          if four and not self.recipe.get("fp8_allowance") else "")
+                         + ")")
         convs = self.convs
         if convs:
             lines.append(f"convolutions: {len(convs)} fp8 (per output channel, own loader), weight error "
@@ -277,8 +277,10 @@ def nonfinite_note(found: list) -> str:
 def planner_note(summary: dict, report: QuantReport) -> str:
     measured = sum(l.out_err for l in report.quantized if l.out_err >= 0)
     counts = ", ".join(f"{n} {f}" for f, n in sorted(summary["counts"].items(), key=lambda x: -x[1]))
-    goal = (f"budget {summary['budget']:g} of the 16-bit Linear bytes" if summary["budget"] else
-            f"max summed error {summary['max_error']:g}")
+    goal = (f"max summed error {summary['max_error']:g}" if not summary["budget"] else
+            f"budget {summary['budget']:g} of the 16-bit Linear bytes" if not summary.get("allowance") else
+            f"fp8_allowance {summary['allowance']:g} (the layers whose 4-bit rounding costs most per byte stored "
+            f"fp8; budget {summary['budget']:.3f})")
     if summary.get("priced") == "end to end":
         errs = (f"{summary['layers']} layers priced end to end (the model's error with each layer's option "
                 f"alone swapped in), summed {summary['predicted']:.4g}; layers' own output error measured "

@@ -87,9 +87,40 @@ def test_budget_is_honoured_and_mixes_formats():
         errs[budget] = sum(l.out_err for l in report.quantized) + 0.0
         if budget == 0.4:
             assert len(formats) > 1, formats  # more bytes than nvfp4 everywhere, less than 8-bit: a mix
-    _o, _m, uniform = quantize(sd, Recipe(format="nvfp4"), stats, family="generic")
+    _o, _m, uniform = quantize(sd, Recipe(format="nvfp4", fp8_allowance=0), stats, family="generic")
     nvfp4_err = sum(l.out_err for l in uniform.quantized)
     assert errs[0.4] < nvfp4_err and errs[0.6] < errs[0.4]
+
+
+def test_fp8_allowance_stores_the_costliest_4bit_layers_fp8_within_it():
+    """nvfp4's default: the layers whose 4-bit rounding costs most per byte go fp8 within the
+    allowance (a share of the 16-bit Linear bytes), chosen on the calibration inputs; 0 turns it off;
+    a file records the allowance only where it acted."""
+    sd, stats = _model_and_stats()
+    names = ["0", "1", "2", "3"]
+    total16 = sum(sd[n + ".weight"].numel() * 2 for n in names)
+
+    def run(recipe, st=stats):
+        out, meta, report = quantize(sd, recipe, st, family="generic")
+        fmts = {n: decode_comfy_quant(out[n + ".comfy_quant"], n)["format"] for n in names}
+        return out, report, fmts
+    out0, plain, f0 = run(Recipe(format="nvfp4", fp8_allowance=0))
+    assert set(f0.values()) == {"nvfp4"} and not any(n.startswith("planner:") for n in plain.notes)
+    out1, guarded, f1 = run(Recipe(format="nvfp4", fp8_allowance=0.06))  # room for one layer's 8 bits
+    assert sorted(f1.values()) == ["float8_e4m3fn", "nvfp4", "nvfp4", "nvfp4"], f1
+    assert _linear_bytes(out1, names) <= _linear_bytes(out0, names) + 0.06 * total16
+    assert sum(l.out_err for l in guarded.quantized) < sum(l.out_err for l in plain.quantized)
+    note = next(n for n in guarded.notes if n.startswith("planner:"))
+    assert "fp8_allowance 0.06" in note and "1 float8_e4m3fn" in note
+    assert guarded.recipe["fp8_allowance"] == 0.06
+    # the default (0.02) has no room for a whole layer of this small model: every layer nvfp4
+    assert set(run(Recipe(format="nvfp4"))[2].values()) == {"nvfp4"}
+    # where it cannot act the file says 0: another format, no statistics, a budget of the user's
+    assert run(Recipe(format="float8_e4m3fn"))[1].recipe["fp8_allowance"] == 0.0
+    assert run(Recipe(format="nvfp4"), None)[1].recipe["fp8_allowance"] == 0.0
+    assert run(Recipe(format="nvfp4", budget=0.4))[1].recipe["fp8_allowance"] == 0.0
+    with pytest.raises(ValueError, match="fp8_allowance"):
+        Recipe(fp8_allowance=0.6)
 
 
 def test_planner_needs_statistics_and_a_plain_recipe():

@@ -153,7 +153,8 @@ def test_folded_smoothing_lowers_block_error(fmt):
     errs = {}
     for smoothing in ("none", "smoothquant", "awq"):
         # the float block's own precision (fp32) kept: the comparison is of the algorithms
-        recipe = Recipe(fmt, smoothing=smoothing, sensitivity=False, gptq=False, convrot=False, fp32_tensors="keep")
+        recipe = Recipe(fmt, smoothing=smoothing, sensitivity=False, gptq=False, convrot=False, fp32_tensors="keep",
+                        fp8_allowance=0)
         sink = DictSink()
         rep = quantize(sd, recipe, stats, sink=sink, refuse_unknown=False).report
         q = _rebuild(block, sink.tensors, recipe)

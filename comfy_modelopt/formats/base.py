@@ -64,6 +64,8 @@ class Format:
     block: int = 0                  # values per stored block scale (ComfyUI's "group_size"); 0: none
     modelopt: ModelOptQuantizers | None = field(default=None, compare=False)  # None: no ModelOpt engine
     candidate: int = 0              # its place among the planner's default candidates (0: not one)
+    eight_bit: str = ""             # a 4-bit format's 8-bit partner: its costliest layers go there
+    #                                 within Recipe.fp8_allowance (planner.allowance_recipe)
     colour: tuple = (150, 110, 60)  # RGB of its layers in the Quantize node's report image
 
     # ---------------------------------------------------------------- rules

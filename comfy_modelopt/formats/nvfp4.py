@@ -183,5 +183,6 @@ NVFP4 = NvFp4Format(name="nvfp4", layout="TensorCoreNVFP4Layout", native_sm=(10,
                     needs_input_scale=False, free_scale="tensor", k_multiple=32, lowrank=True,
                     values_per_element=2, input_search=sample_errors, native_gate="supports_nvfp4_compute",
                     block_clip=True, block=16, candidate=1, lean_emulated="w4a8", colour=(235, 120, 30),
+                    eight_bit="float8_e4m3fn",
                     modelopt=ModelOptQuantizers(_NVFP4_MODELOPT, _NVFP4_MODELOPT,
                                                 ("max", "awq_lite", "awq_full", "svdquant")))
