@@ -111,6 +111,7 @@ VARIANTS = [
     ("mxfp8", "ours + gptq", dict(gptq=True, gptq_act_order=False), True),
     ("nvfp4", "naive (absmax)", dict(weight_scale="absmax"), False),
     ("nvfp4", "default", dict(), True),
+    ("nvfp4", "default without fp8_allowance", dict(fp8_allowance=0.0), True),
     ("nvfp4", "ours: mse", dict(gptq=False), True),
     ("nvfp4", "ours + static input", dict(static_nvfp4_input=True, gptq=False), True),
     ("nvfp4", "ours + static input, mse input search", dict(static_nvfp4_input=True, input_scale="mse", gptq=False), True),
