@@ -426,8 +426,8 @@ def test_lean_runtime_equals_stock(env, fmt):
     """Lean layers call the kernels the stock dispatch ends in: identical outputs."""
     lean_runtime = pack_module("lean")
     lean_mod = lean_runtime.make_lean
-    stock, _ = quantize(env, format=fmt, runtime="stock")
-    lean, _ = quantize(env, format=fmt, runtime="stock")
+    stock, _ = quantize(env, format=fmt, runtime="stock", fp8_allowance=0.0)
+    lean, _ = quantize(env, format=fmt, runtime="stock", fp8_allowance=0.0)
     assert lean_mod(lean) == 71
     ran = set()  # the layer class's forward takes each layer's direct kernel (records.LayerRecord.fast)
     for name, m in lean.model.diffusion_model.named_modules():
@@ -451,7 +451,7 @@ def test_lean_runtime_equals_stock(env, fmt):
         orig = lean_runtime.native_formats
         lean_runtime.native_formats = lambda d: orig(d) | {"float8_e4m3fn"}
         try:
-            lean2, _ = quantize(env, format=fmt, runtime="stock")
+            lean2, _ = quantize(env, format=fmt, runtime="stock", fp8_allowance=0.0)
             for m in lean2.model.diffusion_model.modules():
                 if getattr(m, "quant_format", None) == fmt:
                     m._full_precision_mm = False
@@ -1280,7 +1280,7 @@ def save_and_reload(env, qmodel, plain, filename, refusal):
 def test_lowrank_own_loader(env):
     """Low-rank branch + 4-bit residual: our loader runs it, stock ComfyUI refuses the file."""
     nodes = env["nodes"]
-    plain, _ = quantize(env, format="nvfp4", runtime="stock")
+    plain, _ = quantize(env, format="nvfp4", runtime="stock", fp8_allowance=0.0)
     qmodel, report = quantize(env, format="nvfp4", lowrank=16, smoothing="awq", runtime="lean")
     assert "modelopt_lowrank_nvfp4" in report
     branched = [m for m in qmodel.model.diffusion_model.modules()
@@ -1634,8 +1634,8 @@ def test_dequant_cache_bit_exact_budgeted_and_invalidated(env):
     g = torch.Generator().manual_seed(5)
     x, c = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 8, 768, generator=g)
     run = lambda p: p.model.apply_model(x, torch.tensor([0.5]), c_crossattn=c)  # noqa: E731
-    plain, _ = quantize(env, format="nvfp4", runtime="lean")
-    full, note = quantize(env, format="nvfp4", runtime="lean", dequant_cache_gib=64.0)
+    plain, _ = quantize(env, format="nvfp4", runtime="lean", fp8_allowance=0.0)
+    full, note = quantize(env, format="nvfp4", runtime="lean", dequant_cache_gib=64.0, fp8_allowance=0.0)
     cache = full.model._modelopt.dequant_cache
     layers = [m for m in full.model.diffusion_model.modules() if getattr(m, "quant_format", None) == "nvfp4"]
     itemsize = torch.empty((), dtype=full.model.get_dtype_inference()).element_size()
@@ -1649,7 +1649,8 @@ def test_dequant_cache_bit_exact_budgeted_and_invalidated(env):
         assert full.model.memory_required(shape) == plain.model.memory_required(shape)  # all allocated now
         assert torch.equal(run(full), ref) and cache.hits == len(layers)
     # a budget for about half the layers: never exceeded, the rest dequantize per call, same output
-    half, _ = quantize(env, format="nvfp4", runtime="lean", dequant_cache_gib=total / 2 / 2**30)
+    half, _ = quantize(env, format="nvfp4", runtime="lean", dequant_cache_gib=total / 2 / 2**30,
+                        fp8_allowance=0.0)
     hc = half.model._modelopt.dequant_cache
     with torch.inference_mode():
         assert torch.equal(run(half), ref)
