@@ -187,8 +187,8 @@ class QuantReport:
         if act:
             worst = ", ".join(f"{l.name} +{l.act_err:.4f}" for l in act[:ACT_WORST])
             share = sum(l.act_err for l in act) / max(sum(l.held_err for l in act), 1e-12)
-            # (a low-rank own-loader layer is none of FORMATS: the planner does not take it)
-            four = {l.format for l in act if getattr(FORMATS.get(l.format), "values_per_element", 1) > 1}
+            # formats with an 8-bit partner (a low-rank own-loader layer is none of FORMATS: no planner there)
+            four = any(getattr(FORMATS.get(l.format), "eight_bit", "") for l in act)
             lines.append(f"activation rounding (inputs rounded as a GPU computing the format natively rounds them, "
                          f"vs the same weights on 16-bit inputs; held-out prompts): mean "
                          f"+{sum(l.act_err for l in act) / len(act):.4f} over {len(act)} layers, {share:.0%} of their "

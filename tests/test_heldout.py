@@ -196,6 +196,9 @@ def test_four_bit_activation_rounding_reported_with_the_allowance_that_keeps_it_
     _out, _m, report = quantize(_sd(model), Recipe("nvfp4", gptq=False, fp8_allowance=0), stats, family="generic")
     assert all(l.act_err > 0 for l in report.quantized)
     assert "4-bit: fp8_allowance stores the costliest at 8-bit" in report.summary(), report.summary()
+    # convrot_w4a4 has no 8-bit partner: no allowance to name
+    _out, _m, w4a4 = quantize(_sd(model), Recipe("convrot_w4a4", gptq=False), stats, family="generic")
+    assert "4-bit: fp8_allowance" not in w4a4.summary() and w4a4.recipe["fp8_allowance"] == 0.0
     _out, _m, guarded = quantize(_sd(model), Recipe("nvfp4", gptq=False, fp8_allowance=0.3), stats, family="generic")
     assert "4-bit: fp8_allowance" not in guarded.summary()
     assert any(n.startswith("planner: fp8_allowance 0.3") for n in guarded.notes), guarded.notes
