@@ -182,7 +182,7 @@ def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto
         check_source(source, plan.prefix, complete=family is not GENERIC)
         if stats is not None:
             stats.check_model({l.rel: (l.n, l.k) for l in plan.layers})
-        planned = recipe if recipe.planned else allowance_recipe(plan, recipe, stats)
+        planned = recipe if recipe.planned else allowance_recipe(plan, recipe)
         summary = plan_budget(plan, source, stats, planned, progress, prices) if planned else None
         plan.rotation = choose_rotations(plan, source.read, stats, progress)
         return summary

@@ -170,11 +170,17 @@ def priced(layer, prices: dict, candidates: dict, planned_bytes) -> list[Option]
                              for name, fmt, lopts in allowed(layer.n, layer.k, candidates) if name in prices]
 
 
-def allowance_recipe(plan, recipe, stats):
-    """The planner's recipe for a 4-bit file's ``fp8_allowance``: the plan's bytes plus the
-    allowance as its budget, the format and its 8-bit partner as candidates; None without one."""
-    total16 = sum(l.n * l.k * 2 for l in plan.layers)
-    if not recipe.fp8_allowance or stats is None or not total16:
+def _bytes16(plan) -> int:
+    """The plan's Linear weights at 16 bits: what ``Recipe.budget`` is a share of."""
+    return sum(l.n * l.k * 2 for l in plan.layers)
+
+
+def allowance_recipe(plan, recipe):
+    """The planner's recipe for a 4-bit file's ``fp8_allowance`` (0 without statistics:
+    ``Recipe.without_statistics``): the plan's bytes plus the allowance as its budget, the format
+    and its 8-bit partner as candidates; None without one."""
+    total16 = _bytes16(plan)
+    if not recipe.fp8_allowance or not total16:
         return None
     fmt = FORMATS[recipe.format]
     used = sum(entries_nbytes(l.tensors) for l in plan.layers)
@@ -196,7 +202,7 @@ def plan_budget(plan, source, stats, recipe, progress=None, prices: dict | None 
                          and stats.layer(l.rel).has_sample()]
     ids = {id(l) for l in chosen_layers}
     fixed = sum(entries_nbytes(l.tensors) for l in plan.layers if id(l) not in ids)
-    total16 = sum(l.n * l.k * 2 for l in plan.layers)
+    total16 = _bytes16(plan)
     choices = []
     for i, layer in enumerate(chosen_layers):
         if prices is not None:
