@@ -81,7 +81,7 @@ def quantize_and_compare(info: dict, variant: str, planner: bool = False) -> dic
         num_prompts=s["prompts"], steps=s["calib_steps"], cfg=7.0, sampler_name="euler", scheduler="normal",
         width=s["size"], height=s["size"], seed=0, save_name=""), model=(ckpt, "MODEL"), clip=(ckpt, "CLIP"))
     recipe = dict(format="nvfp4", budget=BUDGET) if planner else dict(format="float8_e4m3fn")
-    quant = _link_all(g, g.add("ModelOptQuantizeUNet", (740, 40), title="Quantize Model", size=(300, 740), **recipe),
+    quant = _link_all(g, g.add("ModelOptQuantizeUNet", (740, 40), title="Quantize Model", size=(300, 770), **recipe),
                       model=(ckpt, "MODEL"), calibration=(calib, 0))
     name = f"quantized/sd15-{'mixed' if planner else 'fp8'}{'-quick' if variant == 'quick' else ''}"
     _link_all(g, g.add("ModelOptSaveQuantized", (400, 640), title="Save Quantized Model", size=(300, 82),
@@ -98,7 +98,7 @@ def quantize_and_compare(info: dict, variant: str, planner: bool = False) -> dic
     _saved(g, (q_img, 0), 1420, 380, "modelopt/quantized", "Quantized")
     _saved(g, (r_img, 0), 1720, 380, "modelopt/16bit", "16-bit")
     _link_all(g, g.add("PreviewImage", (1420, 720), title="Report (chart)", size=(600, 380)), images=(quant, 2))
-    _link_all(g, g.add("PreviewAny", (740, 830), title="Report", size=(300, 270)), source=(quant, 1))
+    _link_all(g, g.add("PreviewAny", (740, 860), title="Report", size=(300, 270)), source=(quant, 1))
     what = ("Quantize under a size budget: nvfp4, fp8 and int8 per layer (planner)" if planner else
             "Quantize a model (fp8) and compare it with the 16-bit one")
     does = (f"gives each Linear layer the format that buys the most accuracy per byte, within {BUDGET}x the 16-bit "
