@@ -88,7 +88,7 @@ def relean(patcher, **options) -> None:
     for m in patcher.model.diffusion_model.modules():
         rec = getattr(m, "_modelopt", None)  # comfyui.records.LayerRecord
         if rec is not None:
-            rec.fast = None
+            rec.kernel = None
     make_lean(patcher, **options)
 
 

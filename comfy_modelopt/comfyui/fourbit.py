@@ -14,7 +14,6 @@ import logging
 import torch
 
 from .. import w4a8
-from .records import ATTR
 
 _CHOICE: dict = {}  # (rows, N, K, dtype, device) -> the way that measured fastest
 # the one-kernel way is timed up to this many rows: it re-expands the weight for every tile of rows,
@@ -106,9 +105,3 @@ def _timed(ways: dict, reps: int = 3) -> dict:
         end.synchronize()
         took[name] = start.elapsed_time(end) / reps
     return took
-
-
-def count(diffusion_model) -> int:
-    """How many layers of ``diffusion_model`` run ``forward``."""
-    return sum(1 for m in diffusion_model.modules()
-               if getattr(m.__dict__.get(ATTR), "lean_kernel", None) == ("w4a8",))

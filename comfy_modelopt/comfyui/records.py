@@ -10,14 +10,12 @@ ATTR = "_modelopt"
 
 @dataclass(eq=False)
 class LayerRecord:
-    fast: object = None               # its direct kernel's forward (``lean.make_lean``), (module, input) -> output
-    fast_on: str | None = None        # ... for inputs on this device type
-    lean_kernel: tuple | None = None  # what compiled blocks may trace as one operator: ("fp8", fast_accum) | ("int8",)
-    #                                   ("w4a8",): ``fourbit``'s, opaque to them
+    kernel: object = None             # its direct kernel (``kernels.Kernel``, given by ``lean.make_lean``)
+    kernel_on: str | None = None      # ... for inputs on this device type
     own_forward: object = None        # own loader: (module, x, inner) -> y, its layer's computation around the
     #                                   class's (``inner``: the direct kernel or ComfyUI's; an fp8 convolution replaces it)
     inverse: dict | None = None       # lean fp8: (input dtype, device) -> 1/input scale for torch's rounding, or False
-    traced: tuple | None = None       # while compiled blocks are installed: (kind, weight, bias, extra)
+    traced: tuple | None = None       # while compiled blocks are installed: (op, weight, bias, extra)
     untraced: object = None           # ... and the forward any other call takes
 
 

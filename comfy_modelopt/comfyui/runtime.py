@@ -15,11 +15,12 @@ from comfy.patcher_extension import CallbacksMP, WrappersMP
 
 from .. import w4a8
 from ..formats import FORMATS
-from . import compile_cache, fourbit
+from . import compile_cache
 from .attention import ATTENTIONS
 from .compiled_blocks import STREAMED_BYTES
 from .control_graphs import ControlGraphs
 from .cuda_graphs import CudaGraphs
+from .kernels import W4A8Kernel
 from .lean import dequant_cache_of, make_lean, native_formats, release_on_detach
 from .model import compute_device
 
@@ -95,7 +96,7 @@ def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.
             " (dequant cache ignored: it needs a lean runtime)" if dequant_cache_gib > 0 else "")
     n = make_lean(patcher, dequant_cache_bytes=int(dequant_cache_gib * 2**30))
     note = f"runtime: lean ({n} quantized layers on direct kernel calls"
-    w4 = fourbit.count(patcher.model.diffusion_model)
+    w4 = W4A8Kernel.count(patcher.model.diffusion_model)
     note += (f"; {w4} 4-bit ones run W4A8 - 8-bit tensor cores on the 4-bit weights - for the shapes where it "
              "times faster than dequantizing)" if w4 else ")")
     if patcher.is_dynamic():  # ComfyUI pages each layer's weight in through its cast path: not lean

@@ -336,6 +336,7 @@ def test_compiled_blocks_trace_the_lean_layers(family, fmt):
 
     from comfy_modelopt.comfyui.compiled_blocks import CompiledBlocks, rounding_noise
     from comfy_modelopt.comfyui.records import layer_record
+    from comfy_modelopt.comfyui import traced_layers
     from comfy_modelopt.comfyui.traced_layers import traced_forward
     patcher, x, kw = _w8a8_lean(family, fmt)
     dm = patcher.model.diffusion_model
@@ -355,29 +356,29 @@ def test_compiled_blocks_trace_the_lean_layers(family, fmt):
         assert counters["stats"]["unique_graphs"] > 0
         for conv in convs[:2]:  # a 16-bit convolution (a UNet's) is an operator too: F.conv2d, as eager
             assert traced_forward(conv, conv.forward) is not None
-            kind, weight, bias, extra = layer_record(conv).traced
+            op, weight, bias, extra = layer_record(conv).traced
             h = torch.randn(1, conv.in_channels, 8, 8, dtype=weight.dtype, device=weight.device)
-            assert kind == "conv2d" and torch.equal(torch.nn.functional.conv2d(h, weight, bias, *extra), conv(h))
+            assert op is traced_layers.conv2d and torch.equal(torch.nn.functional.conv2d(h, weight, bias, *extra), conv(h))
             conv.comfy_cast_weights = True  # as ComfyUI's lowvram loading flags a layer whose weight it moved
             try:
                 assert traced_forward(conv, conv.forward) is None
             finally:
                 del conv.comfy_cast_weights
 
-        lin = next(m for m in dm.modules() if layer_record(m) and layer_record(m).lean_kernel)
+        lin = next(m for m in dm.modules() if getattr(layer_record(m), "kernel", None) and layer_record(m).kernel.traced(m))
         h = torch.randn(3, lin.weight.shape[1], dtype=torch.bfloat16).to(lin.weight.device)
         eager = lin.forward(h)
         traced = traced_forward(lin, lin.forward)
         assert traced is not None and layer_record(lin).traced[1] is lin.weight._qdata
-        kind, qdata, bias, extra = layer_record(lin).traced
+        kernel, qdata, bias, extra = layer_record(lin).traced
         bias = None if bias is None else bias.to(h.dtype)
-        if kind == "fp8":  # the input rounded in traced code (kitchen's formula: bit-exact eagerly), the GEMM an operator
-            from comfy_modelopt.comfyui.traced_layers import _fp8_input, fp8_gemm
-            op = fp8_gemm(_fp8_input(h, extra[0], qdata.dtype), qdata, *extra[:2], bias, extra[2], h.dtype)
+        from comfy_modelopt.comfyui import kernels as lean
+        if kernel is lean.fp8_traced:  # the input rounded in traced code (kitchen's formula: bit-exact eagerly), the GEMM an operator
+            op = torch._scaled_mm(lean.fp8_round(h, (1.0 / extra[0]).to(h.dtype), qdata.dtype), qdata.t(),
+                                  scale_a=extra[0], scale_b=extra[1], bias=bias, out_dtype=h.dtype, use_fast_accum=extra[2])
         else:
-            from comfy_modelopt.comfyui.lean import dtype_code
-            assert kind == "int8" and extra[1]  # ConvRot
-            op = torch.ops.comfy_kitchen.int8_linear(h, qdata, extra[0], bias, dtype_code(h.dtype), *extra[1:])
+            assert kernel is lean.int8_traced and extra[1]  # ConvRot
+            op = torch.ops.comfy_kitchen.int8_linear(h, qdata, extra[0], bias, lean.dtype_code(h.dtype), *extra[1:])
         assert torch.equal(op, eager)
         assert torch.equal(traced(h), eager)  # not compiling: the layer's own forward
         lin.weight_function.append(lambda w: w)
@@ -562,7 +563,7 @@ def test_nvfp4_layers_run_w4a8_where_it_can(source):
         import architectures as models
         models.setup_comfy()
         import comfy.model_management, comfy.sd
-        from comfy_modelopt.comfyui import fourbit, ownloader
+        from comfy_modelopt.comfyui import fourbit, kernels as lean, ownloader
         from comfy_modelopt.comfyui.runtime import apply_runtime
         from test_contract import inputs
 
@@ -603,7 +604,7 @@ def test_nvfp4_layers_run_w4a8_where_it_can(source):
         def spy(m, untraced):
             f = trace(m, untraced)
             if f is not None:
-                kinds.append(m._modelopt.traced[0])
+                kinds.append(m._modelopt.traced[0].__name__)
             return f
         traced_layers.traced_forward = spy
         x, t, kw = args(patcher)
@@ -612,8 +613,8 @@ def test_nvfp4_layers_run_w4a8_where_it_can(source):
             cb = CompiledBlocks(patcher.model.diffusion_model)
             ok = cb.validate(eager, eager(), lambda: patcher.model.apply_model(rounding_noise(x, torch.bfloat16), t,
                                                                               **kw))
-        traced = kinds.count("w4a8")
-        print(json.dumps({{"layers": len(layers), "w4a8": fourbit.count(patcher.model.diffusion_model),
+        traced = len(kinds) - kinds.count("linear") - kinds.count("conv2d")
+        print(json.dumps({{"layers": len(layers), "w4a8": lean.W4A8Kernel.count(patcher.model.diffusion_model),
                           "note": note, "rel": float((got - ref).norm() / ref.norm()),
                           "rel_expanded": float((got_expanded - ref).norm() / ref.norm()),
                           "rel_int8": float((got_int8 - ref).norm() / ref.norm()), "int8_choices": int8_choices,

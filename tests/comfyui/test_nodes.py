@@ -429,11 +429,12 @@ def test_lean_runtime_equals_stock(env, fmt):
     stock, _ = quantize(env, format=fmt, runtime="stock", fp8_allowance=0.0)
     lean, _ = quantize(env, format=fmt, runtime="stock", fp8_allowance=0.0)
     assert lean_mod(lean) == 71
-    ran = set()  # the layer class's forward takes each layer's direct kernel (records.LayerRecord.fast)
+    ran = set()  # the layer class's forward takes each layer's direct kernel (records.LayerRecord.kernel)
     for name, m in lean.model.diffusion_model.named_modules():
         rec = getattr(m, "_modelopt", None)
-        if rec is not None and rec.fast is not None:
-            rec.fast = (lambda f, n: lambda mod, x: (ran.add(n), f(mod, x))[1])(rec.fast, name)
+        if rec is not None and rec.kernel is not None:
+            kernel = rec.kernel
+            rec.kernel = type("Spy", (), {"forward": lambda self, mod, x, f=kernel.forward, n=name: (ran.add(n), f(mod, x))[1]})()
     g = torch.Generator().manual_seed(0)
     x, c = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 8, 768, generator=g)
     with torch.inference_mode():
@@ -447,7 +448,7 @@ def test_lean_runtime_equals_stock(env, fmt):
                 m._full_precision_mm = False
         for m in lean.model.diffusion_model.modules():
             if getattr(m, "quant_format", None) == fmt:
-                m._modelopt.fast = None  # records.LayerRecord: no direct kernel yet
+                m._modelopt.kernel = None  # records.LayerRecord: no direct kernel yet
         orig = lean_runtime.native_formats
         lean_runtime.native_formats = lambda d: orig(d) | {"float8_e4m3fn"}
         try:
@@ -471,19 +472,20 @@ def test_lean_runtime_equals_stock(env, fmt):
         w, scale = m.weight, m.input_scale
         h = torch.randn(5, w.shape[1], generator=g).to(torch.bfloat16) * 40
         bias = None if m.bias is None else m.bias.to(h.dtype)
-        kitchen = lean_runtime.fp8_gemm(lean_runtime._quantize_fp8(h, scale, w._qdata.dtype), w._qdata, scale,
+        kernels = pack_module("kernels")
+        kitchen = kernels.fp8_gemm(kernels._quantize_fp8(h, scale, w._qdata.dtype), w._qdata, scale,
                                         w._params.scale, bias, False, h.dtype)
-        assert torch.equal(lean_runtime._fp8_forward(m, h, False), kitchen)
+        assert torch.equal(kernels._fp8_forward(m, h, False), kitchen)
         assert m._modelopt.inverse[(torch.bfloat16, h.device)] is not False
-        m._modelopt.inverse, quantize_fp8 = None, lean_runtime._quantize_fp8
-        lean_runtime._quantize_fp8 = lambda x, sc, q: quantize_fp8(x * 1.01, sc, q)  # a kernel rounding otherwise
+        m._modelopt.inverse, quantize_fp8 = None, kernels._quantize_fp8
+        kernels._quantize_fp8 = lambda x, sc, q: quantize_fp8(x * 1.01, sc, q)  # a kernel rounding otherwise
         try:
-            other = lean_runtime.fp8_gemm(lean_runtime._quantize_fp8(h, scale, w._qdata.dtype), w._qdata, scale,
+            other = kernels.fp8_gemm(kernels._quantize_fp8(h, scale, w._qdata.dtype), w._qdata, scale,
                                           w._params.scale, bias, False, h.dtype)
-            assert torch.equal(lean_runtime._fp8_forward(m, h, False), other) and not torch.equal(other, kitchen)
+            assert torch.equal(kernels._fp8_forward(m, h, False), other) and not torch.equal(other, kitchen)
             assert m._modelopt.inverse[(torch.bfloat16, h.device)] is False
         finally:
-            lean_runtime._quantize_fp8 = quantize_fp8
+            kernels._quantize_fp8 = quantize_fp8
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback: this run has a GPU")
