@@ -43,6 +43,7 @@ class Setup:
     noise_mask: torch.Tensor | None = None  # Set Latent Noise Mask: only where it is 1 is sampled
     guider: object = None             # SamplerCustomAdvanced: Setup -> a guider (CFGGuider, DualCFG, PerpNeg)
     pixels: int = 8                   # latent -> image size factor (ControlNet hints)
+    refiner: tuple | None = None      # (model, step): a second model finishes from that step (KSamplerAdvanced x2)
 
     def replace(self, **kw) -> "Setup":
         return dataclasses.replace(self, **kw)
@@ -50,7 +51,16 @@ class Setup:
 
 def run(s: Setup) -> torch.Tensor:
     """Sample ``s`` as KSampler does (euler / simple); a second pass samples the first's result
-    upscaled.  Returns the final latent."""
+    upscaled; a refiner finishes the base model's leftover noise (two KSamplerAdvanced: the first
+    returns it at the switch step, the second adds none).  Returns the final latent."""
+    if s.refiner is not None:
+        refiner, step = s.refiner
+        noise = comfy.sample.prepare_noise(s.latent, s.seed)
+        args = (s.steps, s.cfg, "euler", "simple", s.positive, s.negative)
+        mid = comfy.sample.sample(s.model, noise, *args, s.latent, start_step=0, last_step=step,
+                                  force_full_denoise=False, seed=s.seed, disable_pbar=True)
+        return comfy.sample.sample(refiner, torch.zeros_like(mid), *args, mid, disable_noise=True, start_step=step,
+                                   last_step=s.steps, force_full_denoise=True, seed=s.seed, disable_pbar=True)
     out = _sample(s, s.latent, s.denoise)
     if s.second_pass is not None:
         scale, denoise = s.second_pass

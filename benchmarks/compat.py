@@ -152,10 +152,9 @@ def how_it_ran(before, after) -> str:
     return text + (f" ({'; '.join(r[:160] for r in sorted(new))})" if new else "")
 
 
-def main():
-    t0 = time.perf_counter()
-    sd, s16 = model_and_conditioning()
-    log(f"{A.model} built in {time.perf_counter() - t0:.1f} s")
+def quantized(s16: att.Setup, key: str):
+    """Calibrate Model (``A.calib_prompts`` prompts of ``A.calib_steps`` steps) then Quantize Model
+    with its defaults on ``s16``'s model (its time as ``RES[key]``): (the quantized MODEL, the report)."""
     mm.load_models_gpu([s16.model])
     calib = s16.replace(steps=A.calib_steps)
     t0 = time.perf_counter()
@@ -166,31 +165,45 @@ def main():
     t0 = time.perf_counter()
     with torch.inference_mode():
         q, report = N.ModelOptQuantizeUNet.execute(model=s16.model, format=A.format, calibration=stats).args[:2]
-    RES["quantize_s"] = round(time.perf_counter() - t0, 1)
+    RES[key] = round(time.perf_counter() - t0, 1)
+    return q, report
+
+
+def main():
+    t0 = time.perf_counter()
+    sd, s16 = model_and_conditioning()
+    log(f"{A.model} built in {time.perf_counter() - t0:.1f} s")
+    q, report = quantized(s16, "quantize_s")
     RES["runtime_note"] = next((line for line in report.splitlines() if line.startswith("runtime")), None)
     log(f"Quantize Model {RES['quantize_s']} s; {RES['runtime_note']}")
     sq = s16.replace(model=q)
     runner = graph_runner(q)
     controls = next(iter(q.get_wrappers("calc_cond_batch", "comfy_modelopt_cuda_graphs")), None)
     names = [n.strip() for n in A.cases.split(",") if n.strip()] or \
-        ["plain"] + att.cases_for(A.model, full_size=not A.cpu_tiny) + ["merge"] * (A.model != "flux")
-    other = None
+        ["plain"] + att.cases_for(A.model, full_size=not A.cpu_tiny) + ["merge", "refiner"] * (A.model != "flux")
+    other = other_q = None
     base = {}
     for name in names:
         c16 = cq = None
         try:
+            if name in ("merge", "refiner") and other is None:  # another 16-bit model of the same layout
+                _, osd = architectures.build(A.model, SIZE, seed=5, dtype=s16.model.model.get_dtype(),
+                                             weights_device="cuda" if CUDA else "cpu")
+                other = comfy.sd.load_diffusion_model_state_dict({k: v.cpu() for k, v in osd.items()})
             if name == "merge":
-                if other is None:
-                    _, osd = architectures.build(A.model, SIZE, seed=5, dtype=s16.model.model.get_dtype(),
-                                                 weights_device="cuda" if CUDA else "cpu")
-                    other = comfy.sd.load_diffusion_model_state_dict({k: v.cpu() for k, v in osd.items()})
                 c16, cq = att.merge(s16, other), att.merge(sq, other)
+            elif name == "refiner":  # base + refiner, both quantized: two quantized models in one workflow
+                other_q = other_q or quantized(s16.replace(model=other), "refiner_quantize_s")[0]
+                step = A.steps * 4 // 5
+                c16, cq = s16.replace(refiner=(other, step)), sq.replace(refiner=(other_q, step))
             elif name == "plain":
                 c16, cq = s16, sq
             else:
                 c16, cq = att.apply(name, s16), att.apply(name, sq)
             out16, t16 = timed(c16)
             before, controls_before = runner_state(runner), runner_state(runner, controls)
+            second = graph_runner(cq.refiner[0]) if cq.refiner is not None else None
+            second_before = runner_state(second)
             settled = {}
             outq, tq = timed(cq, settled)
             if name == A.profile:
@@ -200,6 +213,8 @@ def main():
                    "ran": how_it_ran(before, runner_state(runner)), **settled}
             if runner is not None and runner.compiled is not None:  # compiled in the background so far
                 row["compiled_later"] = runner.compiled.landed
+            if second is not None:
+                row["refiner_ran"] = how_it_ran(second_before, runner_state(second))
             if controls is not None and controls.runners:  # the ControlNets' own networks
                 row["controlnets_ran"] = how_it_ran(controls_before, runner_state(runner, controls))
             if name == "plain":
@@ -246,6 +261,7 @@ def table() -> str:
         lat = f"{r['latent']:.4f}" + (f" ({r['latent'] / plain:.2f}x plain)" if plain else "")
         lines.append(f"| {r['case']} | {first(r['16bit_s'])} | {first(r['quant_s'])} | {r['speed']:.2f}x | {lat} | "
                      f"{effect} | {r['ran']}" + (f"; ControlNets: {r['controlnets_ran']}" if "controlnets_ran" in r else "")
+                     + (f"; refiner: {r['refiner_ran']}" if "refiner_ran" in r else "")
                      + " |")
     return "\n".join(lines)
 

@@ -163,16 +163,7 @@ def test_two_quantized_models_in_one_workflow():
     ref16, refq = setups("sd15", seed=3)
     assert refq.model.model is not baseq.model.model
 
-    def pipeline(base, refiner):
-        with torch.inference_mode():
-            noise = comfy.sample.prepare_noise(base.latent, base.seed)
-            args = (base.steps, base.cfg, "euler", "simple", base.positive, base.negative)
-            mid = comfy.sample.sample(base.model, noise, *args, base.latent, start_step=0, last_step=2,
-                                      force_full_denoise=False, seed=base.seed, disable_pbar=True)
-            return comfy.sample.sample(refiner.model, torch.zeros_like(mid), *args, mid, disable_noise=True,
-                                       start_step=2, last_step=base.steps, force_full_denoise=True,
-                                       seed=base.seed, disable_pbar=True).float()
-    out16, outq = pipeline(base16, ref16), pipeline(baseq, refq)
+    out16, outq = (sampled(b.replace(refiner=(r.model, 2))) for b, r in ((base16, ref16), (baseq, refq)))
     alone16, aloneq = sampled(base16), sampled(baseq)  # the base model's 4 steps alone
     plain, e16, eq = rel(aloneq, alone16), rel(out16, alone16), rel(outq, aloneq)
     assert torch.isfinite(outq).all() and e16 > 2 * plain and 0.7 <= eq / e16 <= 1.3, (plain, e16, eq)
