@@ -9,6 +9,7 @@ from .errors import QuantizeError
 from .fileformat import (COMFY_QUANT, INPUT_SCALE, LOWRANK_DOWN, LOWRANK_UP, SMOOTH_SCALE, SUFFIX_KEYS,
                          comfy_quant_tensor)
 from .formats import FORMATS, kitchen_reference
+from .formats.conv_fp8 import CONV_FP8
 from .heldout import rel
 from .plan import LayerPlan, Plan
 from .planner import format_errors
@@ -105,32 +106,12 @@ def sensitivity(w: torch.Tensor, x: torch.Tensor, layer_stats) -> dict[str, floa
             format_errors(w, x, layer_stats.amax_value(), {n: (f, {}) for n, f in FORMATS.items()})}
 
 
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
-# A channel's absmax is stored at 224, not 448: ComfyUI applies a LoRA to a plain fp8 weight by
-# adding the (mapped) delta and rounding back to fp8, which saturates at 448, so the headroom
-# lets a delta as large as the channel's own largest weight through unclipped.  e4m3's relative
-# precision is the same one binade lower (measured: identical weight error on UNet-like weights).
-CONV_STORED_MAX = FP8_MAX / 2
-
-
-def conv_fp8(w: torch.Tensor, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Conv2d weight [O, ...] as float8_e4m3fn [O, I*kh*kw] and its float32 scales [O]: each
-    output channel's absmax / 224, or (``per_tensor``) the weight's absmax / 224 for every
-    channel - the same stored layout.  Per-layer errors do not tell them apart where the model's
-    output does (docs/benchmarks.md#conv-unet): quantize_module chooses by the model's output
-    (model_checks.conv_per_tensor)."""
-    w2 = w.reshape(w.shape[0], -1).float()
-    peak = w2.abs().amax() if per_tensor else w2.abs().amax(dim=1)
-    scale = (peak / CONV_STORED_MAX).clamp_min(torch.finfo(torch.float32).tiny).expand(w2.shape[0]).contiguous()
-    return (w2 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
 def quantize_conv(w: torch.Tensor, conv) -> tuple[dict, LayerReport]:
     """A Conv2d weight [O, I, kh, kw] as float8_e4m3fn [O, I*kh*kw] with one float32 scale per
-    output channel (``conv_fp8``): weight-only, dequantized in the own loader's forward."""
+    output channel (``ConvFp8.encode``): weight-only, dequantized in the own loader's forward."""
     w2 = w.reshape(w.shape[0], -1).float()
-    q, scale = conv_fp8(w2)
-    deq = q.float() * scale[:, None]
+    q, scale = CONV_FP8.encode(w2)
+    deq = CONV_FP8.decode(q, scale)
     tensors = {conv.name + ".weight": q, conv.name + ".weight_scale": scale,
                conv.name + COMFY_QUANT: comfy_quant_tensor(conv.conf)}
     report = LayerReport(conv.name, conv.conf["format"], entries_nbytes(conv.tensors), w2.numel() * 2,

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from .heldout import rel
-from .layer import conv_fp8
+from .formats.conv_fp8 import CONV_FP8
 
 PER_SAMPLE_ROWS = 8   # rows per call at most: a batch of samples (cfg x images), never a token grid
 
@@ -115,11 +115,11 @@ def conv_per_tensor(convs: dict, originals: dict, reports: dict) -> Alternative 
     def apply():
         for n, m in convs.items():
             w = originals[n].detach()
-            q, scale = conv_fp8(w, per_tensor=True)
+            q, scale = CONV_FP8.encode(w, per_tensor=True)
             m.weight = torch.nn.Parameter(q.view(m.conf["shape"]).to(m.weight.device), requires_grad=False)
             m.weight_scale = scale.to(m.weight_scale.device)
             w2 = w.float().reshape(q.shape).cpu()
-            reports[n].rel_err = rel(q.float().cpu() * scale.cpu()[:, None] - w2, w2)
+            reports[n].rel_err = rel(CONV_FP8.decode(q.cpu(), scale) - w2, w2)
             reports[n].notes = reports[n].notes.replace("per output channel", "one scale per tensor")
 
     def undo():

@@ -16,6 +16,7 @@ from . import model_checks
 from .fileformat import (COMFY_QUANT, CONV_FORMAT, META_REPORT, QUANT_METADATA, SUFFIX_KEYS, comfy_quant_tensor,
                          decode_comfy_quant, decode_quantization_metadata, encode_quantization_metadata, own_base)
 from .formats import FORMATS, Format
+from .formats.conv_fp8 import CONV_FP8
 from .pipeline import quantize
 from .recipe import Recipe
 from .safetensors_io import write_file
@@ -171,7 +172,7 @@ class QuantConv2d(torch.nn.Conv2d):
         return new.train(conv.training)
 
     def forward(self, x):
-        w = (self.weight.float() * self.weight_scale.to(x.device).view(-1, 1, 1, 1)).to(x.dtype)
+        w = CONV_FP8.decode(self.weight, self.weight_scale).to(x.dtype)
         b = None if self.bias is None else self.bias.to(x.dtype)
         return self._conv_forward(x, w.to(x.device), b)
 

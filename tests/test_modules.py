@@ -16,7 +16,7 @@ import torch
 from comfy_modelopt import Recipe, quantize_file
 from comfy_modelopt.calibrate import CalibrationOptions, calibrate
 from comfy_modelopt.errors import QuantizeError
-from comfy_modelopt.layer import conv_fp8
+from comfy_modelopt.formats.conv_fp8 import CONV_FP8
 from comfy_modelopt.modules import (QuantConv2d, QuantLinear, export_file, export_state_dict, module_family,
                                     module_report, quantize_module, quantized_layers)
 from comfy_modelopt.safetensors_io import SafetensorsFile, write_file
@@ -221,7 +221,7 @@ def test_the_convolutions_scale_layout_is_the_one_the_models_output_prefers(gain
     checked = [c.args[0][0] for c in stats.check_calls]  # (host copy, device it came from)
     kept = _model_error(q, net, checked)
     for c, src in zip(q.body, net.body):
-        w, sc = conv_fp8(src.weight.detach(), per_tensor=not per_tensor)
+        w, sc = CONV_FP8.encode(src.weight.detach(), per_tensor=not per_tensor)
         c.weight, c.weight_scale = torch.nn.Parameter(w.view(c.weight.shape), requires_grad=False), sc
     assert kept <= _model_error(q, net, checked)
     if gain > 1e5:

@@ -378,7 +378,7 @@ def _conv_fp8_forward(self, x, _inner):
     w = cast(self.weight, x.device, torch.float32)
     for f in self.weight_function:
         w = f(w)
-    w = (w * cast(self.weight_scale, x.device, torch.float32).view(-1, 1, 1, 1)).to(x.dtype)
+    w = CONV_FP8.decode(w, self.weight_scale).to(x.dtype)
     b = None if self.bias is None else cast(self.bias, x.device, x.dtype)
     for f in self.bias_function:
         b = f(b)
