@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass
 class LowRank:
     l1: torch.Tensor        # [N, r]  (U * S)
@@ -55,3 +54,17 @@ def top_right_singular(w: torch.Tensor, rank: int, seed: int = 0) -> torch.Tenso
         y = w @ z
     _, _, vh = torch.linalg.svd(y, full_matrices=False)  # order the subspace by singular value
     return (z @ vh.T)[:, :rank].T
+
+
+def branch_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a loaded low-rank branch is held in: the model's 16-bit dtype, else float32."""
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
+
+
+def branched(x, inner, down, up, smooth=None, to=lambda t, x: t.to(x.device, x.dtype)):
+    """A low-rank layer's output: the (``smooth``-scaled) input through ``inner`` (the quantized
+    residual's layer) plus the branch ``up @ down`` (``to``: moves a tensor to the input's device
+    and dtype - ComfyUI's cast in its runtime)."""
+    if smooth is not None:
+        x = x * to(smooth, x)
+    return inner(x) + torch.nn.functional.linear(torch.nn.functional.linear(x, to(down, x)), to(up, x))

@@ -17,6 +17,7 @@ from .fileformat import (COMFY_QUANT, CONV_FORMAT, META_REPORT, QUANT_METADATA, 
                          decode_comfy_quant, decode_quantization_metadata, encode_quantization_metadata, own_base)
 from .formats import FORMATS, Format
 from .formats.conv_fp8 import CONV_FP8
+from .lowrank import branch_dtype, branched
 from .pipeline import quantize
 from .recipe import Recipe
 from .safetensors_io import write_file
@@ -74,21 +75,17 @@ class QuantLinear(torch.nn.Module):
         stored = {s: tensors[_weight_key(s)] for s in SUFFIX_KEYS if _weight_key(s) in tensors}
         weight = fmt.from_stored(stored, conf, (out_features, in_features), dtype)
         extras = {k: tensors[k] for k in ("lowrank_up", "lowrank_down", "smooth_scale") if k in tensors}
-        for k in ("lowrank_up", "lowrank_down"):  # the own loader holds the branch in the model dtype
+        for k in ("lowrank_up", "lowrank_down"):  # held as the own loader holds it
             if k in extras:
-                extras[k] = extras[k].to(dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32)
+                extras[k] = extras[k].to(branch_dtype(dtype))
         return cls(fmt, conf, weight, in_features, out_features, tensors.get("bias"),
                    tensors.get("input_scale"), extras, native)
 
     # ------------------------------------------------------------------ running
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.smooth_scale is not None:   # own-loader layers (comfyui/ownloader.py _branch_forward)
-            x = x * self.smooth_scale.to(x.device, x.dtype)
-        y = self._base(x)
-        if self.lowrank_down is not None:
-            down, up = self.lowrank_down.to(x.device, x.dtype), self.lowrank_up.to(x.device, x.dtype)
-            y = y + torch.nn.functional.linear(torch.nn.functional.linear(x, down), up)
-        return y
+        if self.lowrank_down is None:  # (a smooth_scale comes only with a branch: the verifier's rule)
+            return self._base(x)
+        return branched(x, self._base, self.lowrank_down, self.lowrank_up, self.smooth_scale)
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         """ComfyUI's inference path, step by step (comfy/ops.py MixedPrecisionOps.Linear.forward,

@@ -20,6 +20,7 @@ from ..errors import CheckpointError, one_line
 from ..families import diffusion_prefix
 from ..formats import FORMATS
 from ..formats.conv_fp8 import CONV_FP8
+from ..lowrank import branch_dtype, branched
 from ..sources import available_memory
 from ..safetensors_io import SafetensorsFile
 from ..verify import Verification, read_conf_of, state_dict_entries, verify
@@ -327,7 +328,7 @@ def attach(patcher, extras: dict) -> int:
         for buf in ("lowrank_up", "lowrank_down", "smooth_scale"):
             t = ex.get(buf)
             if t is not None and buf != "smooth_scale":
-                t = t.to(dtype=dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32)
+                t = t.to(dtype=branch_dtype(dtype))
             module.register_buffer(buf, t)
         layer_record(module, create=True).own_forward = _branch_forward
     return len(extras)
@@ -387,13 +388,8 @@ def _conv_fp8_forward(self, x, _inner):
 
 def _branch_forward(self, x, inner):
     """The smoothed input through the layer's class forward (``inner``) plus the low-rank branch."""
-    cast = comfy.model_management.cast_to_device
-    if self.smooth_scale is not None:
-        x = x * cast(self.smooth_scale, x.device, x.dtype)
-    y = inner(x)
-    down = cast(self.lowrank_down, x.device, x.dtype)
-    up = cast(self.lowrank_up, x.device, x.dtype)
-    return y + torch.nn.functional.linear(torch.nn.functional.linear(x, down), up)
+    return branched(x, inner, self.lowrank_down, self.lowrank_up, self.smooth_scale,
+                    to=lambda t, x: comfy.model_management.cast_to_device(t, x.device, x.dtype))
 
 
 __all__ = ["LOWRANK_PREFIX", "attach", "load_file", "load_state_dict", "needs_own_loader", "split_state_dict"]
