@@ -181,10 +181,9 @@ def plain(t):
 
 
 class Kernel:
-    """A quantized layer's direct kernel (``make_lean``; ``LayerRecord.kernel``): ``forward(module,
-    x)`` eagerly, and ``traced(module)`` what compiled blocks trace in its place as one operator
-    (``traced_layers``): ``(op, weight, extra)``, ``op(input, weight, bias, extra)`` - or None where
-    the layer stays opaque to them."""
+    """A quantized layer's direct kernel (``LayerRecord.kernel``): ``forward(module, x)``, and
+    ``traced(module)``: ``(op, weight, extra)`` compiled blocks trace as ``op(input, weight, bias,
+    extra)`` in its place, or None (opaque)."""
 
     def traced(self, module):
         return None
@@ -192,7 +191,6 @@ class Kernel:
 
 @dataclass(frozen=True)
 class Fp8Kernel(Kernel):
-    """fp8 with a static input scale: the input rounded (kitchen's formula), torch's scaled GEMM."""
     fast_accum: bool = False
 
     def forward(self, module, x):
@@ -204,10 +202,8 @@ class Fp8Kernel(Kernel):
 
 
 def fp8_traced(input, weight, bias, extra):
-    """An fp8 layer as the compiler sees it: the input rounded in traced code (fused), then torch's
-    own GEMM operator (the cuBLASLt call behind the eager path's ``scaled_mm``), which Inductor calls
-    without Python in between - a Python custom operator's dispatch per layer call showed in the
-    eager path's profile where a region runs without a graph (docs/benchmarks.md, "What users attach")."""
+    """The input rounded in traced code (fused), then torch's own GEMM operator, which Inductor calls
+    without a Python custom operator's dispatch (docs/benchmarks.md, "What users attach")."""
     scale_a, scale_b, fast_accum = extra
     x2 = input.reshape(-1, input.shape[-1])
     xq = fp8_round(x2, (1.0 / scale_a).to(x2.dtype), weight.dtype)
@@ -217,8 +213,6 @@ def fp8_traced(input, weight, bias, extra):
 
 
 class Int8Kernel(Kernel):
-    """int8 W8A8 (ConvRot or not): kitchen's ``int8_linear``, its backend asked once per shape."""
-
     def forward(self, module, x):
         return _int8_forward(module, x)
 
@@ -233,22 +227,20 @@ def int8_traced(input, weight, bias, extra):
 
 
 class W4A8Kernel(Kernel):
-    """A 4-bit layer on the 8-bit tensor cores (``fourbit``), per shape where that times faster than
-    dequantizing; opaque to compiled blocks (it decides per call)."""
+    """4-bit weights on the 8-bit tensor cores (``fourbit``) where that times faster; opaque."""
 
     def forward(self, module, x):
         return fourbit.forward(module, x, _dequant_forward)
 
     @staticmethod
     def count(diffusion_model) -> int:
-        """How many layers of ``diffusion_model`` run it."""
         return sum(isinstance(getattr(m.__dict__.get(ATTR), "kernel", None), W4A8Kernel)
                    for m in diffusion_model.modules())
 
 
 @dataclass(frozen=True)
 class DequantKernel(Kernel):
-    """The weight dequantized (or taken from the ``DequantCache``), a 16-bit GEMM."""
+    """The weight dequantized (or from the ``DequantCache``), a 16-bit GEMM."""
     cache: object = None
 
     def forward(self, module, x):
