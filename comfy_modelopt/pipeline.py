@@ -8,7 +8,7 @@ import contextlib
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, NamedTuple
 
 import torch
@@ -48,6 +48,22 @@ def _copy(source, sink, key: str, folds: Folds, dtype: str, nonfinite: list, rec
 
 
 # ====================================================================== the pipeline
+@dataclass
+class Job:
+    """What one ``quantize`` call decides by, past its source and its output (its parameters of
+    the same names), carried through the pipeline's steps as one record."""
+    recipe: Recipe
+    stats: object = None
+    family: str | Family = "auto"
+    refuse_unknown: bool = True
+    engine: object = None
+    prices: dict | None = None
+    shard: object = None
+    progress: Progress | None = None
+    check_interrupt: Callable[[], None] | None = None
+    source_info: dict | None = None
+
+
 class Quantized(NamedTuple):
     """What ``quantize`` returns: the output state dict and its file's safetensors metadata (None
     where the output went to ``out`` or to the caller's ``sink``), and the report."""
@@ -99,7 +115,6 @@ def quantize(source, recipe: Recipe, stats=None, *, out=None, overwrite: bool = 
                 check_not_input(out, path, "output")
             check_output_path(out, overwrite)
         sink = FileSink(out, overwrite) if writes else NullSink()
-    stats = _stats_of(stats)
     own = sink is None
     sink = DictSink() if own else sink
     with contextlib.ExitStack() as files:
@@ -113,8 +128,8 @@ def quantize(source, recipe: Recipe, stats=None, *, out=None, overwrite: bool = 
         if device is not None:
             source = DeviceSource(source, device)
         try:
-            report = _quantize_into(source, sink, recipe, stats, source_info, progress, check_interrupt, family,
-                                    refuse_unknown, shard, engine, prices)
+            report = _quantize_into(source, sink, Job(recipe, _stats_of(stats), family, refuse_unknown, engine,
+                                                      prices, shard, progress, check_interrupt, source_info))
         except ModelOptError as e:
             whose = None if path is None else os.path.basename(out) if isinstance(e, OutputError) and out else f.name
             if whose is None or whose in str(e):
@@ -129,9 +144,9 @@ def quantize_file(src: str | os.PathLike, out: str | os.PathLike, recipe: Recipe
     return quantize(src, recipe, stats, out=out, **options).report
 
 
-def _quantize_into(source, sink, recipe: Recipe, stats, source_info, progress, check_interrupt, family,
-                   refuse_unknown: bool, shard, engine, prices) -> QuantReport:
+def _quantize_into(source, sink, job: Job) -> QuantReport:
     t0 = time.perf_counter()
+    recipe, stats, engine, progress = job.recipe, job.stats, job.engine, job.progress
     needs = recipe.needs_statistics()
     if needs and stats is None:  # a file must not record an option that did nothing
         raise PlanError(f"{', '.join(needs)} needs activation statistics: calibrate the model and pass the "
@@ -141,9 +156,10 @@ def _quantize_into(source, sink, recipe: Recipe, stats, source_info, progress, c
     if engine is not None:
         recipe = replace(recipe, fp8_allowance=0.0)  # ModelOpt's choices, not the planner's
         engine.check(recipe, stats)
-    if prices is not None and not recipe.planned:
+    if job.prices is not None and not recipe.planned:
         raise PlanError("prices are the planner's: give a budget or max_error too")
-    plan, report = _plan_and_report(source, recipe, stats, family, refuse_unknown, progress, prices, engine)
+    job.recipe = recipe
+    plan, report = _plan_and_report(source, job)
     if no_gptq:
         report.notes.append("gptq: off - it needs activation statistics (calibrate for error-compensated rounding)")
     folds = Folds()
@@ -155,11 +171,11 @@ def _quantize_into(source, sink, recipe: Recipe, stats, source_info, progress, c
     elif recipe.smoothing != "none" and not recipe.own_loader:  # own-loader files carry it per layer
         folds = plan_folds(plan, source, stats, recipe, progress)
     summary = stats.summary_json() if stats is not None else None
-    info = dict(source_info or {})
+    info = dict(job.source_info or {})
     width = header_room(plan, report, stats is not None)
     sink.open(plan.entries(), output_metadata(plan, report, source.metadata, info, summary, width))
     try:
-        _stream(plan, report, source, sink, stats, folds, progress, check_interrupt, shard)
+        _stream(plan, report, source, sink, folds, job)
         if plan.planner:
             report.notes.append(planner_note(plan.planner, report))
         report.seconds = time.perf_counter() - t0
@@ -170,10 +186,9 @@ def _quantize_into(source, sink, recipe: Recipe, stats, source_info, progress, c
     return report
 
 
-def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto",
-                     refuse_unknown: bool = False, progress: Progress | None = None,
-                     prices: dict | None = None, engine=None) -> tuple[Plan, QuantReport]:
+def _plan_and_report(source, job: Job) -> tuple[Plan, QuantReport]:
     """The plan, checked against the statistics, and the report it starts (every layer 16-bit)."""
+    recipe, stats, family, progress = job.recipe, job.stats, job.family, job.progress
     if isinstance(family, str):
         family = None if family == "auto" else family_named(family)
     def checked(plan: Plan) -> dict | None:
@@ -183,22 +198,21 @@ def _plan_and_report(source, recipe: Recipe, stats, family: str | Family = "auto
         if stats is not None:
             stats.check_model({l.rel: (l.n, l.k) for l in plan.layers})
         planned = recipe if recipe.planned else allowance_recipe(plan, recipe)
-        summary = plan_budget(plan, source, stats, planned, progress, prices) if planned else None
+        summary = plan_budget(plan, source, stats, planned, progress, job.prices) if planned else None
         plan.rotation = choose_rotations(plan, source.read, stats, progress)
         return summary
-    plan = make_plan(source.tensors, recipe, stats=stats, refuse_unknown=refuse_unknown, family=family, engine=engine,
-                     planner=checked)
+    plan = make_plan(source.tensors, recipe, stats=stats, refuse_unknown=job.refuse_unknown, family=family,
+                     engine=job.engine, planner=checked)
     report = QuantReport(plan.family.name, recipe.to_dict(), [kept_report(l) for l in plan.layers])
     plan_notes(plan, report, stats, source.nbytes)
     return plan, report
 
 
-def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, progress, check_interrupt,
-            shard=None) -> None:
+def _stream(plan: Plan, report: QuantReport, source, sink, folds: Folds, job: Job) -> None:
     """Every planned tensor from ``source`` into ``sink``: copies first, then one layer at a time.
     Sharded: each quantized layer is encoded by the rank ``shard.assign`` gives it; rank 0
     writes everything."""
-    recipe, nonfinite = plan.recipe, []
+    recipe, nonfinite, stats, progress, shard = plan.recipe, [], job.stats, job.progress, job.shard
     writes = shard is None or shard.rank == 0
     for key, (dtype, _shape) in plan.passthrough.items() if writes else ():
         _copy(source, sink, key, folds, dtype, nonfinite, recipe)
@@ -206,8 +220,8 @@ def _stream(plan: Plan, report: QuantReport, source, sink, stats, folds: Folds, 
     total = len(plan.layers) + len(plan.convs)  # convolutions count toward the bar too
     items, owner = (plan.layers + plan.convs, None) if shard is None else shard.schedule(plan)
     for done, layer in enumerate(items):
-        if check_interrupt:
-            check_interrupt()
+        if job.check_interrupt:
+            job.check_interrupt()
         if progress:
             progress(done, total, layer.name)
         key = layer.name + ".weight"
