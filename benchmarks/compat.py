@@ -37,6 +37,8 @@ ap.add_argument("--log-info", action="store_true")
 ap.add_argument("--profile", default="", metavar="CASE",
                 help="run the quantized model with this case once more under cProfile (profile_<case>.txt in --out)")
 ap.add_argument("--cpu-tiny", action="store_true", help="the family's small config at 96 px: a CPU smoke run")
+ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                help="the GIL switch interval while blocks compile in the background (default: the runtime's)")
 ap.add_argument("--settle", type=float, default=0, metavar="S",
                 help="after a case's first run, wait up to S seconds for blocks compiling in the background "
                      "(the steady runs then time the compiled blocks; the wait is reported, not timed)")
@@ -62,6 +64,9 @@ from comfy_modelopt.comfyui.runtime import graph_runner  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 SIZE = "small" if A.cpu_tiny else "full"
+if A.switch_interval is not None:
+    from comfy_modelopt.comfyui import background_compile
+    background_compile.SWITCH_INTERVAL = A.switch_interval
 RES = {"args": vars(A), "rows": []}
 if CUDA:
     RES["gpu"] = torch.cuda.get_device_name(0)

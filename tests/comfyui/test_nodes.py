@@ -977,10 +977,13 @@ def test_another_size_compiles_in_the_background_and_is_captured_again(env, monk
         runner.uncompiled[sig] = sig  # as _capture registers it
         runner.pool = types.SimpleNamespace(reserved_bytes=lambda kind: 0, vacate=lambda: None, accounting="mempool")
         frames = torch._dynamo.utils.counters["frames"]["ok"]
+        interval, seen = sys.getswitchinterval(), set()
         assert bg.compile_later(runner)
         deadline = time.monotonic() + 600
         while bg.BACKGROUND.is_set() and time.monotonic() < deadline:
+            seen.add(sys.getswitchinterval())  # the sampler's thread takes the GIL back quickly meanwhile
             time.sleep(0.2)
+        assert min(seen) == pytest.approx(bg.SWITCH_INTERVAL) and sys.getswitchinterval() == interval, (seen, interval)
         check = cb.checks[-1]
         assert cb.enabled and cb.landed == 1 and shapes in cb.shapes, cb.reason
         assert torch._dynamo.utils.counters["frames"]["ok"] > frames and check["frames_compiled"] > 0
