@@ -198,7 +198,8 @@ def main():
             if name == "merge":
                 c16, cq = att.merge(s16, other), att.merge(sq, other)
             elif name == "refiner":  # base + refiner, both quantized: two quantized models in one workflow
-                other_q = other_q or quantized(s16.replace(model=other), "refiner_quantize_s")[0]
+                if other_q is None:
+                    other_q = quantized(s16.replace(model=other), "refiner_quantize_s")[0]
                 step = A.steps * 4 // 5
                 c16, cq = s16.replace(refiner=(other, step)), sq.replace(refiner=(other_q, step))
             elif name == "plain":

@@ -115,6 +115,7 @@ def quantize(source, recipe: Recipe, stats=None, *, out=None, overwrite: bool = 
                 check_not_input(out, path, "output")
             check_output_path(out, overwrite)
         sink = FileSink(out, overwrite) if writes else NullSink()
+    stats = _stats_of(stats)  # outside the source's error naming: a statistics file names itself
     own = sink is None
     sink = DictSink() if own else sink
     with contextlib.ExitStack() as files:
@@ -128,8 +129,8 @@ def quantize(source, recipe: Recipe, stats=None, *, out=None, overwrite: bool = 
         if device is not None:
             source = DeviceSource(source, device)
         try:
-            report = _quantize_into(source, sink, Job(recipe, _stats_of(stats), family, refuse_unknown, engine,
-                                                      prices, shard, progress, check_interrupt, source_info))
+            report = _quantize_into(source, sink, Job(recipe, stats, family, refuse_unknown, engine, prices, shard,
+                                                      progress, check_interrupt, source_info))
         except ModelOptError as e:
             whose = None if path is None else os.path.basename(out) if isinstance(e, OutputError) and out else f.name
             if whose is None or whose in str(e):
@@ -158,7 +159,7 @@ def _quantize_into(source, sink, job: Job) -> QuantReport:
         engine.check(recipe, stats)
     if job.prices is not None and not recipe.planned:
         raise PlanError("prices are the planner's: give a budget or max_error too")
-    job.recipe = recipe
+    job = replace(job, recipe=recipe)  # the effective recipe, for the steps below
     plan, report = _plan_and_report(source, job)
     if no_gptq:
         report.notes.append("gptq: off - it needs activation statistics (calibrate for error-compensated rounding)")

@@ -26,16 +26,17 @@ except ImportError:  # pragma: no cover - other kitchen versions: the public ck.
 def fp8_round(x, inverse, dtype):
     """``x`` times ``inverse`` (1/scale in ``x``'s dtype) rounded to ``dtype``: kitchen's quantizer's
     formula (``quantize_per_tensor_fp8``, its eager backend) in torch operations - fused by the
-    compiler in ``traced_layers``, three eager kernels here."""
+    compiler in ``fp8_traced``, three eager kernels here."""
     bound = torch.finfo(dtype).max
     return (x * inverse).clamp(-bound, bound).to(dtype)
+
 
 _bias = fourbit.bias_of  # the layer's bias on the input's device in its dtype
 
 
 def fp8_gemm(xq, qdata, scale_a, scale_b, bias, fast_accum: bool, out_dtype):
-    """The GEMM of an fp8 layer on its 2-D input already in fp8 (also the compiled blocks'
-    operator, ``traced_layers``, which rounds the input in traced code)."""
+    """The eager GEMM of an fp8 layer on its 2-D input already in fp8 (compiled blocks trace
+    ``fp8_traced`` instead: torch's operator, without the first call's check against kitchen)."""
     if fast_accum:
         return torch._scaled_mm(xq, qdata.t(), scale_a=scale_a, scale_b=scale_b,
                                 bias=bias, out_dtype=out_dtype, use_fast_accum=True)

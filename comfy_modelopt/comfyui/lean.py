@@ -162,14 +162,14 @@ def make_lean(patcher, fast_accum: bool = False, dequant_cache_bytes: int = 0) -
         if not isinstance(module, LeanForward):
             foreign += 1
             continue
-        full_precision = module._full_precision_mm or fmt not in native
-        kernel = KERNELS.get(getattr(FORMATS.get(fmt), "lean_kernel", "")) if not full_precision else None
+        full_precision, layout = module._full_precision_mm or fmt not in native, FORMATS.get(fmt)
+        kernel = KERNELS.get(getattr(layout, "lean_kernel", "")) if not full_precision else None
         if kernel is Fp8Kernel and getattr(module, "input_scale", None) is not None:
             kernel = Fp8Kernel(fast_accum)
         elif kernel is Int8Kernel:
             kernel = Int8Kernel()
         elif (full_precision and not getattr(module, "_full_precision_mm_config", False) and cache is None
-              and getattr(FORMATS.get(fmt), "lean_emulated", "") == "w4a8" and fourbit.usable(module, device)):
+              and getattr(layout, "lean_emulated", "") == "w4a8" and fourbit.usable(module, device)):
             kernel = W4A8Kernel()  # timed against dequantizing, per shape
         elif full_precision:
             kernel = DequantKernel(cache)
