@@ -1,12 +1,21 @@
-"""ControlNets' networks replayed as CUDA graphs, beside the model's.
+"""ControlNets' networks replayed as CUDA graphs, beside the model's; Control-LoRAs' copies of the
+model's quantized layers given their real weights.
 Design: docs/design.md, ``comfyui/control_graphs.py``.
 """
 from __future__ import annotations
 
 import torch
 
+import comfy.utils
+
+from ..formats.conv_fp8 import CONV_FP8
 from .cuda_graphs import CudaGraphs
 from .graph_inputs import ModelCall
+
+try:
+    from comfy.quant_ops import QuantizedTensor
+except ImportError:  # pragma: no cover - ComfyUI without quant_ops cannot run quantized models
+    QuantizedTensor = ()
 
 
 class ControlGraphs:
@@ -52,18 +61,77 @@ def _graphed(runner: CudaGraphs, forward):
     return forward_graphed
 
 
-def _networks(conds) -> list:
-    """(network, its patcher) of every ControlNet in the conditioning, previous ones in a chain
-    included - a network ComfyUI loads through a patcher of its own (``control_model_wrapped``)."""
-    out, seen = [], set()
+def _controls(conds):
+    """Every control object in the conditioning, previous ones in a chain included, once each."""
+    seen = set()
     for cond_list in conds or ():
         for c in cond_list or ():
             control = c.get("control") if isinstance(c, dict) else None
             while control is not None and id(control) not in seen:
                 seen.add(id(control))
-                net, patcher = getattr(control, "control_model", None), getattr(control, "control_model_wrapped", None)
-                if isinstance(net, torch.nn.Module) and getattr(patcher, "model", None) is net and \
-                        all(n is not net for n, _ in out):
-                    out.append((net, patcher))
+                yield control
                 control = getattr(control, "previous_controlnet", None)
+
+
+def _networks(conds) -> list:
+    """(network, its patcher) of every ControlNet in the conditioning - a network ComfyUI loads
+    through a patcher of its own (``control_model_wrapped``)."""
+    out = []
+    for control in _controls(conds):
+        net, patcher = getattr(control, "control_model", None), getattr(control, "control_model_wrapped", None)
+        if isinstance(net, torch.nn.Module) and getattr(patcher, "model", None) is net and \
+                all(n is not net for n, _ in out):
+            out.append((net, patcher))
     return out
+
+
+MENDED = "_modelopt_real_weights"
+
+
+def mend_control_loras(executor, model, conds, x_in, timestep, model_options):
+    """A ``CALC_COND_BATCH`` wrapper.  ComfyUI's ``ControlLora`` builds its network (in ``pre_run``,
+    anew for every sampling run) from ``diffusion_model.state_dict()``, which holds a quantized
+    layer's stored values without their scale: its copies of those layers would compute with
+    codes, not weights.  Before the network's first call each copy gets the layer's real weight
+    (``real_weight``) in the network's dtype - what the 16-bit model's Control-LoRA shares."""
+    for control in _controls(conds):
+        net = getattr(control, "control_model", None)
+        if type(control).__name__ == "ControlLora" and isinstance(net, torch.nn.Module) and \
+                not getattr(net, MENDED, False):
+            dtype = getattr(control, "manual_cast_dtype", None) or model.get_dtype_inference()
+            for name, module in model.diffusion_model.named_modules():
+                stored = _stored_weight(module)
+                try:
+                    copy = comfy.utils.get_attr(net, name + ".weight")
+                except AttributeError:
+                    continue
+                if stored is not None and isinstance(copy, torch.Tensor) and \
+                        copy.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr():
+                    comfy.utils.set_attr_param(net, name + ".weight", real_weight(module).to(copy.device, dtype))
+            setattr(net, MENDED, True)
+    return executor(model, conds, x_in, timestep, model_options)
+
+
+def _stored_weight(module) -> torch.Tensor | None:
+    """What ``state_dict()`` gives as the weight of a layer that does not compute with it as it is
+    (ComfyUI's quantized layers: the codes; the own loader's fp8 convolutions), else None."""
+    w = getattr(module, "weight", None)
+    if isinstance(w, QuantizedTensor):
+        return w._qdata
+    if isinstance(w, torch.Tensor) and w.dtype == torch.float8_e4m3fn and getattr(module, "weight_scale", None) is not None:
+        return w
+    return None
+
+
+def real_weight(module) -> torch.Tensor:
+    """The float32 weight a quantized layer computes with: its stored weight dequantized, plus the
+    own loader's low-rank branch (``up @ down``), times its input smoothing (the branch and the
+    quantized residual both take the smoothed input: ``lowrank.branched``)."""
+    w = module.weight
+    full = w.dequantize().float() if isinstance(w, QuantizedTensor) else CONV_FP8.decode(w, module.weight_scale)
+    up, down, smooth = (getattr(module, n, None) for n in ("lowrank_up", "lowrank_down", "smooth_scale"))
+    if up is not None and down is not None:
+        full = full + (up.float() @ down.float()).to(full.device)
+    if smooth is not None:
+        full = full * smooth.float().to(full.device)
+    return full

@@ -18,7 +18,7 @@ from ..formats import FORMATS
 from . import compile_cache
 from .attention import ATTENTIONS
 from .compiled_blocks import STREAMED_BYTES
-from .control_graphs import ControlGraphs
+from .control_graphs import ControlGraphs, mend_control_loras
 from .cuda_graphs import CudaGraphs
 from .kernels import W4A8Kernel
 from .lean import dequant_cache_of, make_lean, native_formats, release_on_detach
@@ -91,6 +91,9 @@ def apply_runtime(patcher, runtime: str | Runtime, dequant_cache_gib: float = 0.
     calibration's first model call): compiled blocks are compiled for its shapes here, on a
     CUDA GPU, so that the first image at those shapes does not pay the compilation."""
     rt = runtime if isinstance(runtime, Runtime) else runtime_of(runtime)
+    # (every runtime: ComfyUI's Control-LoRA would copy the quantized layers' codes)
+    patcher.remove_wrappers_with_key(WrappersMP.CALC_COND_BATCH, CONTROL_LORA_KEY)
+    patcher.add_wrapper_with_key(WrappersMP.CALC_COND_BATCH, CONTROL_LORA_KEY, mend_control_loras)
     if not rt.lean:
         return patcher, "runtime: stock ComfyUI layers" + (
             " (dequant cache ignored: it needs a lean runtime)" if dequant_cache_gib > 0 else "")
@@ -309,6 +312,7 @@ def gpu_note(fmt_name: str) -> str:
 
 
 KEY = "comfy_modelopt_cuda_graphs"  # the APPLY_MODEL wrapper and patcher callbacks a runner installs
+CONTROL_LORA_KEY = "comfy_modelopt_control_lora"
 
 
 def enable_cuda_graphs(patcher, compile_blocks: bool = False):

@@ -83,10 +83,8 @@ def sampled(s) -> torch.Tensor:
 
 
 # cases stock ComfyUI gets wrong on every quantized model, its own files loaded by its own loader
-# included (checked in test_comfyui_known_wrong_on_quantized_models, which fails once ComfyUI mends it)
-COMFYUI_BUGS = {"control-lora": "ComfyUI's ControlLora copies the model's weights from diffusion_model.state_dict(), "
-                                "which holds a quantized layer's stored values without their scale",
-                "lora hook with keyframes": "ComfyUI's hook patching looks every state-dict name of a quantized layer "
+# included (checked in test_comfyui_hook_loras_fail_on_quantized_models, which fails once ComfyUI mends it)
+COMFYUI_BUGS = {"lora hook with keyframes": "ComfyUI's hook patching looks every state-dict name of a quantized layer "
                                             "up as an attribute ('weight_scale' is inside its QuantizedTensor), then "
                                             "sets its weight in place and copies float weights into it, which "
                                             "ComfyUI's quantized layers refuse"}
@@ -125,17 +123,21 @@ def test_every_attachment_moves_the_quantized_model_as_the_16bit_one(pair):
     assert not bad, bad
 
 
-def test_comfyui_known_wrong_on_quantized_models():
-    """A Control-LoRA on a quantized model: ComfyUI builds the control copy from the stored values of
-    the quantized layers (no scale), on Quantize Model's output and on the same file loaded by
-    ComfyUI's own loader alike - its effect on the latent is several times the 16-bit model's.
-    Not this pack's to mend without patching ComfyUI (docs/troubleshooting.md); this test fails
-    once ComfyUI mends it, so the case joins the others."""
+def test_control_lora_gets_the_quantized_layers_real_weights():
+    """A Control-LoRA: ComfyUI builds its control copy from ``diffusion_model.state_dict()``, a
+    quantized layer's codes without their scale.  On this pack's models the copies get the layers'
+    real weights (``control_graphs.mend_control_loras``): its effect on the latent is the 16-bit
+    model's.  The same weights loaded by ComfyUI's own loader still take the codes - its effect
+    several times the 16-bit model's (this part fails once ComfyUI mends it)."""
     s16, sq = setups("sd15")
-    base16, baseq = sampled(s16), sampled(sq)
-    e16 = rel(sampled(att.apply("control-lora", s16)), base16)
-    eq = rel(sampled(att.apply("control-lora", sq)), baseq)
-    assert e16 > 0.001 and eq > 3 * e16, (e16, eq)
+    effect = lambda s: rel(sampled(att.apply("control-lora", s)), sampled(s))  # noqa: E731
+    e16, eq = effect(s16), effect(sq)
+    assert e16 > 0.001 and 0.7 <= eq / e16 <= 1.3, (e16, eq)
+    with torch.inference_mode():
+        sd = {k[len("diffusion_model."):]: v for k, v in sq.model.model_state_dict("diffusion_model.").items()}
+    stock = sq.replace(model=comfy.sd.load_diffusion_model_state_dict(sd))
+    assert runner_of(stock.model) is None
+    assert effect(stock) > 3 * e16, (e16, effect(stock))
 
 
 def test_comfyui_hook_loras_fail_on_quantized_models():

@@ -1282,6 +1282,23 @@ def save_and_reload(env, qmodel, plain, filename, refusal):
     return reloaded, (x, c), err(a), err(p), b
 
 
+def assert_real_weights(env, qmodel, max_err: float) -> None:
+    """What a Control-LoRA's copy of each quantized layer gets (``control_graphs.real_weight``: the
+    weight the layer computes with) is the source model's weight within the format's error, and
+    closer than the stored part alone (its codes dequantized)."""
+    from comfy_modelopt.comfyui.control_graphs import _stored_weight, real_weight
+    src = env["model"].model.diffusion_model
+    errs = []
+    for name, m in qmodel.model.diffusion_model.named_modules():
+        if _stored_weight(m) is not None:
+            w = src.get_submodule(name).weight.float()
+            real = real_weight(m)
+            errs.append(float((real - w).norm() / w.norm()))
+            alone = m.weight.dequantize().float() if hasattr(m.weight, "dequantize") else m.weight.float()
+            assert errs[-1] <= float((alone - w).norm() / w.norm()) + 1e-6, name
+    assert errs and max(errs) < max_err, max(errs)
+
+
 def test_lowrank_own_loader(env):
     """Low-rank branch + 4-bit residual: our loader runs it, stock ComfyUI refuses the file."""
     nodes = env["nodes"]
@@ -1291,6 +1308,7 @@ def test_lowrank_own_loader(env):
     branched = [m for m in qmodel.model.diffusion_model.modules()
                 if getattr(getattr(m, "_modelopt", None), "own_forward", None) is pack_module("ownloader")._branch_forward]
     assert len(branched) == 71 and all(m.lowrank_up.shape[1] == 16 for m in branched)
+    assert_real_weights(env, qmodel, max_err=0.2)  # the branch and the smoothing in them
     # not a QUANT_ALGOS key: the stock loader refuses, it never drops the branch
     reloaded, _, err_a, err_p, _ = save_and_reload(env, qmodel, plain, "test/sd15-lowrank", (Exception, {}))
     assert err_a < 0.01 and err_p < 0.01, (err_a, err_p)
@@ -1349,6 +1367,7 @@ def test_conv_fp8_own_loader(env):
     for m in convs.values():
         assert m.weight.dtype == torch.float8_e4m3fn and m.weight.dim() == 4 and m.weight_scale.shape == (m.out_channels,)
     assert dm.input_blocks[0][0].weight.dtype != torch.float8_e4m3fn  # first conv: detection reads it
+    assert_real_weights(env, qmodel, max_err=0.05)
     # never raw fp8 values in a 16-bit conv: stock ComfyUI stops at the shape
     reloaded, (x, c), err_a, err_p, b = save_and_reload(env, qmodel, plain, "test/sd15-conv",
                                                         (RuntimeError, {"match": "size mismatch"}))
