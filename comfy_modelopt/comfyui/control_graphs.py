@@ -31,8 +31,10 @@ class ControlGraphs:
             self.runners.pop(gone).release()
         for net, patcher in nets:
             runner = self.runners.get(id(net))
-            if runner is None or runner.patcher is not patcher:  # (a network's id reused after it went)
-                runner = self.runners[id(net)] = CudaGraphs(patcher)
+            # (a network's id reused after it went)
+            if runner is None or runner.patcher.model is not net or patcher not in (None, runner.patcher):
+                runner = self.runners[id(net)] = CudaGraphs(patcher or _patcher_of(net))
+                runner.run_only = patcher is None
             installed.append((net, net.__dict__.get("forward")))
             net.forward = _graphed(runner, net.forward)
         try:
@@ -45,8 +47,10 @@ class ControlGraphs:
                     net.forward = own
 
     def end_run(self, *_args) -> None:
-        for runner in self.runners.values():
+        for key, runner in list(self.runners.items()):
             runner.end_run()
+            if runner.run_only:  # a network built for the run (and freed after it): its graphs go too
+                self.runners.pop(key).release()
 
     def release(self, *_args) -> None:
         for runner in self.runners.values():
@@ -75,14 +79,28 @@ def _controls(conds):
 
 def _networks(conds) -> list:
     """(network, its patcher) of every ControlNet in the conditioning - a network ComfyUI loads
-    through a patcher of its own (``control_model_wrapped``)."""
+    through a patcher of its own (``control_model_wrapped``), or (network, None) for one it builds
+    on the GPU itself (a Control-LoRA's, anew every run)."""
     out = []
     for control in _controls(conds):
         net, patcher = getattr(control, "control_model", None), getattr(control, "control_model_wrapped", None)
-        if isinstance(net, torch.nn.Module) and getattr(patcher, "model", None) is net and \
-                all(n is not net for n, _ in out):
+        if getattr(patcher, "model", None) is not net:
+            patcher = None
+            if type(control).__name__ != "ControlLora":
+                continue
+        if isinstance(net, torch.nn.Module) and all(n is not net for n, _ in out):
             out.append((net, patcher))
     return out
+
+
+def _patcher_of(net):
+    """A patcher of a network ComfyUI holds without one, as ComfyUI makes a ControlNet's, for its
+    graphs' checks (where its weights are, whether they moved)."""
+    import comfy.model_management
+    import comfy.model_patcher
+    device = next(iter(net.parameters()), torch.empty(0)).device
+    return comfy.model_patcher.ModelPatcher(net, load_device=device,
+                                            offload_device=comfy.model_management.unet_offload_device())
 
 
 MENDED = "_modelopt_real_weights"

@@ -26,7 +26,7 @@ import comfy.sample  # noqa: E402
 import comfy.sd  # noqa: E402
 
 import attachments as att  # noqa: E402
-from test_nodes import load_pack, runner_of  # noqa: E402
+from test_nodes import load_pack, pack_module, runner_of  # noqa: E402
 
 from comfy_modelopt.calibrate import CalibrationOptions, calibrate  # noqa: E402
 
@@ -123,7 +123,7 @@ def test_every_attachment_moves_the_quantized_model_as_the_16bit_one(pair):
     assert not bad, bad
 
 
-def test_control_lora_gets_the_quantized_layers_real_weights():
+def test_control_lora_gets_the_quantized_layers_real_weights(monkeypatch):
     """A Control-LoRA: ComfyUI builds its control copy from ``diffusion_model.state_dict()``, a
     quantized layer's codes without their scale.  On this pack's models the copies get the layers'
     real weights (``control_graphs.mend_control_loras``): its effect on the latent is the 16-bit
@@ -131,8 +131,20 @@ def test_control_lora_gets_the_quantized_layers_real_weights():
     several times the 16-bit model's (this part fails once ComfyUI mends it)."""
     s16, sq = setups("sd15")
     effect = lambda s: rel(sampled(att.apply("control-lora", s)), sampled(s))  # noqa: E731
+    control_graphs = pack_module("control_graphs")
+    made = []
+
+    class Recorded(control_graphs.CudaGraphs):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+    monkeypatch.setattr(control_graphs, "CudaGraphs", Recorded)
     e16, eq = effect(s16), effect(sq)
     assert e16 > 0.001 and 0.7 <= eq / e16 <= 1.3, (e16, eq)
+    # its network (built for the run) went through a graph runner of its own (on the CPU: eagerly,
+    # saying why), dropped with the run
+    assert [type(r.patcher.model).__name__ for r in made] == ["ControlNet"] and not controls_of(sq.model).runners
+    assert all(r.eager_calls and "not on a CUDA device" in r.warned for r in made) or CUDA
     with torch.inference_mode():
         sd = {k[len("diffusion_model."):]: v for k, v in sq.model.model_state_dict("diffusion_model.").items()}
     stock = sq.replace(model=comfy.sd.load_diffusion_model_state_dict(sd))
@@ -236,7 +248,7 @@ def test_attachments_take_the_graphs_or_say_why(family):
         replays, failed, steps = runner.replays, set(runner.failed.values()), len(runner.per_step)
         control_replays = sum(r.replays for r in controls.runners.values())
         out = sampled(case)
-        if name.startswith("controlnet"):  # the ControlNets' networks replayed too
+        if name.startswith("controlnet") or name == "control-lora":  # the ControlNets' networks replayed too
             nets = list(controls.runners.values())
             if sum(r.replays for r in nets) == control_replays or any(r.failed for r in nets):
                 failures.append((name, "controlnet graphs", [(r.replays, r.failed, r.warned) for r in nets]))
