@@ -142,7 +142,10 @@ def runner_state(runner, controls=None):
     if runner is None:
         return None
     runners = [runner] if controls is None else list(controls.runners.values())
-    return {id(r): (r.captures, r.replays, r.eager_calls, set(r.failed.values()) | set(r.warned)) for r in runners}
+    state = {id(r): (r.captures, r.replays, r.eager_calls, set(r.failed.values()) | set(r.warned)) for r in runners}
+    if controls is not None:  # the runners of networks built for one run (a Control-LoRA's), gone with it
+        state["dropped"] = (*controls.dropped[:3], set(controls.dropped[3]))
+    return state
 
 
 def how_it_ran(before, after) -> str:
@@ -221,8 +224,9 @@ def main():
                 row["compiled_later"] = runner.compiled.landed
             if second is not None:
                 row["refiner_ran"] = how_it_ran(second_before, runner_state(second))
-            if controls is not None and controls.runners:  # the ControlNets' own networks
-                row["controlnets_ran"] = how_it_ran(controls_before, runner_state(runner, controls))
+            nets_ran = how_it_ran(controls_before, runner_state(runner, controls)) if controls is not None else ""
+            if controls is not None and (controls.runners or not nets_ran.startswith("0 captures, 0 replays, 0 eager")):
+                row["controlnets_ran"] = nets_ran  # the ControlNets' own networks
             if name == "plain":
                 base = {"16": out16, "q": outq}
             elif out16.shape == base["16"].shape and c16.second_pass is None and c16.denoise == 1.0:

@@ -23,6 +23,7 @@ class ControlGraphs:
 
     def __init__(self):
         self.runners: dict = {}  # id(network) -> its CudaGraphs runner (``patcher``: the ControlNet's, of the network)
+        self.dropped = (0, 0, 0, frozenset())  # captures, replays, eager calls, what was said: of the runners gone
 
     def __call__(self, executor, model, conds, x_in, timestep, model_options):
         installed, nets = [], _networks(conds)
@@ -51,6 +52,9 @@ class ControlGraphs:
             runner.end_run()
             if runner.run_only:  # a network built for the run (and freed after it): its graphs go too
                 self.runners.pop(key).release()
+                c, r, e, said = self.dropped
+                self.dropped = (c + runner.captures, r + runner.replays, e + runner.eager_calls,
+                                said | set(runner.failed.values()) | runner.warned)
 
     def release(self, *_args) -> None:
         for runner in self.runners.values():

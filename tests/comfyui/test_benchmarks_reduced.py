@@ -25,14 +25,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("user_path.py", ["--model", "flux", "--cpu-tiny", "--runs", "2", "--steps", "2", "--yardstick"],
      "verify_flux_float8_e4m3fn.json"),
     ("compat.py", ["--model", "sd15", "--cpu-tiny", "--runs", "2", "--steps", "2",
-                   "--cases", "plain,controlnet,freeu_v2,hires fix 1.5x,merge,refiner"], "compat_sd15.json"),
+                   "--cases", "plain,controlnet,control-lora,freeu_v2,hires fix 1.5x,merge,refiner"], "compat_sd15.json"),
 ])
 def test_reduced(tmp_path, script, args, out):
     result = _run(tmp_path, script, args, out)
     if script == "compat.py":  # every case ran on both models; off a GPU the quantized one runs eagerly
-        cases = ["plain", "controlnet", "freeu_v2", "hires fix 1.5x", "merge", "refiner"]
+        cases = ["plain", "controlnet", "control-lora", "freeu_v2", "hires fix 1.5x", "merge", "refiner"]
         assert [r["case"] for r in result["rows"]] == cases
         assert all("error" not in r and "not on a CUDA device" in result["rows"][0]["ran"] for r in result["rows"])
+        # the ControlNets' own networks, a Control-LoRA's (built for each run) included, went through their runners
+        nets = {r["case"]: r.get("controlnets_ran", "") for r in result["rows"]}
+        assert all("eager" in nets[c] and not nets[c].startswith("0 captures, 0 replays, 0 eager")
+                   for c in ("controlnet", "control-lora")), nets
         return
     assert result["env"]["torch"]
     if script == "user_path.py":  # on a CPU the bare --yardstick is the other dtype (no SDPA kernel to swap)
