@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import torch
 
+import comfy.model_management
+import comfy.model_patcher
 import comfy.utils
 
 from ..formats.conv_fp8 import CONV_FP8
 from .cuda_graphs import CudaGraphs
 from .graph_inputs import ModelCall
-
-try:
-    from comfy.quant_ops import QuantizedTensor
-except ImportError:  # pragma: no cover - ComfyUI without quant_ops cannot run quantized models
-    QuantizedTensor = ()
+from .lean import QuantizedTensor
 
 
 class ControlGraphs:
@@ -100,8 +98,6 @@ def _networks(conds) -> list:
 def _patcher_of(net):
     """A patcher of a network ComfyUI holds without one, as ComfyUI makes a ControlNet's, for its
     graphs' checks (where its weights are, whether they moved)."""
-    import comfy.model_management
-    import comfy.model_patcher
     device = next(iter(net.parameters()), torch.empty(0)).device
     return comfy.model_patcher.ModelPatcher(net, load_device=device,
                                             offload_device=comfy.model_management.unet_offload_device())
