@@ -120,10 +120,10 @@ def mend_control_loras(executor, model, conds, x_in, timestep, model_options):
             for name, module in model.diffusion_model.named_modules():
                 stored = _stored_weight(module)
                 try:
-                    copy = comfy.utils.get_attr(net, name + ".weight")
+                    copy = comfy.utils.get_attr(net, name + ".weight") if stored is not None else None
                 except AttributeError:
                     continue
-                if stored is not None and isinstance(copy, torch.Tensor) and \
+                if isinstance(copy, torch.Tensor) and \
                         copy.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr():
                     comfy.utils.set_attr_param(net, name + ".weight", real_weight(module).to(copy.device, dtype))
             setattr(net, MENDED, True)
