@@ -462,6 +462,22 @@ def reference_latent(s: Setup) -> Setup:
     return s.replace(positive=_out(node.execute(s.positive, ref)), negative=_out(node.execute(s.negative, ref)))
 
 
+def reference_latents_multi(s: Setup) -> Setup:
+    """Two reference latents, as Kontext's multi-image edits chain ReferenceLatent, placed by index
+    (Edit Model Reference Method "index": each reference its own position index; the stock
+    "index_timestep_zero" fails inside Flux.1's blocks on the 16-bit model too)."""
+    node = _node("comfy_extras.nodes_edit_model", "ReferenceLatent")
+    method = _node("comfy_extras.nodes_flux", "FluxKontextMultiReferenceLatentMethod")
+    g = torch.Generator().manual_seed(57)
+    refs = [{"samples": torch.randn(s.latent.shape[:1] + (16,) + s.latent.shape[2:], generator=g)} for _ in range(2)]
+
+    def referenced(cond):
+        for ref in refs:
+            cond = _out(node.execute(cond, ref))
+        return _out(method.execute(cond, "index"))
+    return s.replace(positive=referenced(s.positive), negative=referenced(s.negative))
+
+
 def img2img(s: Setup) -> Setup:
     g = torch.Generator().manual_seed(54)
     return s.replace(latent=torch.randn(s.latent.shape, generator=g) * 0.5, denoise=0.6)
@@ -572,6 +588,7 @@ CASES = {
     "dit replace (pulid-style)": (dit_replace, DIT, False),
     "modelsamplingflux": (model_sampling_flux, DIT, False),
     "reference latents": (reference_latent, DIT, False),
+    "reference latents x2 (index)": (reference_latents_multi, DIT, False),
     "area prompts": (area, UNET + DIT + MMDIT + QWEN, False),
     "mask prompts": (mask, UNET + DIT + MMDIT, False),
     "img2img 0.6": (img2img, UNET + DIT + MMDIT + QWEN, False),
