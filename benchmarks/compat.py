@@ -224,9 +224,9 @@ def main():
                 row["compiled_later"] = runner.compiled.landed
             if second is not None:
                 row["refiner_ran"] = how_it_ran(second_before, runner_state(second))
-            nets_ran = how_it_ran(controls_before, runner_state(runner, controls)) if controls is not None else ""
-            if controls is not None and (controls.runners or not nets_ran.startswith("0 captures, 0 replays, 0 eager")):
-                row["controlnets_ran"] = nets_ran  # the ControlNets' own networks
+            nets_after = runner_state(runner, controls) if controls is not None else None
+            if controls is not None and (controls.runners or nets_after["dropped"] != controls_before["dropped"]):
+                row["controlnets_ran"] = how_it_ran(controls_before, nets_after)  # the ControlNets' own networks
             if name == "plain":
                 base = {"16": out16, "q": outq}
             elif out16.shape == base["16"].shape and c16.second_pass is None and c16.denoise == 1.0:

@@ -61,6 +61,15 @@ def branch_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
 
 
+def branched_weight(inner_weight: torch.Tensor, down=None, up=None, smooth=None) -> torch.Tensor:
+    """The float32 weight ``branched`` computes with, from its inner layer's (float) weight: the
+    branch ``up @ down`` added, both times the input smoothing."""
+    w = inner_weight.float()
+    if up is not None and down is not None:
+        w = w + (up.float() @ down.float()).to(w.device)
+    return w * smooth.float().to(w.device) if smooth is not None else w
+
+
 def branched(x, inner, down, up, smooth=None, to=lambda t, x: t.to(x.device, x.dtype)):
     """A low-rank layer's output: the (``smooth``-scaled) input through ``inner`` (the quantized
     residual's layer) plus the branch ``up @ down`` (``to``: moves a tensor to the input's device

@@ -11,6 +11,7 @@ import comfy.model_patcher
 import comfy.utils
 
 from ..formats.conv_fp8 import CONV_FP8
+from ..lowrank import branched_weight
 from .cuda_graphs import CudaGraphs
 from .graph_inputs import ModelCall
 from .lean import QuantizedTensor
@@ -33,7 +34,7 @@ class ControlGraphs:
             # (a network's id reused after it went)
             if runner is None or runner.patcher.model is not net or patcher not in (None, runner.patcher):
                 runner = self.runners[id(net)] = CudaGraphs(patcher or _patcher_of(net))
-                runner.run_only = patcher is None
+                runner.run_only = patcher is None  # a network built for one run (a Control-LoRA's)
             installed.append((net, net.__dict__.get("forward")))
             net.forward = _graphed(runner, net.forward)
         try:
@@ -88,11 +89,17 @@ def _networks(conds) -> list:
         net, patcher = getattr(control, "control_model", None), getattr(control, "control_model_wrapped", None)
         if getattr(patcher, "model", None) is not net:
             patcher = None
-            if type(control).__name__ != "ControlLora":
+            if not _is_control_lora(control):
                 continue
         if isinstance(net, torch.nn.Module) and all(n is not net for n, _ in out):
             out.append((net, patcher))
     return out
+
+
+def _is_control_lora(control) -> bool:
+    """ComfyUI's ``ControlLora`` (or a subclass): it builds its network from the model's state dict
+    at every run, with no patcher of its own."""
+    return any(c.__name__ == "ControlLora" for c in type(control).__mro__)
 
 
 def _patcher_of(net):
@@ -114,7 +121,7 @@ def mend_control_loras(executor, model, conds, x_in, timestep, model_options):
     (``real_weight``) in the network's dtype - what the 16-bit model's Control-LoRA shares."""
     for control in _controls(conds):
         net = getattr(control, "control_model", None)
-        if type(control).__name__ == "ControlLora" and isinstance(net, torch.nn.Module) and \
+        if _is_control_lora(control) and isinstance(net, torch.nn.Module) and \
                 not getattr(net, MENDED, False):
             dtype = getattr(control, "manual_cast_dtype", None) or model.get_dtype_inference()
             for name, module in model.diffusion_model.named_modules():
@@ -142,14 +149,8 @@ def _stored_weight(module) -> torch.Tensor | None:
 
 
 def real_weight(module) -> torch.Tensor:
-    """The float32 weight a quantized layer computes with: its stored weight dequantized, plus the
-    own loader's low-rank branch (``up @ down``), times its input smoothing (the branch and the
-    quantized residual both take the smoothed input: ``lowrank.branched``)."""
+    """The float32 weight a quantized layer computes with: its stored weight dequantized, with the
+    own loader's low-rank branch and input smoothing (``lowrank.branched_weight``)."""
     w = module.weight
-    full = w.dequantize().float() if isinstance(w, QuantizedTensor) else CONV_FP8.decode(w, module.weight_scale)
-    up, down, smooth = (getattr(module, n, None) for n in ("lowrank_up", "lowrank_down", "smooth_scale"))
-    if up is not None and down is not None:
-        full = full + (up.float() @ down.float()).to(full.device)
-    if smooth is not None:
-        full = full * smooth.float().to(full.device)
-    return full
+    full = w.dequantize() if isinstance(w, QuantizedTensor) else CONV_FP8.decode(w, module.weight_scale)
+    return branched_weight(full, *(getattr(module, n, None) for n in ("lowrank_down", "lowrank_up", "smooth_scale")))
